@@ -1,0 +1,153 @@
+"""Per-token log-probabilities, entropies and completion masks.
+
+All functions are pure and jittable. Log-softmax is always taken in float32 over the full vocabulary of
+``logits / temperature`` (TRL semantics: sampling filters such as top-k/top-p never touch the log-probs).
+
+Shapes: B rows, T positions, V vocabulary, D hidden size, C completion length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def _scaled(logits: Array, temperature: float) -> Array:
+    return logits.astype(jnp.float32) / temperature
+
+
+def per_token_logps(logits: Array, token_ids: Array, temperature: float = 1.0) -> Array:
+    """Log-probability of each chosen token: ``log_softmax(logits / T)[b, t, token_ids[b, t]]``.
+
+    Computed as ``x[id] - logsumexp(x)`` with ``x = float32(logits) / T``, so no float32 copy of the full
+    ``[B, T, V]`` log-softmax is materialised (XLA fuses the cast, scale and reduction).
+
+    Args:
+      logits: ``[B, T, V]`` (any float dtype); ``logits[:, t]`` scores ``token_ids[:, t]``.
+      token_ids: ``[B, T]`` integer ids.
+      temperature: the sampling temperature (> 0); the same value must be used for policy, old and reference.
+
+    Returns:
+      ``[B, T]`` float32.
+
+    Example: ``per_token_logps(jnp.log(jnp.array([[[0.25, 0.75]]])), jnp.array([[1]]))`` -> ``[[-0.2877]]``.
+    """
+    chex.assert_rank(logits, token_ids.ndim + 1)
+    chex.assert_equal_shape_prefix((logits, token_ids), token_ids.ndim)
+    x = _scaled(logits, temperature)
+    picked = jnp.take_along_axis(x, token_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(x, axis=-1)
+
+
+def entropy_from_logits(logits: Array, temperature: float = 1.0) -> Array:
+    """Entropy of ``softmax(logits / T)`` at each position: ``H = logsumexp(x) - sum_v softmax(x)_v x_v``.
+
+    Args:
+      logits: ``[..., V]``.
+      temperature: > 0.
+
+    Returns:
+      ``[...]`` float32. A uniform distribution over V gives ``log(V)``.
+    """
+    x = _scaled(logits, temperature)
+    lse = jax.nn.logsumexp(x, axis=-1)
+    p = jnp.exp(x - lse[..., None])
+    return lse - jnp.sum(p * x, axis=-1)
+
+
+def per_token_logps_from_hidden(
+    hidden: Array,
+    unembed: Callable[[Array], Array],
+    token_ids: Array,
+    temperature: float = 1.0,
+    *,
+    chunk_size: int = 128,
+    with_entropy: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Per-token log-probs straight from hidden states, never holding the full ``[B, T, V]`` logits.
+
+    The sequence axis is cut into chunks of ``chunk_size`` positions; each chunk is unembedded, reduced to
+    ``x[id] - logsumexp(x)`` and dropped. The chunk function is rematerialised (``jax.checkpoint``) so the backward
+    pass also holds one chunk of logits at a time: peak extra memory is ``B * chunk_size * V`` floats instead of
+    ``B * T * V``.
+
+    Args:
+      hidden: ``[B, T, D]`` final hidden states (after the final norm).
+      unembed: ``h [..., D] -> logits [..., V]`` (the model's lm head; a closure over its parameters).
+      token_ids: ``[B, T]``; ``hidden[:, t]`` predicts ``token_ids[:, t]``.
+      temperature: > 0.
+      chunk_size: positions per chunk (T is padded up to a multiple internally).
+      with_entropy: also return the entropy ``[B, T]`` (no gradient flows through it).
+
+    Returns:
+      ``[B, T]`` float32 log-probs, or ``(logps, entropy)`` when ``with_entropy``.
+    """
+    chex.assert_rank(hidden, 3)
+    chex.assert_rank(token_ids, 2)
+    b, t, d = hidden.shape
+    chunk = max(1, min(chunk_size, t))
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    ids = jnp.pad(token_ids, ((0, 0), (0, pad)))
+    h = h.reshape(b, n, chunk, d).swapaxes(0, 1)  # [n, B, chunk, D]
+    ids = ids.reshape(b, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(args: tuple[Array, Array]) -> tuple[Array, Array]:
+        hc, idc = args
+        logits = unembed(hc)
+        lp = per_token_logps(logits, idc, temperature)
+        ent = entropy_from_logits(jax.lax.stop_gradient(logits), temperature) if with_entropy else jnp.zeros_like(lp)
+        return lp, ent
+
+    lp, ent = jax.lax.map(one, (h, ids))
+    lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+    if not with_entropy:
+        return lp
+    return lp, ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+
+def completion_mask(
+    completion_ids: Array, eos_token_ids: Sequence[int] | Array, pad_token_id: int | None = None
+) -> tuple[Array, Array]:
+    """Mask of the real completion tokens and the truncation flag, as TRL computes them.
+
+    ``mask[b, t] = 1`` for ``t <= first EOS position`` (the EOS itself counts; any id in ``eos_token_ids`` is an
+    EOS), all ones when the row has no EOS. ``is_truncated[b]`` is true when the last kept token is neither an EOS
+    nor ``pad_token_id`` (TRL: ``ids[-1] not in eos_and_pad``), i.e. the row hit the length limit.
+
+    Args:
+      completion_ids: ``[B, C]`` right-padded completions.
+      eos_token_ids: one or more EOS ids.
+      pad_token_id: the pad id, or None.
+
+    Returns:
+      ``(mask [B, C] int32, is_truncated [B] bool)``.
+
+    Example: ids ``[[5, 2, 0, 0], [5, 6, 7, 8]]``, eos ``(2,)`` -> mask ``[[1, 1, 0, 0], [1, 1, 1, 1]]``,
+    truncated ``[False, True]``.
+    """
+    chex.assert_rank(completion_ids, 2)
+    eos = jnp.atleast_1d(jnp.asarray(eos_token_ids, dtype=completion_ids.dtype))
+    c = completion_ids.shape[1]
+    is_eos = jnp.any(completion_ids[..., None] == eos, axis=-1)  # [B, C]
+    pos = jnp.arange(c)
+    first_eos = jnp.min(jnp.where(is_eos, pos, c), axis=1)  # C when there is none
+    mask = (pos[None, :] <= first_eos[:, None]).astype(jnp.int32)
+    last_kept = jnp.take_along_axis(completion_ids, jnp.minimum(first_eos, c - 1)[:, None], axis=1)[:, 0]
+    ends_ok = jnp.any(last_kept[:, None] == eos, axis=-1)
+    if pad_token_id is not None:
+        ends_ok = ends_ok | (last_kept == pad_token_id)
+    return mask, ~ends_ok
+
+
+def masked_mean(x: Array, mask: Array, axis: int | tuple[int, ...] | None = None) -> Array:
+    """``sum(x * mask) / max(sum(mask), 1)`` along ``axis`` (0 where the mask is empty)."""
+    m = mask.astype(jnp.float32)
+    return jnp.sum(x * m, axis=axis) / jnp.maximum(jnp.sum(m, axis=axis), 1.0)

@@ -1,0 +1,442 @@
+"""The RLOO algorithm as pure functions: rewards -> KL penalty -> leave-one-out advantages -> clipped objective.
+
+Semantics follow TRL 1.16's ``RLOOTrainer`` exactly (see ``shared/DESIGN.md`` section 1). Rows of a batch are
+grouped contiguously: rows ``g*G .. g*G+G-1`` are the G completions of prompt g.
+
+Shapes: B completions, G completions per prompt, C completion length, F reward functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from rloo_jax.logprobs import masked_mean
+
+Array = jax.Array
+KLEstimator = Literal["k1", "k2", "k3"]
+Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+
+_NORM_EPS = 1e-4  # TRL adds 1e-4 to the std when normalising
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+
+
+def _nanmean(x: Array, axis: int | None = None, keepdims: bool = False) -> Array:
+    valid = ~jnp.isnan(x)
+    s = jnp.sum(jnp.where(valid, x, 0.0), axis=axis, keepdims=keepdims)
+    return s / jnp.sum(valid, axis=axis, keepdims=keepdims)
+
+
+def nanstd(x: Array, axis: int | None = None, keepdims: bool = False) -> Array:
+    """Bessel-corrected (ddof=1) standard deviation ignoring NaN, as TRL's ``nanstd``.
+
+    ``sqrt(mean((x - mean(x))^2) * n / (n - 1))`` over the non-NaN entries; NaN (0/0) or inf for n <= 1.
+    """
+    valid = ~jnp.isnan(x)
+    mean = _nanmean(x, axis=axis, keepdims=True)
+    var = _nanmean(jnp.where(valid, (x - mean) ** 2, jnp.nan), axis=axis, keepdims=keepdims)
+    n = jnp.sum(valid, axis=axis, keepdims=keepdims)
+    return jnp.sqrt(var * n / (n - 1))
+
+
+# ----------------------------------------------------------------------------------------------- KL
+
+
+def token_kl(per_token_logps: Array, ref_per_token_logps: Array, estimator: KLEstimator = "k1") -> Array:
+    """Per-token estimate of ``KL(pi || pi_ref)`` from samples of pi, with ``d = logp - ref_logp``.
+
+    - ``k1``: ``d`` (unbiased, can be negative; TRL's RLOO),
+    - ``k2``: ``d^2 / 2`` (low variance, biased),
+    - ``k3``: ``exp(-d) - 1 + d`` (unbiased, always >= 0; TRL's GRPO).
+
+    Args:
+      per_token_logps, ref_per_token_logps: ``[B, C]``.
+
+    Returns:
+      ``[B, C]`` float32. Example: ``d = log 2`` -> k1 0.6931, k2 0.2402, k3 0.1931.
+    """
+    chex.assert_equal_shape((per_token_logps, ref_per_token_logps))
+    d = per_token_logps - ref_per_token_logps
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return jnp.exp(-d) - 1.0 + d
+    raise ValueError(f"kl estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+
+
+def sequence_kl(
+    per_token_logps: Array, ref_per_token_logps: Array, mask: Array, estimator: KLEstimator = "k1"
+) -> Array:
+    """Sequence KL: ``sum_t token_kl_t * mask_t`` with no length normalisation (TRL's RLOO penalty).
+
+    Args:
+      per_token_logps, ref_per_token_logps, mask: ``[B, C]``.
+
+    Returns:
+      ``[B]`` float32. Example: logps ``[[-1, -2]]``, ref ``[[-1.5, -1]]``, mask ``[[1, 1]]`` -> ``[-0.5]``.
+    """
+    chex.assert_equal_shape((per_token_logps, mask))
+    return jnp.sum(token_kl(per_token_logps, ref_per_token_logps, estimator) * mask, axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------- rewards
+
+
+def combine_rewards(rewards_per_func: Array, weights: Array | None = None) -> Array:
+    """NaN-aware weighted sum of the reward functions: ``r_b = sum_{f: not NaN} w_f * R[b, f]``.
+
+    A row where every function gave NaN (TRL: returned None) is unscorable and stays NaN.
+
+    Args:
+      rewards_per_func: ``[B, F]`` float, NaN for "no reward".
+      weights: ``[F]``, default all ones.
+
+    Returns:
+      ``[B]`` float32. Example: ``[[1, nan], [nan, nan]]``, w ``[2, 1]`` -> ``[2, nan]``.
+    """
+    chex.assert_rank(rewards_per_func, 2)
+    r = rewards_per_func.astype(jnp.float32)
+    w = jnp.ones(r.shape[1], jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
+    chex.assert_shape(w, (r.shape[1],))
+    nan = jnp.isnan(r)
+    total = jnp.sum(jnp.where(nan, 0.0, r * w), axis=1)
+    return jnp.where(jnp.all(nan, axis=1), jnp.nan, total)
+
+
+# ----------------------------------------------------------------------------------------------- advantages
+
+
+def rloo_advantages(rewards: Array, num_generations: int) -> Array:
+    """Leave-one-out advantages within contiguous groups of G: ``A_i = r_i - (sum_{j != i} r_j) / (n - 1)``.
+
+    NaN (unscorable) rows are left out of their siblings' baselines (n counts the scorable rows of the group) and
+    get NaN; a row that is the only scorable one of its group gets 0/0 = NaN. The caller zeroes NaN advantages.
+    G == 1 gives 0 (no siblings).
+
+    Args:
+      rewards: ``[B]``, B a multiple of G.
+      num_generations: G.
+
+    Returns:
+      ``[B]`` float32. Example: ``[1, 0, 2.5, -1]``, G=4 -> ``[0.5, -0.8333, 2.5, -2.1667]``.
+    """
+    chex.assert_rank(rewards, 1)
+    if rewards.shape[0] % num_generations:
+        raise ValueError(f"batch {rewards.shape[0]} is not a multiple of num_generations={num_generations}")
+    r = rewards.astype(jnp.float32)
+    if num_generations == 1:
+        return jnp.zeros_like(r)
+    g = r.reshape(-1, num_generations)
+    valid = ~jnp.isnan(g)
+    total = jnp.sum(jnp.where(valid, g, 0.0), axis=1, keepdims=True)
+    n = jnp.sum(valid, axis=1, keepdims=True).astype(jnp.float32)
+    baseline = (total - g) / (n - 1.0)
+    return (g - baseline).reshape(-1)
+
+
+def normalize_advantages(advantages: Array) -> Array:
+    """Batch-wide whitening ignoring NaN: ``(a - mean(a)) / (std(a, ddof=1) + 1e-4)``.
+
+    Args:
+      advantages: ``[B]``.
+
+    Returns:
+      ``[B]``; NaN entries stay NaN. Example: ``[1, 3]`` -> ``[-0.70706, 0.70706]``.
+    """
+    chex.assert_rank(advantages, 1)
+    return (advantages - _nanmean(advantages)) / (nanstd(advantages) + _NORM_EPS)
+
+
+def grpo_advantages(
+    rewards: Array, num_generations: int, scale: Literal["group", "batch", "none"] = "group"
+) -> Array:
+    """GRPO's group-relative advantages: ``A_i = (r_i - mean_group(r)) / (std + 1e-4)``.
+
+    ``scale="group"`` divides by the group's std (ddof=1, TRL GRPO's default), ``"batch"`` by the std of all the
+    rewards of the batch, ``"none"`` not at all (Dr. GRPO). NaN rows are ignored in the statistics and stay NaN.
+
+    Args:
+      rewards: ``[B]``.
+      num_generations: G.
+
+    Returns:
+      ``[B]`` float32. Example: ``[1, 3, 0, 0]``, G=2, "none" -> ``[-1, 1, 0, 0]``.
+    """
+    chex.assert_rank(rewards, 1)
+    r = rewards.astype(jnp.float32)
+    g = r.reshape(-1, num_generations)
+    a = g - _nanmean(g, axis=1, keepdims=True)
+    if scale == "group":
+        a = a / (nanstd(g, axis=1, keepdims=True) + _NORM_EPS)
+    elif scale == "batch":
+        a = a / (nanstd(r) + _NORM_EPS)
+    elif scale != "none":
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    return a.reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------------- objective
+
+
+def clipped_objective(
+    per_token_logps: Array,
+    old_per_token_logps: Array,
+    advantages: Array,
+    mask: Array,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    level: Literal["sequence", "token"] = "sequence",
+    aggregation: Aggregation = "grpo",
+    num_items: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """PPO-style clipped surrogate: ``loss = -min(rho * A, clip(rho, 1 - eps, 1 + eps_high) * A)``.
+
+    ``level="sequence"`` (TRL's RLOO): ``rho_i = exp(sum_t m_t (logp_t - old_t))``, loss = mean over sequences.
+    ``level="token"`` (TRL's GRPO): ``rho_it = exp(logp_t - old_t)`` per token, aggregated by
+    ``grpo`` (per-sequence token mean, then mean), ``bnpo`` (token mean over the batch), ``dr_grpo``
+    (token sum / (B * C)) or ``dapo`` (token sum / ``num_items``, the token count of the whole generation batch;
+    defaults to this batch's).
+
+    Args:
+      per_token_logps: ``[B, C]`` current policy (gradients flow through it).
+      old_per_token_logps: ``[B, C]`` behaviour policy (treated as constant).
+      advantages: ``[B]``.
+      mask: ``[B, C]`` completion mask.
+      epsilon, epsilon_high: clip range ``[1 - epsilon, 1 + epsilon_high]``; epsilon_high defaults to epsilon.
+
+    Returns:
+      ``(loss [], metrics)``; metrics (TRL names): ``clip_ratio/low_mean``, ``clip_ratio/low_min``,
+      ``clip_ratio/high_mean``, ``clip_ratio/high_max``, ``clip_ratio/region_mean``, plus ``ratio_mean`` and
+      ``approx_kl`` (k3 of old vs current). Low clip = ``rho < 1 - eps and A < 0``; high = ``rho > 1 + eps_high
+      and A > 0``.
+    """
+    chex.assert_equal_shape((per_token_logps, old_per_token_logps, mask))
+    chex.assert_shape(advantages, (per_token_logps.shape[0],))
+    eps_low = epsilon
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    m = mask.astype(jnp.float32)
+    old = jax.lax.stop_gradient(old_per_token_logps)
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    log_ratio = (per_token_logps - old) * m
+
+    if level == "sequence":
+        log_ratio = jnp.sum(log_ratio, axis=1)  # [B]
+        a, valid = adv, jnp.ones_like(adv)
+    elif level == "token":
+        a, valid = adv[:, None], m
+    else:
+        raise ValueError(f"level must be 'sequence' or 'token', got {level!r}")
+    ratio = jnp.exp(log_ratio)
+    loss_each = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * a)
+
+    if level == "sequence":
+        loss = jnp.mean(loss_each)
+    elif aggregation == "grpo":
+        loss = jnp.mean(masked_mean(loss_each, m, axis=1))
+    elif aggregation == "bnpo":
+        loss = masked_mean(loss_each, m)
+    elif aggregation == "dr_grpo":
+        loss = jnp.sum(loss_each * m) / (m.shape[0] * m.shape[1])
+    elif aggregation == "dapo":
+        denom = jnp.sum(m) if num_items is None else num_items
+        loss = jnp.sum(loss_each * m) / jnp.maximum(denom, 1.0)
+    else:
+        raise ValueError(f"aggregation must be one of grpo, bnpo, dr_grpo, dapo; got {aggregation!r}")
+
+    ratio = jax.lax.stop_gradient(ratio)
+    low = ((ratio < 1.0 - eps_low) & (a < 0)).astype(jnp.float32)
+    high = ((ratio > 1.0 + eps_high) & (a > 0)).astype(jnp.float32)
+    region = jnp.maximum(low, high)
+    lr = jax.lax.stop_gradient(log_ratio)
+    if level == "sequence":
+        means = lambda x: jnp.mean(x)  # noqa: E731
+        low_min, high_max = jnp.min(low), jnp.max(high)
+    else:
+        means = lambda x: masked_mean(x, valid)  # noqa: E731
+        low_min = jnp.min(jnp.where(valid > 0, low, 1.0))
+        high_max = jnp.max(jnp.where(valid > 0, high, 0.0))
+    metrics = {
+        "clip_ratio/low_mean": means(low),
+        "clip_ratio/low_min": low_min,
+        "clip_ratio/high_mean": means(high),
+        "clip_ratio/high_max": high_max,
+        "clip_ratio/region_mean": means(region),
+        "ratio_mean": means(ratio),
+        "approx_kl": means(jnp.exp(-lr) - 1.0 + lr),
+    }
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------- end to end
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOOOptions:
+    """The RLOO knobs (TRL ``RLOOConfig`` names). Frozen and hashable: pass as a static argument to ``jax.jit``."""
+
+    beta: float = 0.05
+    """KL coefficient; the penalty ``beta * KL`` is subtracted from the reward (0 disables the reference)."""
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    normalize_advantages: bool = False
+    reward_clip_range: tuple[float, float] | None = None
+    mask_truncated_completions: bool = False
+    missing_eos_penalty: float | None = None
+    """Old TRL: subtracted from the score of completions that did not end with EOS."""
+    kl_estimator: KLEstimator = "k1"
+    token_level_kl: bool = False
+    """False (TRL 1.16): the sequence KL is a reward penalty. True: the per-token KL (``kl_estimator``) is added to the
+    loss instead, ``beta * mean_tokens(token_kl)``, with its gradient (GRPO-style KL-in-loss)."""
+    level: Literal["sequence", "token"] = "sequence"
+    aggregation: Aggregation = "grpo"
+
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.beta != 0.0 and not self.token_level_kl
+
+
+def score_completions(
+    rewards_per_func: Array,
+    completion_mask: Array,
+    is_truncated: Array,
+    old_per_token_logps: Array | None,
+    ref_per_token_logps: Array | None,
+    *,
+    num_generations: int,
+    reward_weights: Array | None = None,
+    options: RLOOOptions = RLOOOptions(),
+) -> tuple[Array, dict[str, Array]]:
+    """Generation-time half of TRL's RLOO: rewards -> (clip) -> KL penalty -> leave-one-out -> (normalise).
+
+    ``r = combine_rewards(R, w)`` (NaN when unscorable); ``r -= missing_eos_penalty`` where truncated;
+    ``r = clip(r, *reward_clip_range)``; ``r -= beta * sequence_kl(old, ref, mask)`` (k1 by default, no gradient);
+    ``A = rloo_advantages(r, G)``; optional ``normalize_advantages``; NaN advantages -> 0.
+
+    Args:
+      rewards_per_func: ``[B, F]`` with NaN for None.
+      completion_mask: ``[B, C]`` (already zeroed for truncated rows when ``mask_truncated_completions``).
+      is_truncated: ``[B]`` bool.
+      old_per_token_logps: ``[B, C]`` generation-time policy log-probs (needed when beta > 0).
+      ref_per_token_logps: ``[B, C]`` reference log-probs, or None when beta == 0.
+
+    Returns:
+      ``(advantages [B], metrics)`` with TRL's names ``reward``, ``reward_std``, ``kl`` (masked token mean),
+      ``frac_reward_zero_std``, ``rewards/<f>/mean|std`` (f = function index), ``advantage_abs_mean``.
+    """
+    chex.assert_rank(rewards_per_func, 2)
+    mask = completion_mask.astype(jnp.float32)
+    raw = combine_rewards(rewards_per_func, reward_weights)
+    rewards = raw
+    if options.missing_eos_penalty is not None:
+        rewards = rewards - options.missing_eos_penalty * is_truncated.astype(jnp.float32)
+    if options.reward_clip_range is not None:
+        lo, hi = options.reward_clip_range
+        rewards = jnp.clip(rewards, lo, hi)
+
+    metrics: dict[str, Array] = {}
+    if options.beta != 0.0:
+        if old_per_token_logps is None or ref_per_token_logps is None:
+            raise ValueError("beta != 0 needs old_per_token_logps and ref_per_token_logps")
+        per_token = token_kl(old_per_token_logps, ref_per_token_logps, options.kl_estimator)
+        metrics["kl"] = jax.lax.stop_gradient(jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0))
+        if options.kl_in_reward:
+            rewards = rewards - options.beta * jax.lax.stop_gradient(jnp.sum(per_token * mask, axis=-1))
+
+    grouped = rewards.reshape(-1, num_generations)
+    if num_generations > 1:
+        group_std = nanstd(grouped, axis=1)
+    else:
+        group_std = jnp.zeros(grouped.shape[0], jnp.float32)
+    adv = rloo_advantages(rewards, num_generations)
+    if options.normalize_advantages:
+        adv = normalize_advantages(adv)
+    adv = jnp.nan_to_num(adv, nan=0.0)
+
+    for f in range(rewards_per_func.shape[1]):
+        col = rewards_per_func[:, f].astype(jnp.float32)
+        metrics[f"rewards/{f}/mean"] = _nanmean(col)
+        metrics[f"rewards/{f}/std"] = nanstd(col)
+    metrics["reward"] = _nanmean(raw)
+    metrics["reward_std"] = nanstd(raw)
+    # torch.isclose(std, 0) with its default atol=1e-8, rtol=1e-5
+    metrics["frac_reward_zero_std"] = jnp.mean((jnp.abs(group_std) <= 1e-8).astype(jnp.float32))
+    metrics["advantage_abs_mean"] = jnp.mean(jnp.abs(adv))
+    return adv, metrics
+
+
+def rloo_loss(
+    per_token_logps: Array,
+    old_per_token_logps: Array | None,
+    ref_per_token_logps: Array | None,
+    rewards_per_func: Array,
+    completion_mask: Array,
+    is_truncated: Array,
+    *,
+    num_generations: int,
+    reward_weights: Array | None = None,
+    options: RLOOOptions = RLOOOptions(),
+) -> tuple[Array, dict[str, Array]]:
+    """TRL 1.16's RLOO end to end on one batch: ``score_completions`` then ``clipped_objective``.
+
+    ``old_per_token_logps=None`` means on-policy (``num_iterations == 1``): old = stop_gradient(current), so the
+    ratio is exactly 1. Truncated rows get an all-zero mask when ``mask_truncated_completions`` (their reward still
+    enters their siblings' baselines and they still count in the loss mean). Gradients flow only through
+    ``per_token_logps`` (and through the KL term when ``token_level_kl``).
+
+    Args:
+      per_token_logps: ``[B, C]`` current policy log-probs.
+      old_per_token_logps: ``[B, C]`` or None.
+      ref_per_token_logps: ``[B, C]`` or None (beta == 0).
+      rewards_per_func: ``[B, F]`` (NaN = None).
+      completion_mask: ``[B, C]``; is_truncated: ``[B]``.
+
+    Returns:
+      ``(loss [], metrics)``: the union of ``score_completions`` and ``clipped_objective`` metrics, plus ``loss``.
+    """
+    mask = completion_mask.astype(jnp.float32)
+    if options.mask_truncated_completions:
+        mask = mask * (~is_truncated)[:, None].astype(jnp.float32)
+    old = jax.lax.stop_gradient(per_token_logps if old_per_token_logps is None else old_per_token_logps)
+    ref = None if ref_per_token_logps is None else jax.lax.stop_gradient(ref_per_token_logps)
+    adv, metrics = score_completions(
+        rewards_per_func,
+        mask,
+        is_truncated,
+        old,
+        ref,
+        num_generations=num_generations,
+        reward_weights=reward_weights,
+        options=options,
+    )
+    loss, obj_metrics = clipped_objective(
+        per_token_logps,
+        old,
+        adv,
+        mask,
+        epsilon=options.epsilon,
+        epsilon_high=options.epsilon_high,
+        level=options.level,
+        aggregation=options.aggregation,
+    )
+    if options.beta != 0.0 and options.token_level_kl:
+        loss = loss + options.beta * kl_loss(per_token_logps, ref, mask, options.kl_estimator)
+    metrics.update(obj_metrics)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def kl_loss(per_token_logps: Array, ref_per_token_logps: Array, mask: Array, estimator: KLEstimator = "k3") -> Array:
+    """KL-in-loss term (``token_level_kl``): mean over sequences of the masked token mean of ``token_kl``.
+
+    Gradients flow through ``per_token_logps``. Returns a scalar.
+    """
+    per_token = token_kl(per_token_logps, jax.lax.stop_gradient(ref_per_token_logps), estimator)
+    return jnp.mean(masked_mean(per_token, mask, axis=1))
