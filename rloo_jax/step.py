@@ -1,0 +1,326 @@
+"""The jitted core of a training step: rollout (sample + reference log-probs) and update (advantages + optax).
+
+A step is two pure functions over a ``TrainState`` pytree; only the host work between them (decoding text,
+Python reward functions) lives in the trainer loop:
+
+    rollout = step.rollout(state, prompt_ids, prompt_mask, key)          # jitted: sampler, ref log-probs
+    rewards_per_func = <host: decode, reward functions / reward models>   # [B*G, F] with NaN for None
+    state, metrics = step.update(state, rollout, rewards_per_func, w)   # jitted: RLOO + optimizer updates
+
+Shapes: B prompts, G generations, N = B*G completions, P prompt length, C completion length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from rloo_jax.logprobs import completion_mask, masked_mean, per_token_logps_from_hidden
+from rloo_jax.rloo import KLEstimator, RLOOOptions, clipped_objective, kl_loss, score_completions
+from rloo_jax.sampling import SamplingConfig, generate_fn
+
+Array = jax.Array
+
+
+@struct.dataclass
+class TrainState:
+    """Everything that changes during training (a pytree; checkpoint it whole)."""
+
+    params: nnx.State  # policy nnx.Param state
+    opt_state: optax.OptState
+    ref_params: nnx.State | None  # frozen reference policy; None when beta == 0
+    step: Array  # [] int32, optimizer updates applied so far
+
+
+@struct.dataclass
+class Rollout:
+    """One generation batch, ready to be scored."""
+
+    prompt_ids: Array  # [B, P] int32, left-padded
+    prompt_mask: Array  # [B, P] int32
+    completion_ids: Array  # [N, C] int32, right-padded with pad
+    completion_mask: Array  # [N, C] int32 (zero rows for truncated completions if mask_truncated_completions)
+    is_truncated: Array  # [N] bool
+    old_logps: Array  # [N, C] float32, behaviour-policy log-probs at generation time (the sampler's; exact)
+    ref_logps: Array | None  # [N, C] float32, reference log-probs; None when beta == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static, hashable options of a step (TRL names). Built once from the run config."""
+
+    sampling: SamplingConfig
+    beta: float = 0.05
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    normalize_advantages: bool = False
+    reward_clip_range: tuple[float, float] | None = None
+    mask_truncated_completions: bool = False
+    missing_eos_penalty: float | None = None
+    kl_estimator: KLEstimator = "k1"
+    token_level_kl: bool = False
+    num_iterations: int = 1
+    """Optimisation passes over each generation batch (PPO epochs)."""
+    steps_per_generation: int = 1
+    """Micro-batches the generation batch is split into."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches whose gradients are averaged into one optimizer update."""
+    logprob_chunk: int = 128
+    """Sequence positions unembedded at a time when computing log-probs (bounds the [.., V] logits held)."""
+
+    def __post_init__(self) -> None:
+        if self.steps_per_generation % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of "
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps})"
+            )
+
+    @property
+    def num_generations(self) -> int:
+        return self.sampling.num_generations
+
+    @property
+    def temperature(self) -> float:
+        """Temperature of every log-prob (greedy sampling records log-probs at 1, like the sampler)."""
+        return self.sampling.temperature or 1.0
+
+    @property
+    def on_policy(self) -> bool:
+        """One update per generation batch: old = stop_gradient(current), the ratio is exactly 1."""
+        return self.num_iterations == 1 and self.steps_per_generation == self.gradient_accumulation_steps
+
+    @property
+    def updates_per_generation(self) -> int:
+        return self.num_iterations * self.steps_per_generation // self.gradient_accumulation_steps
+
+    @property
+    def options(self) -> RLOOOptions:
+        return RLOOOptions(
+            beta=self.beta,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            normalize_advantages=self.normalize_advantages,
+            reward_clip_range=self.reward_clip_range,
+            mask_truncated_completions=self.mask_truncated_completions,
+            missing_eos_penalty=self.missing_eos_penalty,
+            kl_estimator=self.kl_estimator,
+            token_level_kl=self.token_level_kl,
+        )
+
+
+# ----------------------------------------------------------------------------------------------- pure pieces
+
+
+def completion_logps(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    prompt_ids: Array,
+    prompt_mask: Array,
+    completion_ids: Array,
+    completion_mask: Array,
+    temperature: float,
+    chunk: int = 128,
+    with_entropy: bool = False,
+) -> Array | tuple[Array, Array]:
+    """Per-token log-probs of the completions under ``params``: ``[N, C]`` float32 (and entropy ``[N, C]``).
+
+    prompt_ids/mask ``[N, P]`` (already repeated per completion), completion ids/mask ``[N, C]``. One forward over
+    ``[prompt; completion]``; hidden state ``P - 1 + t`` predicts completion token ``t``; the vocabulary projection
+    runs in chunks of ``chunk`` positions (``per_token_logps_from_hidden``).
+    """
+    model = nnx.merge(graphdef, params)
+    p = prompt_ids.shape[1]
+    c = completion_ids.shape[1]
+    ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
+    mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
+    hidden = model.hidden_states(ids, mask)[:, p - 1 : p - 1 + c]
+    return per_token_logps_from_hidden(
+        hidden, model.unembed, completion_ids, temperature, chunk_size=chunk, with_entropy=with_entropy
+    )
+
+
+def _completion_stats(mask: Array, lengths: Array, is_truncated: Array) -> dict[str, Array]:
+    """TRL's ``completions/*`` metrics from the EOS-cut lengths ``[N]``."""
+    lengths = lengths.astype(jnp.float32)
+    term = (~is_truncated).astype(jnp.float32)
+    n_term = jnp.sum(term)
+    return {
+        "completions/mean_length": jnp.mean(lengths),
+        "completions/min_length": jnp.min(lengths),
+        "completions/max_length": jnp.max(lengths),
+        "completions/clipped_ratio": jnp.mean(is_truncated.astype(jnp.float32)),
+        # TRL: 0 when no completion terminated
+        "completions/mean_terminated_length": jnp.where(n_term > 0, jnp.sum(lengths * term) / n_term, 0.0),
+    }
+
+
+def sync_reference(params: nnx.State, ref_params: nnx.State, alpha: float) -> nnx.State:
+    """TR-DPO reference update: ``ref <- alpha * policy + (1 - alpha) * ref`` (leafwise)."""
+    return jax.tree.map(lambda p, r: (alpha * p + (1.0 - alpha) * r).astype(r.dtype), params, ref_params)
+
+
+# ----------------------------------------------------------------------------------------------- the step
+
+
+class RLOOStep:
+    """Holds only static things (graphdef, optax transform, StepConfig) and the jitted step functions."""
+
+    def __init__(self, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, cfg: StepConfig) -> None:
+        self.graphdef = graphdef
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.rollout: Callable[..., Rollout] = jax.jit(self._rollout)
+        self.update: Callable[..., tuple[TrainState, dict[str, Array]]] = jax.jit(self._update, donate_argnums=0)
+        self.score: Callable[..., tuple[Array, dict[str, Array]]] = jax.jit(self._score)
+        self.sync_reference = jax.jit(self._sync_reference, static_argnums=1)
+
+    def init_state(self, params: nnx.State, ref_params: nnx.State | None = None) -> TrainState:
+        """A fresh state; ``ref_params`` is required when beta > 0 (usually a copy of the initial policy)."""
+        if self.cfg.beta != 0.0 and ref_params is None:
+            raise ValueError("beta != 0 needs ref_params (a frozen copy of the initial policy)")
+        return TrainState(
+            params=params,
+            opt_state=self.optimizer.init(params),
+            ref_params=ref_params if self.cfg.beta != 0.0 else None,
+            step=jnp.zeros((), jnp.int32),
+        )
+
+    # -- rollout ------------------------------------------------------------------------------------------------
+    def _rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
+        cfg = self.cfg
+        sc = cfg.sampling
+        gen = generate_fn(self.graphdef, state.params, prompt_ids, prompt_mask, key, sc)
+        prompt_ids, prompt_mask = _left_align(prompt_ids, prompt_mask)
+        # TRL's mask/truncation rule (a pad id as last token counts as terminated)
+        mask, truncated = completion_mask(gen.completion_ids, sc.eos_token_ids or (-1,), sc.pad_token_id)
+        if cfg.mask_truncated_completions:
+            mask = mask * (~truncated)[:, None].astype(mask.dtype)
+        ref_logps = None
+        if cfg.beta != 0.0:
+            g = sc.num_generations
+            ref_logps = completion_logps(
+                self.graphdef, state.ref_params, jnp.repeat(prompt_ids, g, 0), jnp.repeat(prompt_mask, g, 0),
+                gen.completion_ids, mask, cfg.temperature, cfg.logprob_chunk,
+            )
+            ref_logps = ref_logps * mask
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=gen.completion_ids,
+            completion_mask=mask,
+            is_truncated=truncated,
+            old_logps=gen.logps * mask,
+            ref_logps=ref_logps,
+        )
+
+    # -- scoring ------------------------------------------------------------------------------------------------
+    def _score(self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array) -> tuple[Array, dict]:
+        """Advantages ``[N]`` and the generation-time metrics (rewards, KL, completion lengths)."""
+        adv, metrics = score_completions(
+            rewards_per_func,
+            rollout.completion_mask,
+            rollout.is_truncated,
+            rollout.old_logps,
+            rollout.ref_logps,
+            num_generations=self.cfg.num_generations,
+            reward_weights=reward_weights,
+            options=self.cfg.options,
+        )
+        eos_mask, _ = completion_mask(
+            rollout.completion_ids, self.cfg.sampling.eos_token_ids or (-1,), self.cfg.sampling.pad_token_id
+        )
+        lengths = jnp.sum(eos_mask, axis=1)
+        metrics.update(_completion_stats(eos_mask, lengths, rollout.is_truncated))
+        n_prompt_tokens = jnp.sum(rollout.prompt_mask) * self.cfg.num_generations
+        metrics["num_tokens"] = (n_prompt_tokens + jnp.sum(lengths)).astype(jnp.float32)
+        return adv, metrics
+
+    # -- update -------------------------------------------------------------------------------------------------
+    def _loss(self, params: nnx.State, mb: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+        cfg = self.cfg
+        logps, entropy = completion_logps(
+            self.graphdef, params, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"],
+            cfg.temperature, cfg.logprob_chunk, with_entropy=True,
+        )
+        mask = mb["mask"].astype(jnp.float32)
+        old = jax.lax.stop_gradient(logps) if cfg.on_policy else mb["old_logps"]
+        loss, metrics = clipped_objective(logps, old, mb["advantages"], mask, cfg.epsilon, cfg.epsilon_high)
+        if cfg.beta != 0.0 and cfg.token_level_kl:
+            loss = loss + cfg.beta * kl_loss(logps, mb["ref_logps"], mask, cfg.kl_estimator)
+        metrics["entropy"] = masked_mean(entropy, mask)
+        return loss, metrics
+
+    def _update(
+        self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
+    ) -> tuple[TrainState, dict[str, Array]]:
+        cfg = self.cfg
+        adv, metrics = self._score(rollout, rewards_per_func, reward_weights)
+        g = cfg.num_generations
+        n = rollout.completion_ids.shape[0]
+        spg, gas = cfg.steps_per_generation, cfg.gradient_accumulation_steps
+        if n % spg:
+            raise ValueError(f"{n} completions cannot be split into steps_per_generation={spg} micro-batches")
+        batch = {
+            "prompt_ids": jnp.repeat(rollout.prompt_ids, g, 0),
+            "prompt_mask": jnp.repeat(rollout.prompt_mask, g, 0),
+            "completion_ids": rollout.completion_ids,
+            "mask": rollout.completion_mask,
+            "old_logps": rollout.old_logps,
+            "advantages": adv,
+        }
+        if cfg.beta != 0.0 and cfg.token_level_kl:
+            batch["ref_logps"] = rollout.ref_logps
+        # [spg, N / spg, ...]: micro-batch i of the generation batch
+        micro = jax.tree.map(lambda x: x.reshape(spg, n // spg, *x.shape[1:]), batch)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def one_update(carry: tuple[nnx.State, optax.OptState], u: Array) -> tuple[tuple, dict[str, Array]]:
+            params, opt_state = carry
+
+            def accumulate(acc: tuple, j: Array) -> tuple[tuple, dict[str, Array]]:
+                grads_sum, = acc
+                mb = jax.tree.map(lambda x: x[(u % (spg // gas)) * gas + j], micro)
+                (loss, m), grads = grad_fn(params, mb)
+                m["loss"] = loss
+                return (jax.tree.map(jnp.add, grads_sum, grads),), m
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (grads,), m = jax.lax.scan(accumulate, (zeros,), jnp.arange(gas))
+            grads = jax.tree.map(lambda x: x / gas, grads)
+            grad_norm = optax.global_norm(grads)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            m = jax.tree.map(jnp.mean, m)
+            m["grad_norm"] = grad_norm
+            return (params, opt_state), m
+
+        (params, opt_state), ms = jax.lax.scan(
+            one_update, (state.params, state.opt_state), jnp.arange(cfg.updates_per_generation)
+        )
+        # TRL averages per-micro-batch values over the logging window; extremes keep their extreme
+        for name, values in ms.items():
+            if name == "clip_ratio/low_min":
+                metrics[name] = jnp.min(values)
+            elif name == "clip_ratio/high_max":
+                metrics[name] = jnp.max(values)
+            else:
+                metrics[name] = jnp.mean(values)
+        new_state = state.replace(params=params, opt_state=opt_state, step=state.step + cfg.updates_per_generation)
+        return new_state, metrics
+
+    def _sync_reference(self, state: TrainState, alpha: float) -> TrainState:
+        return state.replace(ref_params=sync_reference(state.params, state.ref_params, alpha))
+
+
+def _left_align(prompt_ids: Array, prompt_mask: Array) -> tuple[Array, Array]:
+    """Any padding -> left padding (stable), as the sampler sees the prompts."""
+    order = jnp.argsort(prompt_mask.astype(jnp.int32), axis=1, stable=True)
+    return (
+        jnp.take_along_axis(prompt_ids.astype(jnp.int32), order, axis=1),
+        jnp.take_along_axis(prompt_mask.astype(jnp.int32), order, axis=1),
+    )

@@ -1,0 +1,168 @@
+"""The jitted step against a direct composition of the public API (two paths that must agree)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import rloo_jax as rj
+from rloo_jax.models import init_causal_lm
+from rloo_jax.sampling import SamplingConfig
+from rloo_jax.step import RLOOStep, StepConfig, completion_logps
+
+TINY = dict(
+    model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
+)
+EOS, PAD, G, C = 3, 0, 4, 6
+
+
+@pytest.fixture(scope="module")
+def model_parts():
+    model = init_causal_lm(TINY, seed=0)
+    graphdef, params = nnx.split(model)
+    return graphdef, params
+
+
+def _prompts():
+    ids = np.array([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], np.int32)
+    mask = (np.arange(6)[None] >= np.array([[2], [0]])).astype(np.int32)
+    return jnp.asarray(ids), jnp.asarray(mask)
+
+
+def _cfg(**kw):
+    sampling = SamplingConfig(max_new_tokens=C, num_generations=G, temperature=kw.pop("temperature", 0.9),
+                              eos_token_ids=(EOS,), pad_token_id=PAD)
+    return StepConfig(sampling=sampling, **kw)
+
+
+def _rewards(rollout):
+    # a deterministic reward of the completion: fraction of even tokens, with one None
+    ids = np.asarray(rollout.completion_ids)
+    r = (ids % 2 == 0).mean(1).astype(np.float32)
+    r[1] = np.nan
+    return jnp.asarray(r[:, None])
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def test_rollout_logps_match_training_path(model_parts):
+    graphdef, params = model_parts
+    step = RLOOStep(graphdef, optax.sgd(0.1), _cfg(beta=0.1))
+    state = step.init_state(_copy(params), _copy(params))
+    ids, mask = _prompts()
+    ro = step.rollout(state, ids, mask, jax.random.key(0))
+    assert ro.completion_ids.shape == (2 * G, C)
+    full = completion_logps(graphdef, params, jnp.repeat(ro.prompt_ids, G, 0), jnp.repeat(ro.prompt_mask, G, 0),
+                            ro.completion_ids, ro.completion_mask, 0.9)
+    m = np.asarray(ro.completion_mask) > 0
+    np.testing.assert_allclose(np.asarray(ro.old_logps)[m], np.asarray(full)[m], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ro.ref_logps)[m], np.asarray(full)[m], atol=1e-5)  # ref == policy
+    mask_ref, trunc_ref = rj.completion_mask(ro.completion_ids, (EOS,), PAD)
+    np.testing.assert_array_equal(ro.completion_mask, mask_ref)
+    np.testing.assert_array_equal(ro.is_truncated, trunc_ref)
+
+
+def test_update_equals_sgd_on_rloo_loss(model_parts):
+    """One on-policy update with SGD == params - lr * grad(rloo_loss(completion_logps(params)))."""
+    graphdef, params = model_parts
+    cfg = _cfg(beta=0.1)
+    step = RLOOStep(graphdef, optax.sgd(0.5), cfg)
+    ref_params = jax.tree.map(lambda x: x + 0.01, _copy(params))  # policy != reference: KL is not 0
+    state = step.init_state(_copy(params), ref_params)
+    ids, mask = _prompts()
+    ro = step.rollout(state, ids, mask, jax.random.key(1))
+    rewards = _rewards(ro)
+    w = jnp.ones(1)
+    p_ids, p_mask = jnp.repeat(ro.prompt_ids, G, 0), jnp.repeat(ro.prompt_mask, G, 0)
+
+    def direct_loss(p):
+        lp = completion_logps(graphdef, p, p_ids, p_mask, ro.completion_ids, ro.completion_mask, 0.9)
+        return rj.rloo_loss(lp, None, ro.ref_logps, rewards, ro.completion_mask, ro.is_truncated,
+                            num_generations=G, reward_weights=w, options=cfg.options)
+
+    (loss, want_metrics), grads = jax.value_and_grad(direct_loss, has_aux=True)(params)
+    want = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+    new_state, metrics = step.update(state, ro, rewards, w)
+    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    assert int(new_state.step) == 1
+    for name in ("reward", "reward_std", "kl", "advantage_abs_mean", "loss", "clip_ratio/region_mean"):
+        assert float(metrics[name]) == pytest.approx(float(want_metrics[name]), abs=1e-5), name
+    assert abs(float(metrics["kl"])) > 1e-5
+    assert float(metrics["grad_norm"]) == pytest.approx(float(optax.global_norm(grads)), rel=1e-4)
+    assert 0 < float(metrics["entropy"]) < np.log(40) + 1e-3
+
+
+def test_gradient_accumulation_equals_full_batch(model_parts):
+    """spg = gas = 2 (two micro-batches averaged) gives the same update as one full batch (sequence-mean loss)."""
+    graphdef, params = model_parts
+    ids, mask = _prompts()
+    results = []
+    for spg in (1, 2):
+        step = RLOOStep(graphdef, optax.sgd(0.5), _cfg(beta=0.0, steps_per_generation=spg,
+                                                        gradient_accumulation_steps=spg))
+        state = step.init_state(_copy(params))
+        ro = step.rollout(state, ids, mask, jax.random.key(2))
+        new, _ = step.update(state, ro, _rewards(ro), jnp.ones(1))
+        results.append(new.params)
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_num_iterations_two_is_two_sequential_ppo_updates(model_parts):
+    """The second pass is off-policy: old = generation-time log-probs, ratio != 1 (with clipping)."""
+    graphdef, params = model_parts
+    cfg = _cfg(beta=0.0, num_iterations=2, epsilon=0.05)
+    step = RLOOStep(graphdef, optax.sgd(2.0), cfg)
+    state = step.init_state(_copy(params))
+    ids, mask = _prompts()
+    ro = step.rollout(state, ids, mask, jax.random.key(3))
+    rewards = _rewards(ro)
+    adv, _ = step.score(ro, rewards, jnp.ones(1))
+    p_ids, p_mask = jnp.repeat(ro.prompt_ids, G, 0), jnp.repeat(ro.prompt_mask, G, 0)
+
+    def loss_fn(p):
+        lp = completion_logps(graphdef, p, p_ids, p_mask, ro.completion_ids, ro.completion_mask, 0.9)
+        return rj.clipped_objective(lp, ro.old_logps, adv, ro.completion_mask, 0.05)
+
+    p = params
+    for _ in range(2):
+        g = jax.grad(lambda q: loss_fn(q)[0])(p)
+        p = jax.tree.map(lambda a, b: a - 2.0 * b, p, g)
+    new_state, metrics = step.update(state, ro, rewards, jnp.ones(1))
+    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(p), strict=True):
+        np.testing.assert_allclose(a, b, atol=5e-5)
+    assert int(new_state.step) == 2
+    assert float(metrics["ratio_mean"]) != pytest.approx(1.0, abs=1e-7)
+
+
+def test_update_compiles_once_for_a_fixed_bucket(model_parts):
+    graphdef, params = model_parts
+    step = RLOOStep(graphdef, optax.adamw(1e-3), _cfg(beta=0.05))
+    state = step.init_state(_copy(params), _copy(params))
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        ids = jnp.asarray(rng.integers(4, 40, size=(2, 6)), jnp.int32)
+        lens = rng.integers(1, 7, size=2)
+        mask = jnp.asarray((np.arange(6)[None] >= 6 - lens[:, None]).astype(np.int32))
+        ro = step.rollout(state, ids, mask, jax.random.key(i))
+        state, m = step.update(state, ro, _rewards(ro), jnp.ones(1))
+        assert np.isfinite(float(m["loss"]))
+    assert step.rollout._cache_size() == 1
+    assert step.update._cache_size() == 1
+
+
+def test_sync_reference_mixup(model_parts):
+    graphdef, params = model_parts
+    step = RLOOStep(graphdef, optax.sgd(0.1), _cfg(beta=0.1))
+    ref = jax.tree.map(jnp.zeros_like, params)
+    state = step.init_state(_copy(params), ref)
+    new = step.sync_reference(state, 0.25)
+    for p, r in zip(jax.tree.leaves(params), jax.tree.leaves(new.ref_params), strict=True):
+        np.testing.assert_allclose(r, 0.25 * np.asarray(p), rtol=1e-6)
