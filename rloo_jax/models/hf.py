@@ -1,0 +1,395 @@
+"""Hugging Face checkpoints in and out: one weight table per family drives both loading and export.
+
+A table row maps one HF tensor to one or more of our parameters with a transform and its inverse:
+HF `nn.Linear.weight` [out, in] <-> our kernel [in, out] (transpose); GPT-NeoX `query_key_value` [H*3*Dh, D]
+(interleaved per head: view [H, 3, Dh, D]) <-> our q, k, v kernels [D, H*Dh]. Reading uses safetensors'
+numpy backend tensor by tensor (bf16 tensors are read from the raw bytes, which numpy cannot name), converting
+each to the param dtype as it goes, into a module built abstractly with `nnx.eval_shape` (no random init).
+No torch anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from rloo_jax.models.config import (
+    ARCHITECTURES,
+    ModelConfig,
+    ModelLoadError,
+    config_from_hf,
+    config_to_hf,
+    family_and_task,
+)
+from rloo_jax.models.transformer import CausalLM, RewardModel
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+# Tensors some checkpoints carry that are buffers, not weights (old Pythia files; rotary caches).
+_IGNORED = re.compile(r"(\.attention\.(bias|masked_bias)$)|(rotary_emb\.inv_freq$)")
+
+
+# ----------------------------------------------------------------------------------------------- transforms
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """HF tensor <-> our arrays. `to_ours(a) -> tuple`, `to_hf(tuple) -> a`, `hf_shape(our shapes) -> shape`."""
+
+    to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+    to_hf: Callable[[tuple[np.ndarray, ...]], np.ndarray]
+    hf_shape: Callable[[tuple[tuple[int, ...], ...]], tuple[int, ...]]
+
+
+IDENTITY = Transform(lambda a: (a,), lambda p: p[0], lambda s: tuple(s[0]))
+TRANSPOSE = Transform(lambda a: (a.T,), lambda p: p[0].T, lambda s: tuple(s[0])[::-1])
+
+
+def fused_qkv(num_heads: int, is_bias: bool) -> Transform:
+    """GPT-NeoX `query_key_value`: weight [H*3*Dh, D] viewed [H, 3, Dh, D] <-> q, k, v kernels [D, H*Dh];
+    bias [H*3*Dh] viewed [H, 3, Dh] <-> q, k, v biases [H*Dh]."""
+    h = num_heads
+
+    def to_ours(a: np.ndarray) -> tuple[np.ndarray, ...]:
+        if is_bias:
+            x = a.reshape(h, 3, -1)
+            return tuple(x[:, j].reshape(-1) for j in range(3))
+        x = a.reshape(h, 3, -1, a.shape[-1])
+        return tuple(x[:, j].reshape(-1, a.shape[-1]).T for j in range(3))
+
+    def to_hf(parts: tuple[np.ndarray, ...]) -> np.ndarray:
+        if is_bias:
+            return np.stack([p.reshape(h, -1) for p in parts], axis=1).reshape(-1)
+        d = parts[0].shape[0]
+        return np.stack([p.T.reshape(h, -1, d) for p in parts], axis=1).reshape(-1, d)
+
+    def hf_shape(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+        n = sum(s[-1] for s in shapes)
+        return (n,) if is_bias else (n, shapes[0][0])
+
+    return Transform(to_ours, to_hf, hf_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One HF tensor name <-> our parameter paths (dot-joined, e.g. "model.layers.0.attn.q.kernel")."""
+
+    hf: str
+    ours: tuple[str, ...]
+    transform: Transform
+
+
+def _linear(hf: str, ours: str, bias: bool) -> list[Row]:
+    rows = [Row(f"{hf}.weight", (f"{ours}.kernel",), TRANSPOSE)]
+    return rows + ([Row(f"{hf}.bias", (f"{ours}.bias",), IDENTITY)] if bias else [])
+
+
+def _norm(hf: str, ours: str, bias: bool) -> list[Row]:
+    rows = [Row(f"{hf}.weight", (f"{ours}.scale",), IDENTITY)]
+    return rows + ([Row(f"{hf}.bias", (f"{ours}.bias",), IDENTITY)] if bias else [])
+
+
+def _llama_rows(cfg: ModelConfig) -> list[Row]:
+    rows = [Row("model.embed_tokens.weight", ("model.embed.embedding",), IDENTITY)]
+    for i in range(cfg.num_layers):
+        hf, us = f"model.layers.{i}", f"model.layers.{i}"
+        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", False)
+        for n in "qkv":
+            rows += _linear(f"{hf}.self_attn.{n}_proj", f"{us}.attn.{n}", cfg.qkv_bias)
+        rows += _linear(f"{hf}.self_attn.o_proj", f"{us}.attn.o", cfg.o_bias)
+        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", False)
+        for n in ("gate", "up", "down"):
+            rows += _linear(f"{hf}.mlp.{n}_proj", f"{us}.mlp.{n}", cfg.mlp_bias)
+    return rows + _norm("model.norm", "model.final_norm", False)
+
+
+def _gpt_neox_rows(cfg: ModelConfig) -> list[Row]:
+    rows = [Row("gpt_neox.embed_in.weight", ("model.embed.embedding",), IDENTITY)]
+    for i in range(cfg.num_layers):
+        hf, us = f"gpt_neox.layers.{i}", f"model.layers.{i}"
+        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", True)
+        qkv = tuple(f"{us}.attn.{n}" for n in "qkv")
+        rows.append(
+            Row(
+                f"{hf}.attention.query_key_value.weight",
+                tuple(f"{p}.kernel" for p in qkv),
+                fused_qkv(cfg.num_heads, False),
+            )
+        )
+        if cfg.qkv_bias:
+            rows.append(
+                Row(
+                    f"{hf}.attention.query_key_value.bias",
+                    tuple(f"{p}.bias" for p in qkv),
+                    fused_qkv(cfg.num_heads, True),
+                )
+            )
+        rows += _linear(f"{hf}.attention.dense", f"{us}.attn.o", cfg.o_bias)
+        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", True)
+        rows += _linear(f"{hf}.mlp.dense_h_to_4h", f"{us}.mlp.up", True)
+        rows += _linear(f"{hf}.mlp.dense_4h_to_h", f"{us}.mlp.down", True)
+    return rows + _norm("gpt_neox.final_layer_norm", "model.final_norm", True)
+
+
+def weight_table(cfg: ModelConfig, task: str) -> list[Row]:
+    """All rows for a model: backbone + `lm_head` (causal_lm, untied) or `score` (reward)."""
+    rows = _gpt_neox_rows(cfg) if cfg.family == "gpt_neox" else _llama_rows(cfg)
+    if task == "reward":
+        return rows + [Row("score.weight", ("score.kernel",), TRANSPOSE)]
+    if not cfg.tie_word_embeddings:
+        head = "embed_out.weight" if cfg.family == "gpt_neox" else "lm_head.weight"
+        rows.append(Row(head, ("lm_head.kernel",), TRANSPOSE))
+    return rows
+
+
+def architecture_name(cfg: ModelConfig, task: str) -> str:
+    """HF class name to write in `config.json` for export."""
+    stem = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "gpt_neox": "GPTNeoX"}[cfg.model_type]
+    name = f"{stem}For{'CausalLM' if task == 'causal_lm' else 'SequenceClassification'}"
+    assert name in ARCHITECTURES, name
+    return name
+
+
+# ----------------------------------------------------------------------------------------------- reading
+def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
+    """A local checkpoint directory, or a hub snapshot (config, safetensors, tokenizer files only)."""
+    p = Path(path_or_hub_id).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise ModelLoadError(f"{p} is a file; expected a checkpoint directory")
+    s = str(path_or_hub_id)
+    if s.startswith(("/", ".", "~")) or s.count("/") > 1 or not s:
+        raise ModelLoadError(f"checkpoint path does not exist: {s}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(s, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # offline, unknown repo, auth: one clear error
+        raise ModelLoadError(f"checkpoint {s!r}: no such local directory and hub download failed: {e}") from e
+
+
+def read_hf_config(directory: Path) -> dict[str, Any]:
+    """`config.json` as a dict."""
+    f = directory / "config.json"
+    if not f.is_file():
+        raise ModelLoadError(f"{directory} has no config.json")
+    return json.loads(f.read_text())
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / f for f in sorted(set(weight_map.values()))]
+    single = directory / "model.safetensors"
+    files = [single] if single.is_file() else sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory} has no *.safetensors weights (convert .bin checkpoints to safetensors)")
+    return files
+
+
+def _header(file: Path) -> tuple[dict[str, Any], int]:
+    """safetensors header: {name: {dtype, shape, data_offsets}} and the byte offset where data starts."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class TensorReader:
+    """Tensor-by-tensor access to all safetensors files of a checkpoint (single or sharded)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.entries: dict[str, tuple[Path, dict[str, Any], int]] = {}
+        for file in _safetensors_files(directory):
+            header, start = _header(file)
+            for name, info in header.items():
+                self.entries[name] = (file, info, start)
+
+    def names(self) -> set[str]:
+        return set(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name][1]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as a numpy array in its stored dtype (bf16 via ml_dtypes)."""
+        file, info, start = self.entries[name]
+        if info["dtype"] != "BF16":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="numpy") as f:
+                return f.get_tensor(name)
+        lo, hi = info["data_offsets"]
+        with open(file, "rb") as f:
+            f.seek(start + lo)
+            raw = f.read(hi - lo)
+        return np.frombuffer(raw, dtype=ml_dtypes.bfloat16).reshape(info["shape"])
+
+
+def _flat_paths(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat_paths(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, tree
+
+
+def _set_path(tree: dict[Any, Any], path: str, value: Any) -> None:
+    keys = path.split(".")
+    for k in keys[:-1]:
+        tree = tree[int(k)] if k.isdigit() else tree[k]  # nnx.List entries are keyed by int
+    tree[keys[-1]] = value
+
+
+def _fill(model_cls: type, cfg: ModelConfig, task: str, reader: TensorReader) -> nnx.Module:
+    """Build `model_cls(cfg)` abstractly and fill every parameter from the checkpoint (all keys checked first)."""
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(state)
+    ours = dict(_flat_paths(pure))
+    rows = weight_table(cfg, task)
+    names = reader.names()
+    expected = {r.hf for r in rows}
+    missing = sorted(expected - names)
+    tied_head = {"lm_head.weight", "embed_out.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = sorted(n for n in names - expected if not _IGNORED.search(n) and n not in tied_head)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"checkpoint weights do not match {model_cls.__name__} ({cfg.model_type}):"
+            + (f"\n  missing: {', '.join(missing)}" if missing else "")
+            + (f"\n  unexpected: {', '.join(unexpected)}" if unexpected else "")
+        )
+    covered = {p for r in rows for p in r.ours}
+    if covered != set(ours):
+        raise AssertionError(f"weight table and module disagree: {sorted(covered ^ set(ours))}")
+    for r in rows:
+        want = r.transform.hf_shape(tuple(tuple(ours[p].shape) for p in r.ours))
+        if reader.shape(r.hf) != want:
+            raise ModelLoadError(f"tensor {r.hf}: checkpoint shape {reader.shape(r.hf)}, expected {want}")
+    pdt = jnp.dtype(cfg.param_dtype)
+    for r in rows:
+        src = reader.get(r.hf)
+        # one tensor at a time, cast to the param dtype: never a second full-precision copy of the checkpoint
+        for path, part in zip(r.ours, r.transform.to_ours(src), strict=True):
+            _set_path(pure, path, jnp.asarray(part.astype(pdt, order="C", copy=False)))
+        del src
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def _load(path_or_hub_id: str | Path, want_task: str, dtype: str, param_dtype: str | None) -> tuple[Any, ...]:
+    directory = resolve_checkpoint(path_or_hub_id)
+    hf = read_hf_config(directory)
+    _, task = family_and_task(hf)
+    if task is not None and task != want_task:
+        kind = "a causal LM" if want_task == "causal_lm" else "a reward model (*ForSequenceClassification)"
+        raise ModelLoadError(f"{directory} holds {hf['architectures'][0]}, not {kind}")
+    if want_task == "reward" and int(hf.get("num_labels", len(hf.get("id2label") or {0: 0}))) != 1:
+        raise ModelLoadError(f"{directory}: a reward model needs num_labels=1")
+    cfg = config_from_hf(hf, dtype, param_dtype)
+    return cfg, TensorReader(directory)
+
+
+def load_causal_lm(
+    path_or_hub_id: str | Path,
+    dtype: str = "float32",
+    param_dtype: str | None = None,
+    rngs: nnx.Rngs | None = None,
+) -> CausalLM:
+    """Load a HF causal LM (Llama/Qwen2/Mistral/GPT-NeoX, safetensors) as a `CausalLM`.
+
+    dtype: compute dtype ("float32" | "bfloat16"); param_dtype: storage dtype (default: dtype).
+    `rngs` is accepted for interface symmetry with random init; loading draws no randomness.
+    """
+    del rngs
+    cfg, reader = _load(path_or_hub_id, "causal_lm", dtype, param_dtype)
+    return _fill(CausalLM, cfg, "causal_lm", reader)
+
+
+def load_reward_model(
+    path_or_hub_id: str | Path,
+    dtype: str = "float32",
+    param_dtype: str | None = None,
+    rngs: nnx.Rngs | None = None,
+) -> RewardModel:
+    """Load a HF `*ForSequenceClassification` checkpoint with num_labels=1 as a `RewardModel`."""
+    del rngs
+    cfg, reader = _load(path_or_hub_id, "reward", dtype, param_dtype)
+    return _fill(RewardModel, cfg, "reward", reader)
+
+
+def init_causal_lm(
+    hf_config: dict[str, Any], seed: int = 0, dtype: str = "float32", param_dtype: str | None = None
+) -> CausalLM:
+    """A randomly initialised `CausalLM` from a HF-style config dict (needs `model_type` or `architectures`)."""
+    return CausalLM(config_from_hf(dict(hf_config), dtype, param_dtype), nnx.Rngs(seed))
+
+
+def init_reward_model(
+    hf_config: dict[str, Any], seed: int = 0, dtype: str = "float32", param_dtype: str | None = None
+) -> RewardModel:
+    """A randomly initialised `RewardModel` from a HF-style config dict."""
+    return RewardModel(config_from_hf(dict(hf_config), dtype, param_dtype), nnx.Rngs(seed))
+
+
+# ----------------------------------------------------------------------------------------------- writing
+def export_tensors(model: CausalLM | RewardModel) -> dict[str, np.ndarray]:
+    """HF tensor name -> float32 numpy array, through the same table as loading."""
+    task = "reward" if isinstance(model, RewardModel) else "causal_lm"
+    ours = dict(_flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    out = {}
+    for r in weight_table(model.config, task):
+        parts = tuple(np.asarray(jax.device_get(ours[p]), dtype=np.float32) for p in r.ours)
+        out[r.hf] = np.ascontiguousarray(r.transform.to_hf(parts))
+    return out
+
+
+def save_pretrained(model: CausalLM | RewardModel, out_dir: str | Path, tokenizer: Any = None) -> Path:
+    """Write `config.json` + `model.safetensors` (float32) (+ tokenizer files) loadable by transformers'
+    `AutoModelForCausalLM` / `AutoModelForSequenceClassification` and by our loaders."""
+    from safetensors.numpy import save_file
+
+    task = "reward" if isinstance(model, RewardModel) else "causal_lm"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = config_to_hf(model.config, architecture_name(model.config, task))
+    if task == "reward":
+        hf.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    save_file(export_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+def load_tokenizer(path_or_hub_id: str | Path, padding_side: str = "left") -> Any:
+    """A transformers fast tokenizer with `padding_side` set and a pad token (falls back to eos).
+
+    When the folder has a `tokenizer.json` we load exactly that file (`PreTrainedTokenizerFast`), so a model
+    folder whose `config.json` says e.g. qwen2 cannot rebuild it as a different tokenizer class.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    directory = resolve_checkpoint(path_or_hub_id)
+    if (directory / "tokenizer.json").is_file():
+        tok = PreTrainedTokenizerFast.from_pretrained(str(directory), padding_side=padding_side)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(directory), padding_side=padding_side)
+    tok.padding_side = padding_side
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ModelLoadError(f"tokenizer at {directory} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    return tok

@@ -1,0 +1,438 @@
+"""Decoder-only transformer (Llama/Qwen2/Mistral and GPT-NeoX families), a causal LM head and a reward head.
+
+One module tree for both families: the differences are a few static `ModelConfig` flags (norm kind, MLP kind,
+biases, rotary fraction, parallel residual), which keeps the weight tables in `hf.py` and the KV-cache code
+single. Parameters are named (our path -> HF name in `hf.py`):
+
+    model.embed.embedding [V, D]            ("vocab", "embed")
+    model.layers[i].attn_norm.scale/bias    ("embed",)
+    model.layers[i].attn.{q,k,v,o}.kernel   q: ("embed", "heads"), k/v: ("embed", "kv"), o: ("heads", "embed")
+    model.layers[i].mlp_norm.scale/bias     ("embed",)
+    model.layers[i].mlp.{gate,up,down}      gate/up: ("embed", "mlp"), down: ("mlp", "embed")
+    model.final_norm.scale/bias             ("embed",)
+    lm_head.kernel [D, V]                   ("embed", "vocab")    (absent when embeddings are tied)
+    score.kernel [D, 1]                     ("embed", None)       (RewardModel)
+
+Shapes: B batch, T tokens, D hidden, H heads, K kv heads, Dh head dim, L layers, P prompt, C completion, G samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rloo_jax.models.config import ModelConfig, ModelLoadError, rope_inv_freq
+
+_NEG = -1e30  # finite "minus infinity": a fully masked (padding) query row gives a uniform softmax, not NaN
+
+
+# ----------------------------------------------------------------------------------------------- pure functions
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """Token positions counting only real tokens: max(cumsum(mask) - 1, 0), int32 [B, T].
+
+    Example: mask [0, 0, 1, 1, 1] -> [0, 0, 0, 1, 2] (left padding gets position 0).
+    """
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def last_token_index(mask: jax.Array) -> jax.Array:
+    """Index of the last real token of each row: T - 1 - argmax(flip(mask)), int32 [B].
+
+    Example: [[1, 1, 0], [0, 1, 1]] -> [1, 2]. Works for left and right padding, whatever the pad id.
+    """
+    t = mask.shape[-1]
+    return (t - 1 - jnp.argmax(jnp.flip(mask.astype(jnp.int32), axis=-1), axis=-1)).astype(jnp.int32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for rotate-half RoPE, float32 [..., R]: angle = pos * concat(inv_freq, inv_freq)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the first R = cos.shape[-1] dims of each head (HF `rotate_half` convention), rest passes through.
+
+    x [B, T, N, Dh]; cos, sin [B, T, R]. x_rot * cos + rotate_half(x_rot) * sin, rotate_half(a, b) = (-b, a).
+    """
+    r = cos.shape[-1]
+    xr = x[..., :r].astype(jnp.float32)
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
+    rot = jnp.concatenate([-x2, x1], axis=-1)
+    out = (xr * cos[:, :, None, :] + rot * sin[:, :, None, :]).astype(x.dtype)
+    return out if r == x.shape[-1] else jnp.concatenate([out, x[..., r:]], axis=-1)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Grouped-query attention: softmax(q k^T / sqrt(Dh) masked) v, softmax in float32.
+
+    q [B, T, H, Dh], k/v [B, S, K, Dh], allowed [B, T, S] bool -> [B, T, H, Dh]. Query head h uses kv head
+    h // (H / K) (HF `repeat_kv` order), done by a reshape instead of repeating k/v.
+    """
+    b, t, h, dh = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, h // kh, dh)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (dh**-0.5)
+    s = jnp.where(allowed[:, None, None], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v)
+    return o.reshape(b, t, h, dh)
+
+
+def attend_shared_prompt(
+    q: jax.Array,
+    pk: jax.Array,
+    pv: jax.Array,
+    p_allowed: jax.Array,
+    gk: jax.Array,
+    gv: jax.Array,
+    g_allowed: jax.Array,
+) -> jax.Array:
+    """One decode query per row over its prompt's shared keys plus its own generated keys, one joint softmax.
+
+    q [B, G, H, Dh]; prompt pk/pv [B, P, K, Dh] (NOT repeated G times), p_allowed [B, G, P];
+    generated gk/gv [B, G, C, K, Dh], g_allowed [B, G, C]  ->  [B, G, H, Dh].
+    """
+    b, g, h, dh = q.shape
+    kh = pk.shape[2]
+    qg = q.reshape(b, g, kh, h // kh, dh)
+    scale = dh**-0.5
+    sp = jnp.einsum("bgkhd,bpkd->bgkhp", qg, pk, preferred_element_type=jnp.float32) * scale
+    sc = jnp.einsum("bgkhd,bgckd->bgkhc", qg, gk, preferred_element_type=jnp.float32) * scale
+    sp = jnp.where(p_allowed[:, :, None, None], sp, _NEG)
+    sc = jnp.where(g_allowed[:, :, None, None], sc, _NEG)
+    m = jnp.maximum(sp.max(-1, keepdims=True), sc.max(-1, keepdims=True))
+    ep, ec = jnp.exp(sp - m), jnp.exp(sc - m)
+    z = ep.sum(-1, keepdims=True) + ec.sum(-1, keepdims=True)
+    o = jnp.einsum("bgkhp,bpkd->bgkhd", (ep / z).astype(pv.dtype), pv)
+    o = o + jnp.einsum("bgkhc,bgckd->bgkhd", (ec / z).astype(gv.dtype), gv)
+    return o.reshape(b, g, h, dh)
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """HF `ACT2FN` names we support -> jax function."""
+    table = {
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+        "relu": jax.nn.relu,
+    }
+    if name not in table:
+        raise ModelLoadError(f"hidden_act {name!r} is not supported; supported: {', '.join(sorted(table))}")
+    return table[name]
+
+
+# ----------------------------------------------------------------------------------------------- caches
+@flax.struct.dataclass
+class PromptCache:
+    """Keys/values of B prompts, computed once by `prefill` and shared by their G samples."""
+
+    k: jax.Array  # [L, B, P, K, Dh] (after RoPE)
+    v: jax.Array  # [L, B, P, K, Dh]
+    mask: jax.Array  # [B, P] int32, 1 at real prompt tokens
+    lengths: jax.Array  # [B] int32, real prompt tokens = position of the first generated token
+
+
+@flax.struct.dataclass
+class DecodeCache:
+    """Prompt cache at batch B plus the generated keys/values of the B*G rows (row r samples prompt r // G)."""
+
+    prompt: PromptCache
+    k: jax.Array  # [L, B*G, C, K, Dh]
+    v: jax.Array  # [L, B*G, C, K, Dh]
+
+
+# ----------------------------------------------------------------------------------------------- modules
+def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    # eager_sharding=False: names are metadata for a later mesh rule table, no mesh is needed to build.
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class Dense(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [din, dout] in param dtype, math in the compute dtype."""
+
+    def __init__(
+        self,
+        din: int,
+        dout: int,
+        axes: tuple[str | None, str | None],
+        bias: bool,
+        cfg: ModelConfig,
+        rngs: nnx.Rngs,
+    ) -> None:
+        pdt = jnp.dtype(cfg.param_dtype)
+        w = jax.random.normal(rngs.params(), (din, dout), jnp.float32) * cfg.initializer_range
+        self.kernel = _param(w.astype(pdt), axes)
+        self.bias = _param(jnp.zeros((dout,), pdt), (axes[1],)) if bias else None
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [V, D]; lookup returns the compute dtype."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        w = jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32) * cfg.initializer_range
+        self.embedding = _param(w.astype(jnp.dtype(cfg.param_dtype)), ("vocab", "embed"))
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+
+class Norm(nnx.Module):
+    """RMSNorm (llama: x / rms(x) * scale) or LayerNorm (gpt_neox: (x - mean) / std * scale + bias), in f32."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.scale = _param(jnp.ones((cfg.hidden_size,), pdt), ("embed",))
+        self.bias = _param(jnp.zeros((cfg.hidden_size,), pdt), ("embed",)) if cfg.family == "gpt_neox" else None
+        self.eps = cfg.norm_eps
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        if self.bias is None:
+            y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+            y = y * self.scale[...].astype(jnp.float32)
+        else:
+            mu = jnp.mean(x, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
+            y = (x - mu) * jax.lax.rsqrt(var + self.eps)
+            y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    """q/k/v/o projections; the attention itself is a function passed in (full sequence or cached decode)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q = Dense(d, h * dh, ("embed", "heads"), cfg.qkv_bias, cfg, rngs)
+        self.k = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs)
+        self.v = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs)
+        self.o = Dense(h * dh, d, ("heads", "embed"), cfg.o_bias, cfg, rngs)
+        self.shape = (h, k, dh)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable) -> tuple[jax.Array, Any]:
+        """x [B, T, D] -> (out [B, T, D], aux); fn(q [B,T,H,Dh], k, v [B,T,K,Dh]) -> (o [B,T,H,Dh], aux)."""
+        b, t, _ = x.shape
+        h, kh, dh = self.shape
+        q = apply_rope(self.q(x).reshape(b, t, h, dh), cos, sin)
+        k = apply_rope(self.k(x).reshape(b, t, kh, dh), cos, sin)
+        v = self.v(x).reshape(b, t, kh, dh)
+        o, aux = fn(q, k, v)
+        return self.o(o.reshape(b, t, h * dh)), aux
+
+
+class MLP(nnx.Module):
+    """llama: down(act(gate(x)) * up(x)) (SwiGLU); gpt_neox: down(act(up(x)))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs) if cfg.family == "llama" else None
+        self.up = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs)
+        self.down = Dense(f, d, ("mlp", "embed"), bias, cfg, rngs)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        act = activation(self.act)
+        h = act(self.up(x)) if self.gate is None else act(self.gate(x)) * self.up(x)
+        return self.down(h)
+
+
+class Block(nnx.Module):
+    """Pre-norm block. Sequential: x += attn(n1(x)); x += mlp(n2(x)). Parallel: x += attn(n1(x)) + mlp(n2(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        self.attn_norm = Norm(cfg)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = Norm(cfg)
+        self.mlp = MLP(cfg, rngs)
+        self.parallel = cfg.parallel_residual
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable) -> tuple[jax.Array, Any]:
+        a, aux = self.attn(self.attn_norm(x), cos, sin, fn)
+        if self.parallel:
+            return x + a + self.mlp(self.mlp_norm(x)), aux
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), aux
+
+
+class Transformer(nnx.Module):
+    """Embedding, L blocks, final norm: the backbone shared by `CausalLM` and `RewardModel`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        self.embed = Embedding(cfg, rngs)
+        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = Norm(cfg)
+        # a tuple of floats (exact float32 values) keeps it static graph data, not an array attribute
+        inv = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_factors)
+        self.inv_freq = tuple(float(f) for f in inv)
+        self.sliding_window = cfg.sliding_window
+
+    def _visible(self, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+        """Sliding-window part of the mask: q_pos - k_pos < window (all True without a window)."""
+        if self.sliding_window is None:
+            return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+        return q_pos - k_pos < self.sliding_window
+
+    def forward(self, ids: jax.Array, mask: jax.Array) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        """ids, mask [B, T] -> (hidden after final norm [B, T, D], per-layer post-RoPE (k, v) [B, T, K, Dh])."""
+        t = ids.shape[1]
+        pos = positions_from_mask(mask)
+        idx = jnp.arange(t)
+        allowed = (idx[:, None] >= idx[None, :])[None] & (mask[:, None, :] > 0)
+        allowed = allowed & self._visible(pos[:, :, None], pos[:, None, :])
+        cos, sin = rope_cos_sin(pos, np.asarray(self.inv_freq, np.float32))
+        x = self.embed(ids)
+        kvs = []
+
+        def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            return attend(q, k, v, allowed), (k, v)
+
+        for layer in self.layers:
+            x, kv = layer(x, cos, sin, fn)
+            kvs.append(kv)
+        return self.final_norm(x), kvs
+
+    def decode(self, tokens: jax.Array, step: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+        """One token per row: tokens [B*G] -> (hidden [B*G, D], cache with slot `step` written)."""
+        p = cache.prompt
+        b, bg = p.mask.shape[0], tokens.shape[0]
+        g = bg // b
+        pos = jnp.repeat(p.lengths, g) + step  # [B*G]
+        cos, sin = rope_cos_sin(pos[:, None], np.asarray(self.inv_freq, np.float32))
+        q_pos = pos.reshape(b, g)
+        p_pos = positions_from_mask(p.mask)
+        p_allowed = (p.mask[:, None, :] > 0) & self._visible(q_pos[:, :, None], p_pos[:, None, :])  # [B, G, P]
+        c = jnp.arange(cache.k.shape[2])
+        g_allowed = jnp.broadcast_to((c <= step) & self._visible(step, c), (b, g, c.shape[0]))  # [B, G, C]
+        x = self.embed(tokens)[:, None]
+        gk, gv = cache.k, cache.v
+        for li, layer in enumerate(self.layers):
+
+            def fn(q: jax.Array, k: jax.Array, v: jax.Array, li: int = li) -> tuple[jax.Array, None]:
+                nonlocal gk, gv
+                start = (li, 0, step, 0, 0)
+                gk = jax.lax.dynamic_update_slice(gk, k[None].astype(gk.dtype), start)
+                gv = jax.lax.dynamic_update_slice(gv, v[None].astype(gv.dtype), start)
+                kshape = (b, g, *gk.shape[2:])
+                o = attend_shared_prompt(
+                    q.reshape(b, g, *q.shape[2:]),
+                    p.k[li],
+                    p.v[li],
+                    p_allowed,
+                    gk[li].reshape(kshape),
+                    gv[li].reshape(kshape),
+                    g_allowed,
+                )
+                return o.reshape(bg, 1, *q.shape[2:]), None
+
+            x, _ = layer(x, cos, sin, fn)
+        return self.final_norm(x)[:, 0], DecodeCache(prompt=p, k=gk, v=gv)
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only causal LM. `model(ids, mask) -> logits [B, T, V] float32`; KV-cache methods for sampling."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+        self.config = config
+        self.model = Transformer(config, rngs)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Dense(config.hidden_size, config.vocab_size, ("embed", "vocab"), False, config, rngs)
+        )
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, rngs: nnx.Rngs) -> CausalLM:
+        """Random initialisation (normal(0, initializer_range) matrices, unit norms, zero biases)."""
+        return cls(config, rngs)
+
+    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """[B, T] -> final-norm hidden states [B, T, D] in the compute dtype."""
+        return self.model.forward(input_ids, attention_mask)[0]
+
+    def unembed(self, h: jax.Array) -> jax.Array:
+        """h [..., D] -> logits [..., V] float32 (lm head, or the tied embedding transposed)."""
+        dt = jnp.dtype(self.config.dtype)
+        if self.lm_head is None:
+            w = self.model.embed.embedding[...].astype(dt)
+            return jnp.einsum("...d,vd->...v", h.astype(dt), w, preferred_element_type=jnp.float32)
+        w = self.lm_head.kernel[...].astype(dt)
+        return jnp.einsum("...d,dv->...v", h.astype(dt), w, preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """input_ids, attention_mask [B, T] -> logits [B, T, V] float32."""
+        return self.unembed(self.hidden_states(input_ids, attention_mask))
+
+    def prefill(self, prompt_ids: jax.Array, prompt_mask: jax.Array) -> tuple[jax.Array, PromptCache]:
+        """Run the prompts once: -> (logits at each prompt's last real token [B, V] f32, PromptCache)."""
+        h, kvs = self.model.forward(prompt_ids, prompt_mask)
+        last = last_token_index(prompt_mask)
+        logits = self.unembed(h[jnp.arange(h.shape[0]), last])
+        mask = prompt_mask.astype(jnp.int32)
+        cache = PromptCache(
+            k=jnp.stack([k for k, _ in kvs]),
+            v=jnp.stack([v for _, v in kvs]),
+            mask=mask,
+            lengths=mask.sum(-1).astype(jnp.int32),
+        )
+        return logits, cache
+
+    def init_decode_cache(self, prompt_cache: PromptCache, num_generations: int, max_new_tokens: int) -> DecodeCache:
+        """Empty generated-token slots [L, B*G, C, K, Dh] next to the shared prompt cache."""
+        n_layers, b, _, kh, dh = prompt_cache.k.shape
+        shape = (n_layers, b * num_generations, max_new_tokens, kh, dh)
+        zeros = jnp.zeros(shape, prompt_cache.k.dtype)
+        return DecodeCache(prompt=prompt_cache, k=zeros, v=zeros)
+
+    def decode_step(self, tokens: jax.Array, step: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+        """tokens [B*G] at decode step `step` (position lengths[r // G] + step) -> (logits [B*G, V] f32, cache)."""
+        h, cache = self.model.decode(tokens, step, cache)
+        return self.unembed(h), cache
+
+
+class RewardModel(nnx.Module):
+    """Backbone + bias-free `score` [D, 1] read at the last real token: `rm(ids, mask) -> scores [B] float32`."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+        self.config = config
+        self.model = Transformer(config, rngs)
+        self.score = Dense(config.hidden_size, 1, ("embed", None), False, config, rngs)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, rngs: nnx.Rngs) -> RewardModel:
+        """Random initialisation, as `CausalLM.from_config`."""
+        return cls(config, rngs)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """[B, T] -> scores [B] float32, pooled at `last_token_index(attention_mask)`."""
+        h = self.model.forward(input_ids, attention_mask)[0]
+        pooled = h[jnp.arange(h.shape[0]), last_token_index(attention_mask)]
+        w = self.score.kernel[...].astype(pooled.dtype)
+        return jnp.einsum("bd,do->bo", pooled, w, preferred_element_type=jnp.float32)[:, 0]
+
+
+def logical_axes(model: nnx.Module) -> nnx.State:
+    """Logical axis names of every parameter: a State shaped like `nnx.state(model, nnx.Param)` whose leaves are
+    tuples such as ("embed", "mlp") (map over it with `is_leaf=lambda x: isinstance(x, tuple)`)."""
+    return jax.tree.map(
+        lambda v: tuple(v.get_metadata()["out_sharding"]),
+        nnx.state(model, nnx.Param),
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
