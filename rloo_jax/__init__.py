@@ -1,5 +1,7 @@
 """rloo_jax: REINFORCE Leave-One-Out (TRL's RLOOTrainer math) as pure, jittable JAX functions."""
 
+from rloo_jax.config import RLOOConfig
+from rloo_jax.errors import ConfigError, DataError, RewardError
 from rloo_jax.logprobs import (
     completion_mask,
     entropy_from_logits,
@@ -25,6 +27,10 @@ from rloo_jax.rloo import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConfigError",
+    "DataError",
+    "RLOOConfig",
+    "RewardError",
     "RLOOOptions",
     "clipped_objective",
     "combine_rewards",

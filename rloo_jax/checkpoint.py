@@ -1,0 +1,60 @@
+"""Checkpoints: `<output_dir>/checkpoints/<step>/` through orbax's CheckpointManager (async saves).
+
+A checkpoint holds everything needed to resume exactly: the `TrainState` (params, optimizer state, reference
+params when kept, step), the RNG key, and a JSON `meta` item (the data iterator position and run facts).
+orbax writes into a temporary folder and renames it when complete, so a half-written checkpoint (a crash
+mid-save) is never listed, never restored.
+"""
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+ITEMS = ("state", "meta")
+
+
+class Checkpointer:
+    """Save / find / restore training checkpoints under one directory."""
+
+    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = None, async_save: bool = True) -> None:
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def save(self, step: int, state: Any, key: jax.Array, meta: dict[str, Any]) -> None:
+        """Start saving (returns before the write finishes; `wait()` or `close()` to be sure)."""
+        item = {"train": state, "key": jax.random.key_data(key)}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(item), meta=ocp.args.JsonSave(meta))
+        self._manager.save(step, args=args, force=True)
+
+    def restore(self, step: int, state_like: Any, key_like: jax.Array) -> tuple[Any, jax.Array, dict[str, Any]]:
+        """Restore checkpoint `step` onto the structure, shapes, dtypes (and shardings) of `state_like`.
+
+        Returns (state, key, meta); `key_like` gives the key's implementation.
+        """
+        item = {"train": state_like, "key": jax.random.key_data(key_like)}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, item)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+        restored = self._manager.restore(step, args=args)
+        impl = jax.random.key_impl(key_like)
+        key = jax.random.wrap_key_data(restored.state["key"], impl=impl)
+        return restored.state["train"], key, dict(restored.meta)
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish any in-flight save and release the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,797 @@
+"""The one run configuration: `RLOOConfig` (TRL 1.16 `RLOOConfig` names), validation, YAML + command line.
+
+`load_config(argv)` reads `--config FILE.yaml` (safe loader) first, then `--name value` / `--name=value`
+overrides; values are parsed from the dataclass annotations. Every check runs once, in `RLOOConfig.validate()`
+(called by `__post_init__`), and fails with one `ConfigError` naming the option and the fix.
+"""
+
+import dataclasses
+import difflib
+import json
+import logging
+import math
+import os
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from rloo_jax.errors import ConfigError
+
+logger = logging.getLogger("rloo_jax")
+
+# Old TRL (<= 0.21 RLOOConfig) names -> current names.
+ALIASES = {
+    "rloo_k": "num_generations",
+    "kl_coef": "beta",
+    "cliprange": "epsilon",
+    "num_ppo_epochs": "num_iterations",
+}
+REPORT_TO_CHOICES = ("none", "tensorboard", "wandb")
+DEFAULT_CACHE_DIR = "~/.cache/rloo_jax"
+
+
+def _opt(default: Any, group: str, help: str) -> Any:
+    """A dataclass field carrying its `--help` text and help-section name."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, "group": group})
+    return field(default=default, metadata={"help": help, "group": group})
+
+
+@dataclass
+class RLOOConfig:
+    """Everything one RLOO run needs. Field names and defaults follow TRL 1.16's `RLOOConfig` (bf16 is off by
+    default: it needs an accelerator to pay off). Derived values are properties, never stored."""
+
+    # --- model
+    model_name_or_path: str | None = _opt(
+        None,
+        "model",
+        "Policy model: a local Hugging Face folder (config.json + safetensors) or a hub id. `demo` builds "
+        "the built-in tiny random-init Qwen2-shaped model (no network).",
+    )
+    reward_model_name_or_path: list[str] | None = _opt(
+        None,
+        "model",
+        "Reward model(s) (sequence classification with one label): local folders or hub ids, "
+        "comma-separated. Scored after the functions of `reward_funcs`, in this order.",
+    )
+    trust_remote_code: bool = _opt(
+        False,
+        "model",
+        "Accepted for TRL compatibility. rloo_jax never executes code shipped with a model: only the config "
+        "and safetensors weights are read, so this option changes nothing.",
+    )
+    bf16: bool = _opt(
+        False,
+        "model",
+        "Compute in bfloat16 (parameters and optimizer stay float32). TRL defaults to True on GPUs; on CPU "
+        "bf16 is not faster at small sizes, so the default here is False.",
+    )
+
+    # --- rewards
+    reward_funcs: list[str] | None = _opt(
+        None,
+        "rewards",
+        "Comma-separated reward functions: dotted paths `module:function` (called as `f(prompts, "
+        "completions, completion_ids, **columns) -> list[float | None]`, sync or async), built-in names "
+        "(`accuracy`, `format`, `soft_overlong`) or reward-model paths.",
+    )
+    reward_weights: list[float] | None = _opt(
+        None,
+        "rewards",
+        "Weights for each reward function, in the order of `reward_funcs` then `reward_model_name_or_path`. "
+        "Must match the number of reward functions. If None, all rewards are weighted equally with weight "
+        "1.0.",
+    )
+    format_reward_pattern: str = _opt(
+        r"^<think>(?!.*<think>)(.*?)</think>.*$",
+        "rewards",
+        "Regex (DOTALL | MULTILINE, `re.match`) of the built-in `format` reward: 1.0 when the completion "
+        "matches, else 0.0.",
+    )
+    soft_overlong_cache: int = _opt(
+        0,
+        "rewards",
+        "L_cache of the built-in `soft_overlong` reward (DAPO soft overlong punishment): completions longer "
+        "than max_completion_length - L_cache get a linear penalty down to -1. 0 means "
+        "max_completion_length // 4.",
+    )
+    missing_eos_penalty: float | None = _opt(
+        None,
+        "rewards",
+        "Subtract this from the reward of completions that did not end with EOS (older TRL option).",
+    )
+    reward_clip_range: tuple[float, float] | None = _opt(
+        None,
+        "rewards",
+        "Clip range for rewards as (min, max), e.g. `-1,1`. If None, no clipping is applied.",
+    )
+
+    # --- data
+    dataset_name: str | None = _opt(
+        None,
+        "data",
+        "Prompt dataset: a hub id, a local `save_to_disk` folder, a local .json/.jsonl/.parquet/.csv file, "
+        "or `tfds:<name>[/<config>]` (needs the `tfds` extra). Needs a `prompt` column (text, or a list of "
+        "chat messages); other columns are passed to reward functions as keyword arguments. `demo` writes "
+        "the built-in task.",
+    )
+    dataset_config: str | None = _opt(
+        None,
+        "data",
+        "Dataset configuration name (hub datasets).",
+    )
+    dataset_train_split: str = _opt(
+        "train",
+        "data",
+        "Dataset split to train on.",
+    )
+    dataset_test_split: str = _opt(
+        "test",
+        "data",
+        "Dataset split to evaluate on (used when eval_steps is set).",
+    )
+    shuffle_dataset: bool = _opt(
+        True,
+        "data",
+        "Whether to shuffle the training dataset (a new order each epoch, from the seed).",
+    )
+    max_prompt_length: int | None = _opt(
+        512,
+        "data",
+        "Maximum prompt length in tokens; longer prompts are truncated from the left (and counted). None "
+        "keeps every prompt whole.",
+    )
+    prompt_bucket: int = _opt(
+        64,
+        "data",
+        "Pad prompt batches (on the left) to a multiple of this many tokens, so the sampler compiles once "
+        "per bucket instead of once per length.",
+    )
+    chat_template_kwargs: dict | None = _opt(
+        None,
+        "data",
+        "Additional keyword arguments to pass to the `apply_chat_template` function (conversational "
+        "prompts), as YAML/JSON, e.g. `{enable_thinking: false}`.",
+    )
+
+    # --- generation
+    num_generations: int = _opt(
+        2,
+        "generation",
+        "Number of generations to sample per prompt (G). The generation batch (per_device_train_batch_size "
+        "* steps_per_generation) must be evenly divisible by this value.",
+    )
+    num_generations_eval: int | None = _opt(
+        None,
+        "generation",
+        "Number of generations per prompt during evaluation. If None, uses num_generations.",
+    )
+    max_completion_length: int = _opt(
+        512,
+        "generation",
+        "Maximum length of the generated completion.",
+    )
+    temperature: float = _opt(
+        1.0,
+        "generation",
+        "Temperature for sampling (and for the log-probs). The higher the temperature, the more random the "
+        "completions.",
+    )
+    top_k: int = _opt(
+        0,
+        "generation",
+        "Number of highest probability vocabulary tokens to keep for top-k-filtering. If 0, top-k-filtering "
+        "is disabled and all tokens are considered.",
+    )
+    top_p: float = _opt(
+        1.0,
+        "generation",
+        "Float that controls the cumulative probability of the top tokens to consider. Must be in (0, 1]. "
+        "Set to 1.0 to consider all tokens.",
+    )
+    min_p: float | None = _opt(
+        None,
+        "generation",
+        "Minimum token probability, which will be scaled by the probability of the most likely token. It "
+        "must be a value between 0.0 and 1.0. Typical values are in the 0.01-0.2 range.",
+    )
+    repetition_penalty: float = _opt(
+        1.0,
+        "generation",
+        "Float that penalizes new tokens based on whether they appear in the prompt and the generated text "
+        "so far. Values > 1.0 encourage the model to use new tokens, while values < 1.0 encourage "
+        "repetition.",
+    )
+
+    # --- algorithm
+    beta: float = _opt(
+        0.05,
+        "algorithm",
+        "KL coefficient. If 0.0, the reference model is not kept, reducing memory usage and improving training speed.",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = _opt(
+        "k1",
+        "algorithm",
+        "KL estimator for the penalty: k1 (TRL: old_logp - ref_logp), k2 or k3.",
+    )
+    token_level_kl: bool = _opt(
+        False,
+        "algorithm",
+        "Spread the KL penalty per token instead of subtracting the sequence KL from the reward (older TRL).",
+    )
+    num_iterations: int = _opt(
+        1,
+        "algorithm",
+        "Number of iterations per batch (denoted as μ in the algorithm).",
+    )
+    epsilon: float = _opt(
+        0.2,
+        "algorithm",
+        "Epsilon value for clipping.",
+    )
+    epsilon_high: float | None = _opt(
+        None,
+        "algorithm",
+        "Upper-bound epsilon value for clipping. If not specified, it defaults to the same value as the "
+        "lower-bound specified in argument epsilon. Paper DAPO recommends 0.28.",
+    )
+    normalize_advantages: bool = _opt(
+        False,
+        "algorithm",
+        "Whether to normalize advantages. Normalization is done per generation batch to have mean 0.0 and "
+        "standard deviation of 1.0.",
+    )
+    mask_truncated_completions: bool = _opt(
+        False,
+        "algorithm",
+        "When enabled, truncated completions are excluded from the loss calculation, preventing them from "
+        "being incorrectly penalized and introducing noise during training (DAPO).",
+    )
+    sync_ref_model: bool = _opt(
+        False,
+        "algorithm",
+        "Whether to synchronize the reference model with the active model every ref_model_sync_steps steps, "
+        "using ref_model_mixup_alpha (TR-DPO). Needs beta > 0.",
+    )
+    ref_model_mixup_alpha: float = _opt(
+        0.6,
+        "algorithm",
+        "α from TR-DPO: ref = α * policy + (1 - α) * ref_prev at each synchronization.",
+    )
+    ref_model_sync_steps: int = _opt(
+        512,
+        "algorithm",
+        "τ from TR-DPO: how many optimizer steps between reference-model synchronizations.",
+    )
+
+    # --- optimization
+    learning_rate: float = _opt(
+        1e-6,
+        "optimization",
+        "The initial learning rate for AdamW.",
+    )
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = _opt(
+        "linear",
+        "optimization",
+        "The learning-rate schedule (counted in optimizer steps).",
+    )
+    warmup_ratio: float = _opt(
+        0.0,
+        "optimization",
+        "Fraction of the optimizer steps used for a linear warmup from 0.",
+    )
+    weight_decay: float = _opt(
+        0.0,
+        "optimization",
+        "AdamW weight decay.",
+    )
+    max_grad_norm: float = _opt(
+        1.0,
+        "optimization",
+        "Clip gradients to this global norm (0 disables clipping).",
+    )
+    adam_beta1: float = _opt(
+        0.9,
+        "optimization",
+        "AdamW beta1.",
+    )
+    adam_beta2: float = _opt(
+        0.999,
+        "optimization",
+        "AdamW beta2.",
+    )
+    adam_epsilon: float = _opt(
+        1e-8,
+        "optimization",
+        "AdamW epsilon.",
+    )
+    per_device_train_batch_size: int = _opt(
+        8,
+        "optimization",
+        "Completions per device per optimizer micro-step (as in TRL; not prompts).",
+    )
+    gradient_accumulation_steps: int = _opt(
+        1,
+        "optimization",
+        "Micro-steps accumulated into one optimizer step.",
+    )
+    steps_per_generation: int | None = _opt(
+        None,
+        "optimization",
+        "Micro-steps per generation: one generation holds per_device_train_batch_size * "
+        "steps_per_generation completions. If None, it defaults to gradient_accumulation_steps.",
+    )
+    max_steps: int = _opt(
+        -1,
+        "optimization",
+        "Total optimizer steps. -1 derives it from num_train_epochs.",
+    )
+    num_train_epochs: float = _opt(
+        3.0,
+        "optimization",
+        "Passes over the training prompts (used when max_steps is -1).",
+    )
+    seed: int = _opt(
+        42,
+        "optimization",
+        "Random seed: initialization of the demo model, data order and sampling.",
+    )
+
+    # --- logging
+    output_dir: str = _opt(
+        "outputs/rloo",
+        "logging",
+        "Where metrics.jsonl, rollouts.jsonl, config.yaml, checkpoints/ and final/ go.",
+    )
+    logging_steps: int = _opt(
+        10,
+        "logging",
+        "Log metrics every this many optimizer steps.",
+    )
+    log_completions: bool = _opt(
+        False,
+        "logging",
+        "Write every completion of a logged step to rollouts.jsonl (the last step is always written) and "
+        "print a sample.",
+    )
+    num_completions_to_print: int | None = _opt(
+        None,
+        "logging",
+        "Number of completions to print when log_completions is set. If None, all are printed.",
+    )
+    report_to: list[str] = _opt(
+        ["none"],
+        "logging",
+        "Extra metric sinks, comma-separated: none, tensorboard (needs the `tensorboard` extra), wandb "
+        "(needs the `wandb` extra). metrics.jsonl is always written.",
+    )
+    save_steps: int = _opt(
+        500,
+        "logging",
+        "Save a checkpoint every this many optimizer steps (and at the end).",
+    )
+    save_total_limit: int | None = _opt(
+        None,
+        "logging",
+        "Keep at most this many checkpoints (None keeps all).",
+    )
+    eval_steps: int | None = _opt(
+        None,
+        "logging",
+        "Evaluate on dataset_test_split every this many optimizer steps (None: no evaluation).",
+    )
+    per_device_eval_batch_size: int = _opt(
+        8,
+        "logging",
+        "Completions per evaluation batch; must be divisible by the evaluation num_generations.",
+    )
+    compilation_cache: bool = _opt(
+        True,
+        "logging",
+        "Use JAX's persistent compilation cache (later runs skip most compilation).",
+    )
+    compilation_cache_dir: str = _opt(
+        os.path.join(DEFAULT_CACHE_DIR, "jax_cache"),
+        "logging",
+        "Folder of the persistent compilation cache.",
+    )
+    debug: bool = _opt(
+        False,
+        "logging",
+        "Show full tracebacks for configuration and data errors.",
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------- derived values
+    @property
+    def resolved_steps_per_generation(self) -> int:
+        """steps_per_generation, defaulting to gradient_accumulation_steps (TRL)."""
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions per generation (B*G)."""
+        return self.per_device_train_batch_size * self.resolved_steps_per_generation
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """Prompts per generation (B)."""
+        return self.generation_batch_size // self.num_generations
+
+    @property
+    def resolved_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def resolved_num_generations_eval(self) -> int:
+        return self.num_generations_eval or self.num_generations
+
+    @property
+    def reward_sources(self) -> list[str]:
+        """Reward functions in scoring order: reward_funcs, then reward_model_name_or_path."""
+        return list(self.reward_funcs or []) + list(self.reward_model_name_or_path or [])
+
+    @property
+    def resolved_reward_weights(self) -> list[float]:
+        return list(self.reward_weights) if self.reward_weights else [1.0] * len(self.reward_sources)
+
+    @property
+    def resolved_soft_overlong_cache(self) -> int:
+        return self.soft_overlong_cache or max(1, self.max_completion_length // 4)
+
+    # ----------------------------------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Check every invariant once; raise one `ConfigError` naming the option and the fix."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, coerce(getattr(self, f.name), _hints()[f.name], f.name))
+        _require(
+            self.model_name_or_path,
+            "model_name_or_path is required: pass --model_name_or_path "
+            "PATH_OR_HUB_ID (or run with no arguments for the built-in demo)",
+        )
+        _require(
+            self.dataset_name,
+            "dataset_name is required: pass --dataset_name HUB_ID_OR_PATH (a local "
+            ".jsonl with a `prompt` column works)",
+        )
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"num_generations must be >= 2 for the leave-one-out baseline (got "
+                f"{self.num_generations}); set --num_generations 2 or more"
+            )
+        for name in (
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "num_iterations",
+            "max_completion_length",
+            "prompt_bucket",
+            "logging_steps",
+            "save_steps",
+            "ref_model_sync_steps",
+            "per_device_eval_batch_size",
+        ):
+            _check(getattr(self, name) >= 1, name, "must be >= 1", getattr(self, name))
+        for name in (
+            "steps_per_generation",
+            "max_prompt_length",
+            "save_total_limit",
+            "eval_steps",
+            "num_generations_eval",
+        ):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, name, "must be >= 1 or None", value)
+        if self.generation_batch_size % self.num_generations:
+            step = self.num_generations // math.gcd(self.num_generations, self.resolved_steps_per_generation)
+            raise ConfigError(
+                f"the generation batch per_device_train_batch_size * steps_per_generation = "
+                f"{self.per_device_train_batch_size} * {self.resolved_steps_per_generation} = "
+                f"{self.generation_batch_size} completions must be divisible by num_generations = "
+                f"{self.num_generations}; change per_device_train_batch_size to a multiple of {step}"
+            )
+        if self.resolved_steps_per_generation % self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"steps_per_generation ({self.resolved_steps_per_generation}) must be a multiple of "
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps}): an optimizer step cannot "
+                "span two generation batches"
+            )
+        if self.eval_steps is not None and self.per_device_eval_batch_size % self.resolved_num_generations_eval:
+            raise ConfigError(
+                f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) must be divisible by the "
+                f"evaluation num_generations ({self.resolved_num_generations_eval}); change one of them"
+            )
+        _check(
+            self.max_steps == -1 or self.max_steps >= 1,
+            "max_steps",
+            "must be >= 1 (or -1 to use num_train_epochs)",
+            self.max_steps,
+        )
+        _check(self.num_train_epochs > 0, "num_train_epochs", "must be > 0", self.num_train_epochs)
+        _check(self.learning_rate > 0, "learning_rate", "must be > 0", self.learning_rate)
+        _check(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)", self.warmup_ratio)
+        _check(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
+        _check(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)", self.max_grad_norm)
+        for name in ("adam_beta1", "adam_beta2"):
+            _check(0 <= getattr(self, name) < 1, name, "must be in [0, 1)", getattr(self, name))
+        _check(self.adam_epsilon > 0, "adam_epsilon", "must be > 0", self.adam_epsilon)
+        _check(self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]; 1.0 disables it", self.top_p)
+        _check(self.top_k >= 0, "top_k", "must be >= 0; 0 disables it", self.top_k)
+        _check(self.min_p is None or 0 <= self.min_p <= 1, "min_p", "must be in [0, 1] or None", self.min_p)
+        _check(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be > 0; 1.0 disables it",
+            self.repetition_penalty,
+        )
+        _check(self.beta >= 0, "beta", "must be >= 0 (0 drops the reference model)", self.beta)
+        _check(self.epsilon > 0, "epsilon", "must be > 0", self.epsilon)
+        _check(
+            self.epsilon_high is None or self.epsilon_high > 0,
+            "epsilon_high",
+            "must be > 0 or None",
+            self.epsilon_high,
+        )
+        _check(
+            0 <= self.ref_model_mixup_alpha <= 1,
+            "ref_model_mixup_alpha",
+            "must be in [0, 1]",
+            self.ref_model_mixup_alpha,
+        )
+        if self.sync_ref_model and self.beta == 0:
+            raise ConfigError(
+                "sync_ref_model needs a reference model, but beta is 0 (no reference model is "
+                "kept); set --beta > 0 or --sync_ref_model false"
+            )
+        if self.reward_clip_range is not None and not self.reward_clip_range[0] < self.reward_clip_range[1]:
+            raise ConfigError(f"reward_clip_range must be (min, max) with min < max (got {self.reward_clip_range})")
+        _check(self.soft_overlong_cache >= 0, "soft_overlong_cache", "must be >= 0", self.soft_overlong_cache)
+        _check(
+            self.num_completions_to_print is None or self.num_completions_to_print >= 0,
+            "num_completions_to_print",
+            "must be >= 0 or None",
+            self.num_completions_to_print,
+        )
+        if not self.reward_sources:
+            raise ConfigError(
+                "no reward: set --reward_funcs (functions `module:function` or built-in names) "
+                "and/or --reward_model_name_or_path"
+            )
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_sources):
+            raise ConfigError(
+                f"reward_weights has {len(self.reward_weights)} values but there are "
+                f"{len(self.reward_sources)} reward functions ({', '.join(self.reward_sources)}); give one "
+                "weight per function, in that order"
+            )
+        for sink in self.report_to:
+            if sink not in REPORT_TO_CHOICES:
+                raise ConfigError(f"report_to: unknown sink {sink!r}; choose from {', '.join(REPORT_TO_CHOICES)}")
+        if self.dataset_name.startswith("tfds:") and not self.dataset_name[5:].strip("/"):
+            raise ConfigError("dataset_name: `tfds:` needs a dataset name, e.g. `tfds:gsm8k` or `tfds:glue/sst2`")
+
+    # ----------------------------------------------------------------------------------------- export
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML/JSON-ready values (tuples become lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+def _require(value: Any, message: str) -> None:
+    if not value:
+        raise ConfigError(message)
+
+
+def _check(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{name} {rule} (got {value!r}); fix --{name}")
+
+
+_HINTS: dict[str, Any] = {}
+
+
+def _hints() -> dict[str, Any]:
+    if not _HINTS:
+        _HINTS.update(typing.get_type_hints(RLOOConfig))
+    return _HINTS
+
+
+# ---------------------------------------------------------------------------------------------- value parsing
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+_NONE = {"none", "null", "~"}
+
+
+def coerce(value: Any, annotation: Any, name: str) -> Any:
+    """Parse `value` (a command-line string or a YAML scalar/list/dict) into `annotation`'s type.
+
+    bool accepts true/false/1/0/yes/no; lists and tuples accept comma-separated strings; `None`/`null` gives
+    None for optional fields; dicts accept YAML/JSON text.
+    """
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+            if len(non_none) < len(args):
+                return None
+            raise ConfigError(f"{name} cannot be None")
+        return coerce(value, non_none[0], name)
+    if origin is Literal:
+        text = str(value)
+        if text not in args:
+            near = difflib.get_close_matches(text, [str(a) for a in args], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{name}: {text!r} is not one of {', '.join(map(str, args))}{hint}")
+        return text
+    if origin in (list, tuple):
+        items = _split_list(value, name)
+        if origin is tuple:
+            if len(args) == 2 and args[1] is Ellipsis:
+                return tuple(coerce(v, args[0], name) for v in items)
+            if len(items) != len(args):
+                raise ConfigError(f"{name} needs {len(args)} comma-separated values (got {value!r})")
+            return tuple(coerce(v, a, name) for v, a in zip(items, args, strict=True))
+        return [coerce(v, args[0] if args else str, name) for v in items]
+    if annotation is dict or origin is dict:
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value) if value.strip() else {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{name}: cannot parse {value!r} as a YAML/JSON mapping ({e})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a mapping like `{{key: value}}` (got {value!r})")
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in _TRUE | _FALSE:
+            return text in _TRUE
+        raise ConfigError(f"{name} must be true/false/1/0 (got {value!r})")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be an integer (got {value!r})")
+        try:
+            number = float(value) if isinstance(value, str) else value
+            if isinstance(number, float) and not number.is_integer():
+                raise ValueError
+            return int(number)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be an integer (got {value!r})") from None
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be a number (got {value!r})")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be a number (got {value!r})") from None
+    if annotation is str:
+        if isinstance(value, list | dict):
+            raise ConfigError(f"{name} must be a single value (got {value!r})")
+        return str(value)
+    raise TypeError(f"unsupported annotation {annotation!r} for {name}")
+
+
+def _split_list(value: Any, name: str) -> list[Any]:
+    if isinstance(value, list | tuple):
+        return list(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith(("[", "(")) and text.endswith(("]", ")")):
+            text = text[1:-1]
+        return [v.strip() for v in text.split(",") if v.strip()]
+    return [value]
+
+
+# ------------------------------------------------------------------------------------------------ sources
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(RLOOConfig)]
+
+
+def canonical_name(name: str, source: str) -> str:
+    """Map an option name (or an old TRL alias) to a field name, or fail suggesting the nearest one."""
+    name = name.replace("-", "_")
+    if name in ALIASES:
+        new = ALIASES[name]
+        logger.warning("note: `%s` is the old TRL name of `%s` (TRL <= 0.21); using %s", name, new, new)
+        return new
+    if name in field_names():
+        return name
+    near = difflib.get_close_matches(name, field_names() + list(ALIASES), n=1, cutoff=0.6)
+    hint = f"; did you mean --{near[0]}?" if near else "; see --help for the list"
+    raise ConfigError(f"unknown option {name!r} in {source}{hint}")
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config file (safe loader) into {field_name: raw value}."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of option: value (got {type(data).__name__})")
+    return {canonical_name(str(k), path): v for k, v in data.items()}
+
+
+def parse_argv(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
+    """Split argv into (the --config path, {field_name: raw string value}).
+
+    Accepts `--name value` and `--name=value`; a bare boolean `--flag` means true.
+    """
+    config_path, overrides, i = None, {}, 0
+    hints = _hints()
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --name value or --name=value")
+        key, has_eq, value = arg[2:].partition("=")
+        if not has_eq:
+            takes_flag = key.replace("-", "_") in hints and hints[key.replace("-", "_")] is bool
+            if i + 1 < len(argv) and not (takes_flag and argv[i + 1].startswith("--")):
+                value, i = argv[i + 1], i + 1
+            elif takes_flag:
+                value = "true"
+            else:
+                raise ConfigError(f"option --{key} needs a value")
+        i += 1
+        if key == "config":
+            config_path = value
+        else:
+            overrides[canonical_name(key, "the command line")] = value
+    return config_path, overrides
+
+
+def load_config(argv: Sequence[str], base: dict[str, Any] | None = None) -> RLOOConfig:
+    """The validated config: `base` values, then the `--config` YAML file, then command-line overrides."""
+    config_path, overrides = parse_argv(argv)
+    values = dict(base or {})
+    if config_path is not None:
+        values.update(read_yaml(config_path))
+    values.update(overrides)
+    return config_from_dict(values)
+
+
+def config_from_dict(values: dict[str, Any]) -> RLOOConfig:
+    """Build a validated config from {name: raw value}; values are coerced to the annotated types."""
+    hints = _hints()
+    parsed = {canonical_name(k, "the config"): v for k, v in values.items()}
+    parsed = {k: coerce(v, hints[k], k) for k, v in parsed.items()}
+    return RLOOConfig(**parsed)
+
+
+def format_help() -> str:
+    """`--help` text: usage, then every option grouped, with its type, default and help text."""
+    lines = [
+        "usage: python -m rloo_jax.train [--config FILE.yaml] [--name value | --name=value ...]",
+        "",
+        "Train a causal LM with RLOO (TRL 1.16's RLOOTrainer math) in JAX. Options are read from the YAML "
+        "file first, then from the command line. With neither --config nor --model_name_or_path, the "
+        "built-in demo (configs/default.yaml: a tiny model on a synthetic task, no network) runs.",
+        f"Old TRL names are accepted: {', '.join(f'{k} -> {v}' for k, v in ALIASES.items())}.",
+    ]
+    group = None
+    hints = _hints()
+    for f in dataclasses.fields(RLOOConfig):
+        if f.metadata["group"] != group:
+            group = f.metadata["group"]
+            lines += ["", f"{group}:"]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        lines.append(f"  --{f.name} {_type_name(hints[f.name])}  (default: {json.dumps(default)})")
+        lines.append(f"      {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def _type_name(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return text.upper() if "[" not in text else text

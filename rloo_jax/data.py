@@ -1,0 +1,299 @@
+"""Prompt data: load a dataset, turn prompts into left-padded, bucketed token batches, iterate resumably.
+
+Sources (`load_prompt_dataset`): a hub id, a local `save_to_disk` folder, a local .json/.jsonl/.parquet/.csv
+file, or `tfds:<name>[/<config>]` (tensorflow-datasets, the `tfds` extra). Rows need a `prompt` column: text
+(standard) or a list of `{"role", "content"}` messages (conversational, rendered with the tokenizer's chat
+template and `add_generation_prompt=True`). Other columns travel with the batch for the reward functions.
+"""
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import datasets
+import numpy as np
+
+from rloo_jax.errors import DataError
+
+logger = logging.getLogger("rloo_jax")
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+# ------------------------------------------------------------------------------------------------- loading
+def load_prompt_dataset(name: str, split: str, config: str | None = None) -> datasets.Dataset:
+    """Load one split of a prompt dataset and check it has a non-empty `prompt` column.
+
+    `split` may itself be a local file path (e.g. a held-out .jsonl for evaluation). A single local file has
+    only the `train` split. Raises `DataError` with the source, the split and what to fix.
+    """
+    if _is_local_file(split):
+        ds = _load_file(split)
+    elif name.startswith("tfds:"):
+        ds = _load_tfds(name[len("tfds:") :], split)
+    elif os.path.isfile(name):
+        if split != "train":
+            raise DataError(
+                f"dataset {name} is a single file, which only has the `train` split (asked for "
+                f"{split!r}); pass a file path as the split instead (e.g. --dataset_test_split "
+                "test.jsonl)"
+            )
+        ds = _load_file(name)
+    elif os.path.isdir(name):
+        ds = _load_folder(name, split)
+    elif name.startswith((".", "/", "~")) or os.path.splitext(name)[1] in FILE_BUILDERS:
+        raise DataError(f"dataset {name}: no such file or folder")
+    else:
+        ds = _load_hub(name, config, split)
+    check_prompt_dataset(ds, f"{name} [{split}]")
+    return ds
+
+
+def check_prompt_dataset(ds: datasets.Dataset, source: str) -> None:
+    """Fail clearly on a dataset without a `prompt` column or without rows."""
+    if "prompt" not in ds.column_names:
+        raise DataError(
+            f"dataset {source} has no `prompt` column (columns: {', '.join(ds.column_names)}); "
+            "rename the prompt column to `prompt`"
+        )
+    if len(ds) == 0:
+        raise DataError(f"dataset {source} is empty")
+
+
+def _is_local_file(path: str) -> bool:
+    return os.path.splitext(path)[1] in FILE_BUILDERS and os.path.isfile(path)
+
+
+def _load_file(path: str) -> datasets.Dataset:
+    builder = FILE_BUILDERS.get(os.path.splitext(path)[1])
+    if builder is None:
+        raise DataError(f"dataset {path}: unsupported file type; use .json, .jsonl, .parquet or .csv")
+    try:
+        return datasets.load_dataset(builder, data_files=path, split="train")
+    except Exception as e:  # noqa: BLE001 - any parser error becomes one readable line
+        if "corresponds to no data" in str(e):
+            raise DataError(f"dataset {path} [train] is empty") from e
+        raise DataError(f"cannot read dataset file {path}: {_first_line(e)}") from e
+
+
+def _load_folder(path: str, split: str) -> datasets.Dataset:
+    saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
+    try:
+        ds = datasets.load_from_disk(path) if saved else datasets.load_dataset(path)
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"cannot load dataset folder {path}: {_first_line(e)}") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(
+                f"dataset {path} has no split {split!r} (splits: {', '.join(ds)}); set "
+                "--dataset_train_split / --dataset_test_split"
+            )
+        return ds[split]
+    if split != "train":
+        raise DataError(f"dataset {path} holds a single split, used as `train` (asked for {split!r})")
+    return ds
+
+
+def _load_hub(name: str, config: str | None, split: str) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except ValueError as e:
+        if "split" in str(e).lower():
+            raise DataError(f"dataset {name} has no split {split!r}: {_first_line(e)}") from e
+        raise DataError(f"cannot load dataset {name!r} from the Hugging Face hub: {_first_line(e)}") from e
+    except Exception as e:  # noqa: BLE001 - offline, not found, gated, ...
+        raise DataError(
+            f"cannot load dataset {name!r} (not a local path; from the hub: {_first_line(e)}); "
+            "pass a local file or folder, or check the name and the network"
+        ) from e
+
+
+def _load_tfds(spec: str, split: str) -> datasets.Dataset:
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise DataError(
+            "dataset `tfds:` sources need tensorflow-datasets, the `tfds` extra: pip install 'rloo_jax[tfds]'"
+        ) from None
+    try:
+        rows = list(tfds.as_numpy(tfds.load(spec.strip("/"), split=split)))
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"cannot load tfds dataset {spec!r} split {split!r}: {_first_line(e)}") from e
+    return tfds_rows_to_dataset(rows)
+
+
+def tfds_rows_to_dataset(rows: Sequence[dict[str, Any]]) -> datasets.Dataset:
+    """tfds numpy rows -> a `datasets.Dataset`: bytes decoded as UTF-8, numpy scalars to Python values."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, bytes):
+            return v.decode("utf-8")
+        if isinstance(v, np.ndarray):
+            return [plain(x) for x in v.tolist()] if v.ndim else plain(v.item())
+        if isinstance(v, np.generic):
+            return v.item()
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        return v
+
+    return datasets.Dataset.from_list([{k: plain(v) for k, v in row.items()} for row in rows])
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+# ------------------------------------------------------------------------------------------------ tokenizing
+def is_conversational(prompt: Any) -> bool:
+    """True for a list of chat messages (dicts with `role` and `content`), as in TRL."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def encode_prompts(
+    prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None
+) -> list[list[int]]:
+    """Token ids of each prompt, as TRL 1.16 builds them.
+
+    Text prompts: `tokenizer(text)` (with the tokenizer's special tokens). Conversational prompts:
+    `apply_chat_template(..., add_generation_prompt=True, tokenize=True)` with `chat_template_kwargs`.
+    """
+    if is_conversational(prompts[0]):
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                "the prompts are chat messages but the tokenizer has no chat template; use a "
+                "tokenizer with a `chat_template` or plain-text prompts"
+            )
+        out = tokenizer.apply_chat_template(
+            list(prompts),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(chat_template_kwargs or {}),
+        )
+        ids = out["input_ids"]
+    else:
+        ids = tokenizer(list(prompts))["input_ids"]
+    return [list(map(int, row)) for row in ids]
+
+
+def truncate_left(ids: Sequence[int], max_length: int | None) -> list[int]:
+    """Keep the last `max_length` tokens (the end of a prompt is what the completion continues)."""
+    return list(ids) if max_length is None or len(ids) <= max_length else list(ids[len(ids) - max_length :])
+
+
+def left_pad(
+    token_lists: Sequence[Sequence[int]], pad_token_id: int, bucket: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad to P = the longest row rounded up to a multiple of `bucket` (at least one bucket).
+
+    [[5, 6, 7], [8]] with bucket 4 -> ids [[0, 5, 6, 7], [0, 0, 0, 8]], mask [[0, 1, 1, 1], [0, 0, 0, 1]].
+    """
+    longest = max((len(t) for t in token_lists), default=1)
+    width = max(1, -(-longest // bucket)) * bucket
+    ids = np.full((len(token_lists), width), pad_token_id, np.int32)
+    mask = np.zeros((len(token_lists), width), np.int32)
+    for i, tokens in enumerate(token_lists):
+        if len(tokens):
+            ids[i, width - len(tokens) :] = tokens
+            mask[i, width - len(tokens) :] = 1
+    return ids, mask
+
+
+@dataclasses.dataclass
+class PromptBatch:
+    """B prompts ready for the sampler, with the dataset columns the reward functions receive."""
+
+    prompts: list[Any]  # B raw prompts (text or message lists)
+    columns: dict[str, list[Any]]  # every other dataset column, B values each
+    prompt_ids: np.ndarray  # [B, P] int32, left-padded
+    prompt_mask: np.ndarray  # [B, P] int32
+    num_truncated: int  # prompts shortened to max_prompt_length
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptEncoder:
+    """Rows -> `PromptBatch`: encode, truncate from the left, left-pad to a bucket multiple."""
+
+    tokenizer: Any
+    max_prompt_length: int | None
+    prompt_bucket: int
+    chat_template_kwargs: dict | None = None
+
+    def __call__(self, rows: dict[str, list[Any]]) -> PromptBatch:
+        prompts = list(rows["prompt"])
+        encoded = encode_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
+        if min(len(t) for t in encoded) == 0:
+            raise DataError("a prompt encodes to zero tokens; remove empty prompts from the dataset")
+        truncated = [truncate_left(t, self.max_prompt_length) for t in encoded]
+        num_truncated = sum(len(a) != len(b) for a, b in zip(encoded, truncated, strict=True))
+        pad = self.tokenizer.pad_token_id
+        pad = self.tokenizer.eos_token_id if pad is None else pad
+        ids, mask = left_pad(truncated, int(pad or 0), self.prompt_bucket)
+        columns = {k: list(v) for k, v in rows.items() if k != "prompt"}
+        return PromptBatch(prompts, columns, ids, mask, num_truncated)
+
+
+# ------------------------------------------------------------------------------------------------ iteration
+class PromptIterator:
+    """Endless batches of row indices: a fresh permutation per epoch from (seed, epoch); the last partial
+    batch of an epoch is dropped so every batch has the same shape.
+
+    The position (epoch, index) is the whole state: `load_state_dict(state_dict())` resumes exactly.
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
+        if num_rows < batch_size:
+            raise DataError(
+                f"the dataset has {num_rows} prompts, fewer than one generation batch of "
+                f"{batch_size} prompts; use more prompts or lower per_device_train_batch_size"
+            )
+        self.num_rows, self.batch_size, self.seed, self.shuffle = num_rows, batch_size, seed, shuffle
+        self.epoch, self.index = 0, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_rows // self.batch_size
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The row order of an epoch (deterministic in (seed, epoch))."""
+        if not self.shuffle:
+            return np.arange(self.num_rows)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        if self.index + self.batch_size > self.num_rows:
+            self.epoch, self.index = self.epoch + 1, 0
+        batch = self.order(self.epoch)[self.index : self.index + self.batch_size]
+        self.index += self.batch_size
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index, "num_rows": self.num_rows, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["num_rows"] != self.num_rows or state["seed"] != self.seed:
+            raise DataError(
+                f"the checkpoint's data position is for {state['num_rows']} prompts with seed "
+                f"{state['seed']}, but this run has {self.num_rows} prompts with seed "
+                f"{self.seed}; "
+                "resume with the same dataset and seed (or use a new output_dir)"
+            )
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def eval_batches(num_rows: int, batch_size: int) -> Iterator[tuple[np.ndarray, int]]:
+    """(indices, number of real rows) over a split in order; the last batch is padded by repeating its
+    last row so every batch has the same shape (callers drop the padded rows' results)."""
+    for start in range(0, num_rows, batch_size):
+        idx = np.arange(start, min(start + batch_size, num_rows))
+        real = len(idx)
+        yield np.concatenate([idx, np.full(batch_size - real, idx[-1])]), real

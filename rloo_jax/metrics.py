@@ -1,0 +1,198 @@
+"""Host-side metric plumbing: window averages read from the device once, JSONL files, TensorBoard / W&B,
+the console line and the rollout records.
+
+Outputs other tools rely on: `metrics.jsonl` (one object per logged step: `step`, TRL's metric names,
+`step_time`, `learning_rate`) and `rollouts.jsonl` (one object per completion of a recorded step).
+"""
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rloo_jax.errors import ConfigError
+
+
+def json_safe(value: Any) -> Any:
+    """NaN/inf -> None, numpy scalars -> Python, so every line is strict JSON."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def rename_reward_metrics(metrics: dict[str, Any], names: Sequence[str], prefix: str = "") -> dict[str, Any]:
+    """`rewards/<i>/mean` (function index) -> `rewards/<name>/mean`; every key gets `prefix` (e.g. `eval_`)."""
+    out = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "rewards" and parts[1].isdigit():
+            key = f"rewards/{names[int(parts[1])]}/{parts[2]}"
+        out[prefix + key] = value
+    return out
+
+
+class WindowMean:
+    """Sums step metrics on the device (no host sync) and reads the window mean in one transfer (TRL logs
+    the mean over the logging window)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, jax.Array] | None = None
+        self.count = 0
+
+    def add(self, metrics: dict[str, jax.Array]) -> None:
+        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        self.total = metrics if self.total is None else jax.tree.map(jnp.add, self.total, metrics)
+        self.count += 1
+
+    def read(self) -> dict[str, float]:
+        """The mean of every metric since the last read (one device -> host transfer); resets the window."""
+        if self.total is None:
+            return {}
+        host = jax.device_get(self.total)
+        out = {k: float(v) / self.count for k, v in host.items()}
+        self.total, self.count = None, 0
+        return out
+
+
+class JsonlWriter:
+    """Appends one JSON object per line; flushed after each write so a crash loses nothing written."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+
+    def write(self, records: dict[str, Any] | Iterable[dict[str, Any]]) -> None:
+        for record in [records] if isinstance(records, dict) else records:
+            self._file.write(json.dumps(json_safe(record), ensure_ascii=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def drop_records_after(path: str | os.PathLike, step: int) -> int:
+    """On resume, remove records logged after the checkpoint `step` (they will be logged again); returns how
+    many were dropped."""
+    if not os.path.exists(path):
+        return 0
+    records = read_jsonl(path)
+    keep = [r for r in records if r.get("step", 0) <= step]
+    if len(keep) != len(records):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in keep)
+        os.replace(tmp, path)
+    return len(records) - len(keep)
+
+
+# ------------------------------------------------------------------------------------------------ extra sinks
+def check_report_to(report_to: Sequence[str]) -> None:
+    """Fail before training if a requested sink's package is missing, naming the extra to install."""
+    extras = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb")}
+    for sink in report_to:
+        if sink in extras:
+            module, extra = extras[sink]
+            try:
+                __import__(module)
+            except ImportError:
+                raise ConfigError(
+                    f"report_to={sink} needs the `{module}` package: pip install 'rloo_jax[{extra}]'"
+                ) from None
+
+
+class Sinks:
+    """metrics.jsonl plus the optional TensorBoard / W&B writers named in `report_to`."""
+
+    def __init__(self, output_dir: str, report_to: Sequence[str], config: dict[str, Any]) -> None:
+        self.jsonl = JsonlWriter(os.path.join(output_dir, "metrics.jsonl"))
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in report_to:
+            from tensorboardX import SummaryWriter
+
+            self.tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if "wandb" in report_to:
+            import wandb
+
+            self.wandb = wandb.init(dir=output_dir, config=config, resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.jsonl.write({"step": step, **metrics})
+        if self.tensorboard is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float) and math.isfinite(value):
+                    self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(json_safe(metrics), step=step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# ------------------------------------------------------------------------------------------------ records
+def rollout_records(
+    step: int,
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    reward_names: Sequence[str],
+    rewards_per_func: np.ndarray,
+    rewards: np.ndarray,
+    advantages: np.ndarray,
+    lengths: np.ndarray,
+    truncated: np.ndarray,
+) -> list[dict[str, Any]]:
+    """One `rollouts.jsonl` object per completion (NaN rewards become null)."""
+    return [
+        {
+            "step": step,
+            "prompt": prompts[i],
+            "completion": completions[i],
+            "rewards": {name: float(rewards_per_func[i, f]) for f, name in enumerate(reward_names)},
+            "reward": float(rewards[i]),
+            "advantage": float(advantages[i]),
+            "length": int(lengths[i]),
+            "truncated": bool(truncated[i]),
+        }
+        for i in range(len(completions))
+    ]
+
+
+def weighted_rewards(rewards_per_func: np.ndarray, weights: Sequence[float]) -> np.ndarray:
+    """Host copy of `combine_rewards`: NaN-ignoring weighted sum per row; NaN when every entry is NaN."""
+    r = np.asarray(rewards_per_func, np.float64)
+    total = np.nansum(r * np.asarray(weights, np.float64), axis=1)
+    return np.where(np.isnan(r).all(axis=1), np.nan, total).astype(np.float32)
+
+
+def console_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    """A compact one-line summary of a logged step."""
+
+    def get(key: str) -> float:
+        return metrics.get(key, float("nan"))
+
+    kl = f" | kl {get('kl'):.4f}" if math.isfinite(get("kl")) else ""  # no KL when beta == 0
+    return (
+        f"step {step}/{total} | reward {get('reward'):.3f} ± {get('reward_std'):.3f}{kl} | "
+        f"entropy {get('entropy'):.3f} | len {get('completions/mean_length'):.1f} | "
+        f"lr {get('learning_rate'):.2e} | {get('step_time'):.2f} s/step"
+    )

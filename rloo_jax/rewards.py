@@ -1,0 +1,436 @@
+"""Host-side rewards: Python reward functions, built-ins and reward models -> `rewards_per_func [N, F]`.
+
+TRL's convention: `f(prompts, completions, completion_ids, **columns) -> list[float | None]`, plain or
+`async def`, called with keyword arguments; `columns` are the dataset's other columns, repeated per
+completion. Conversational prompts get completions as `[{"role": "assistant", "content": text}]`. `None`, NaN
+and inf become NaN ("unscorable", see `rloo.combine_rewards`), with a warning once per function.
+"""
+
+import asyncio
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import os
+import re
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from rloo_jax.errors import ConfigError, RewardError
+
+logger = logging.getLogger("rloo_jax")
+
+
+@dataclasses.dataclass
+class RewardFunction:
+    """A reward callable with the name used in metrics (`rewards/<name>/mean`)."""
+
+    name: str
+    fn: Callable[..., Any]
+    warned_unscorable: bool = False
+
+    @property
+    def is_async(self) -> bool:
+        call = type(self.fn).__call__ if not inspect.isfunction(self.fn) else None
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(call)
+
+
+# ------------------------------------------------------------------------------------------------ resolving
+def resolve_reward_funcs(
+    sources: Sequence[str],
+    builtins: dict[str, Callable[..., Any]] | None = None,
+    load_reward_model: Callable[[str], Callable[..., Any]] | None = None,
+) -> list[RewardFunction]:
+    """Turn `reward_funcs` entries (then reward-model paths) into named callables, in order.
+
+    An entry is a built-in name (a key of `builtins`), `module:function` / `path/to/file.py:function`, or a
+    reward model (a local folder or a hub id `org/name`), loaded with `load_reward_model(path)`. Raises
+    `ConfigError` naming the entry that cannot be resolved.
+    """
+    builtins = builtins or {}
+    out: list[RewardFunction] = []
+    for spec in sources:
+        if spec in builtins:
+            fn, name = builtins[spec], spec
+        elif ":" in spec and not os.path.isdir(spec):
+            fn = import_function(spec)
+            name = getattr(fn, "__name__", None) or spec.rsplit(":", 1)[1]
+        elif os.path.isdir(spec) or re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+            if load_reward_model is None:
+                raise ConfigError(f"reward {spec!r} looks like a reward model, but no model loader was given")
+            fn, name = load_reward_model(spec), spec.rstrip("/").split("/")[-1]
+        else:
+            known = ", ".join(sorted(builtins)) or "none"
+            raise ConfigError(
+                f"reward function {spec!r} is not a built-in ({known}), not `module:function`, and "
+                "not a reward-model folder; fix --reward_funcs"
+            )
+        out.append(RewardFunction(name, fn))
+    seen: dict[str, int] = {}
+    for r in out:  # unique metric names: a second `foo` becomes `foo_2`
+        seen[r.name] = seen.get(r.name, 0) + 1
+        if seen[r.name] > 1:
+            r.name = f"{r.name}_{seen[r.name]}"
+    return out
+
+
+def import_function(spec: str) -> Callable[..., Any]:
+    """`package.module:function` or `path/to/file.py:function` -> the function (ConfigError if missing)."""
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise ConfigError(f"reward function {spec!r}: no such file {module_name}")
+            mod_spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ImportError, SyntaxError, errors at import time
+        raise ConfigError(
+            f"reward function {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e})"
+        ) from e
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise ConfigError(f"reward function {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+def repeat_per_generation(values: Sequence[Any], num_generations: int) -> list[Any]:
+    """[a, b] with G=2 -> [a, a, b, b] (rows are prompt-major)."""
+    return [v for v in values for _ in range(num_generations)]
+
+
+def compute_rewards(
+    funcs: Sequence[RewardFunction],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    columns: dict[str, Sequence[Any]],
+) -> np.ndarray:
+    """Call every reward function on N completions -> `[N, F]` float32, NaN where unscorable.
+
+    `prompts`, `completion_ids` and each column have one entry per completion. Async functions run
+    concurrently. A function that raises or returns the wrong number of values stops the run with a
+    `RewardError` naming it (and, for an exception, the first sample that fails on its own).
+    """
+    n = len(completions)
+    kwargs = {
+        "prompts": list(prompts),
+        "completions": list(completions),
+        "completion_ids": [list(c) for c in completion_ids],
+        **{k: list(v) for k, v in columns.items()},
+    }
+    out = np.zeros((n, len(funcs)), np.float32)
+    pending: list[tuple[int, RewardFunction]] = []
+    for i, func in enumerate(funcs):
+        if func.is_async:
+            pending.append((i, func))
+        else:
+            out[:, i] = _to_rewards(func, _call(func, kwargs), n)
+    if pending:
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*(_acall(f, kwargs) for _, f in pending))
+
+        for (i, func), values in zip(pending, asyncio.run(gather()), strict=True):
+            out[:, i] = _to_rewards(func, values, n)
+    return out
+
+
+def _call(func: RewardFunction, kwargs: dict[str, Any]) -> Any:
+    try:
+        return func.fn(**kwargs)
+    except Exception as e:  # noqa: BLE001 - user code
+        raise _failure(func, kwargs, e) from e
+
+
+async def _acall(func: RewardFunction, kwargs: dict[str, Any]) -> Any:
+    try:
+        return await func.fn(**kwargs)
+    except Exception as e:  # noqa: BLE001 - user code
+        raise _failure(func, kwargs, e) from e
+
+
+def _failure(func: RewardFunction, kwargs: dict[str, Any], error: Exception) -> RewardError:
+    """A `RewardError` naming the function, the first sample that fails alone, and the user traceback."""
+    first = None
+    if not func.is_async:
+        for j in range(len(kwargs["completions"])):
+            try:
+                func.fn(**{k: v[j : j + 1] for k, v in kwargs.items()})
+            except Exception:  # noqa: BLE001
+                first = j
+                break
+    where = (
+        ""
+        if first is None
+        else f" on sample {first} (prompt {_short(kwargs['prompts'][first])}, "
+        f"completion {_short(kwargs['completions'][first])})"
+    )
+    err = RewardError(f"reward function {func.name!r} raised {type(error).__name__}: {error}{where}")
+    err.user_traceback = "".join(traceback.format_exception(error))
+    return err
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _to_rewards(func: RewardFunction, values: Any, n: int) -> np.ndarray:
+    """A function's output -> float32 [n]; None/NaN/inf -> NaN (warned once per function)."""
+    try:
+        values = list(values)
+    except TypeError:
+        raise RewardError(
+            f"reward function {func.name!r} returned {type(values).__name__}; it must return a "
+            f"list of {n} floats (or None), one per completion"
+        ) from None
+    if len(values) != n:
+        raise RewardError(
+            f"reward function {func.name!r} returned {len(values)} rewards, but {n} were expected "
+            "(one per prompt-completion pair)"
+        )
+    out = np.empty(n, np.float32)
+    for j, v in enumerate(values):
+        try:
+            out[j] = np.nan if v is None else float(v)
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"reward function {func.name!r} returned {v!r} for sample {j}; rewards must be "
+                "numbers or None"
+            ) from None
+    bad = ~np.isfinite(out)
+    if bad.any():
+        out[bad] = np.nan
+        if not func.warned_unscorable:
+            func.warned_unscorable = True
+            logger.warning(
+                "reward function %r returned None/NaN/inf for %d of %d completions; they count as "
+                "unscorable (NaN): left out of the weighted sum (warned once)",
+                func.name,
+                int(bad.sum()),
+                n,
+            )
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ built-ins
+def completion_text(completion: Any) -> str:
+    """Text of a completion: a string, or TRL's conversational `[{"role": "assistant", "content": ...}]`."""
+    if isinstance(completion, str):
+        return completion
+    return completion[0]["content"] if completion else ""
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a solution text: the last `\\boxed{...}`, else what follows the last `####`
+    (GSM8K), else the last number; None when there is none.
+
+    "so \\boxed{\\frac{1}{2}}" -> "\\frac{1}{2}"; "... #### 1,234" -> "1,234"; "it is 7 or 8." -> "8".
+    """
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip() or None
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j].strip()
+    return None
+
+
+def normalize_answer(answer: str) -> str:
+    """Canonical form for comparison: numbers as a float string ("1,000.50" -> "1000.5"), else lowercased
+    with spaces, `$` and a trailing period removed."""
+    text = answer.strip().replace("$", "").replace(" ", "").rstrip(".").lower()
+    text = re.sub(r"^\\text\{(.*)\}$", r"\1", text)
+    number = text.replace(",", "")
+    try:
+        value = float(number)
+    except ValueError:
+        return text
+    return repr(value) if math.isfinite(value) else text
+
+
+def accuracy_reward(
+    completions: list[Any], answer: list[str] | None = None, solution: list[str] | None = None, **kwargs: Any
+) -> list[float | None]:
+    """1.0 when the completion's final answer equals the reference, else 0.0; None when the reference has no
+    answer. The reference is the `answer` (GSM8K: "... #### 42") or `solution` column. Uses `math_verify`
+    when installed (as TRL's `accuracy_reward`), else `extract_answer` + `normalize_answer`.
+    """
+    gold = answer if answer is not None else solution
+    if gold is None:
+        raise ValueError("the accuracy reward needs an `answer` or `solution` column in the dataset")
+    try:
+        import math_verify
+    except ImportError:
+        math_verify = None
+    rewards: list[float | None] = []
+    for completion, ref in zip(completions, gold, strict=True):
+        text = completion_text(completion)
+        if math_verify is not None:
+            gold_parsed = math_verify.parse(str(ref))
+            if not gold_parsed:
+                rewards.append(None)
+                continue
+            rewards.append(float(math_verify.verify(gold_parsed, math_verify.parse(text))))
+            continue
+        ref_answer = extract_answer(str(ref))
+        if ref_answer is None:
+            rewards.append(None)
+            continue
+        pred = extract_answer(text)
+        rewards.append(float(pred is not None and normalize_answer(pred) == normalize_answer(ref_answer)))
+    return rewards
+
+
+def make_format_reward(pattern: str) -> Callable[..., list[float]]:
+    """1.0 when `re.match(pattern, text, DOTALL | MULTILINE)` succeeds (TRL's think_format_reward with its
+    default pattern), else 0.0."""
+    regex = re.compile(pattern, re.DOTALL | re.MULTILINE)
+
+    def format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+        return [1.0 if regex.match(completion_text(c)) else 0.0 for c in completions]
+
+    return format_reward
+
+
+def make_soft_overlong_reward(max_completion_length: int, cache: int) -> Callable[..., list[float]]:
+    """DAPO soft overlong punishment (TRL `get_soft_overlong_punishment`), with L = len(completion_ids):
+    0 if L <= Lmax - Lcache; (Lmax - Lcache - L) / Lcache if L <= Lmax; else -1.
+    E.g. Lmax 10, Lcache 4: L = 6 -> 0, L = 8 -> -0.5, L = 10 -> -1."""
+
+    def soft_overlong_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+        out = []
+        for ids in completion_ids:
+            n = len(ids)
+            if n <= max_completion_length - cache:
+                out.append(0.0)
+            elif n <= max_completion_length:
+                out.append((max_completion_length - cache - n) / cache)
+            else:
+                out.append(-1.0)
+        return out
+
+    return soft_overlong_reward
+
+
+def builtin_rewards(
+    format_pattern: str, max_completion_length: int, soft_overlong_cache: int
+) -> dict[str, Callable[..., Any]]:
+    """The built-in reward functions by name."""
+    return {
+        "accuracy": accuracy_reward,
+        "format": make_format_reward(format_pattern),
+        "soft_overlong": make_soft_overlong_reward(max_completion_length, soft_overlong_cache),
+    }
+
+
+# ------------------------------------------------------------------------------------------- reward models
+def reward_model_texts(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    tokenizer: Any,
+    chat_template_kwargs: dict | None = None,
+) -> list[str]:
+    """Texts a reward model scores, as TRL builds them: `prompt + completion`, or for conversational prompts
+    the chat template over `prompt + completion` messages (no generation prompt)."""
+    from rloo_jax.data import is_conversational
+
+    if prompts and is_conversational(prompts[0]):
+        return [
+            tokenizer.apply_chat_template(list(p) + list(c), tokenize=False, **(chat_template_kwargs or {}))
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+    return [p + c for p, c in zip(prompts, completions, strict=True)]
+
+
+def right_pad(
+    token_lists: Sequence[Sequence[int]], pad_token_id: int, bucket: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad to the longest row rounded up to a multiple of `bucket` -> (ids, mask) int32 [N, T]."""
+    longest = max((len(t) for t in token_lists), default=1)
+    width = max(1, -(-longest // bucket)) * bucket
+    ids = np.full((len(token_lists), width), pad_token_id, np.int32)
+    mask = np.zeros((len(token_lists), width), np.int32)
+    for i, tokens in enumerate(token_lists):
+        ids[i, : len(tokens)] = tokens
+        mask[i, : len(tokens)] = 1
+    return ids, mask
+
+
+class RewardModelScorer:
+    """A reward model as a reward function: re-tokenizes `prompt + completion` text with the reward model's
+    own tokenizer (no special tokens added, as TRL), right-pads to a bucketed length (one compile per
+    bucket) and runs `score_fn(ids [N, T], mask [N, T]) -> [N]` (a jitted model call)."""
+
+    def __init__(
+        self,
+        score_fn: Callable[[Any, Any], Any],
+        tokenizer: Any,
+        bucket: int = 64,
+        max_length: int | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> None:
+        self.score_fn, self.tokenizer, self.bucket = score_fn, tokenizer, bucket
+        self.max_length, self.chat_template_kwargs = max_length, chat_template_kwargs
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+        texts = reward_model_texts(prompts, completions, self.tokenizer, self.chat_template_kwargs)
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        if self.max_length is not None:
+            ids = [t[-self.max_length :] for t in ids]  # keep the end: the last token is the one scored
+        pad = self.tokenizer.pad_token_id
+        pad = self.tokenizer.eos_token_id if pad is None else pad
+        input_ids, mask = right_pad(ids, int(pad or 0), self.bucket)
+        return np.asarray(self.score_fn(input_ids, mask), np.float32).tolist()
+
+
+def load_reward_model_scorer(
+    path: str, dtype: str = "float32", bucket: int = 64, chat_template_kwargs: dict | None = None
+) -> RewardModelScorer:
+    """Load a reward model and its tokenizer (rloo_jax.models) and wrap them as a jitted reward function."""
+    import jax
+    from flax import nnx
+
+    from rloo_jax.models import load_reward_model, load_tokenizer
+
+    model = load_reward_model(path, dtype=dtype)
+    graphdef, state = nnx.split(model)
+    score = jax.jit(lambda s, ids, mask: nnx.merge(graphdef, s)(ids, mask))
+    return RewardModelScorer(
+        lambda ids, mask: score(state, ids, mask),
+        load_tokenizer(path, padding_side="right"),
+        bucket=bucket,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+
+
+def format_reward_error(error: RewardError) -> str:
+    """The user's traceback (if any), then the one-line message."""
+    tb = getattr(error, "user_traceback", "")
+    return f"{tb}{error}" if tb else str(error)

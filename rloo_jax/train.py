@@ -1,0 +1,449 @@
+"""`python -m rloo_jax.train [--config FILE.yaml] [--name value ...]`: the RLOO training loop.
+
+Top to bottom: config -> tokenizer, policy, frozen reference -> optimizer -> `RLOOStep` -> resume -> for each
+generation: prompts, rollout (jitted), decode, rewards (host), update (jitted), metrics, records, checkpoint,
+eval, reference sync -> final Hugging Face export. Everything is validated and loaded before the first file
+is written, so a bad invocation leaves an existing output_dir untouched.
+"""
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import datasets
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from rloo_jax import demo
+from rloo_jax.checkpoint import Checkpointer
+from rloo_jax.config import RLOOConfig, format_help, load_config, parse_argv
+from rloo_jax.data import (
+    PromptBatch,
+    PromptEncoder,
+    PromptIterator,
+    eval_batches,
+    is_conversational,
+    load_prompt_dataset,
+)
+from rloo_jax.errors import ConfigError, DataError, RewardError
+from rloo_jax.metrics import (
+    JsonlWriter,
+    Sinks,
+    WindowMean,
+    check_report_to,
+    console_line,
+    drop_records_after,
+    json_safe,
+    rename_reward_metrics,
+    rollout_records,
+    weighted_rewards,
+)
+from rloo_jax.models import ModelLoadError, load_causal_lm, load_tokenizer, save_pretrained
+from rloo_jax.models.hf import resolve_checkpoint
+from rloo_jax.rewards import (
+    RewardFunction,
+    builtin_rewards,
+    compute_rewards,
+    format_reward_error,
+    load_reward_model_scorer,
+    repeat_per_generation,
+    resolve_reward_funcs,
+)
+from rloo_jax.sampling import SamplingConfig, generate
+from rloo_jax.step import RLOOStep, StepConfig
+
+logger = logging.getLogger("rloo_jax")
+CACHE_ROOT = os.environ.get("RLOO_JAX_CACHE", os.path.join("~", ".cache", "rloo_jax"))
+
+
+# ------------------------------------------------------------------------------------------------ pure helpers
+def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps: int) -> Callable[[Any], Any]:
+    """transformers' schedules, counted in optimizer steps (step 0 = the first update).
+
+    Warmup: lr * s / W for s < W. Then linear: lr * (T - s) / (T - W); cosine: lr * (1 + cos(pi * progress)) / 2;
+    constant(_with_warmup): lr. E.g. linear, lr 1, W 2, T 6: [0, 0.5, 1, 0.75, 0.5, 0.25].
+    """
+
+    def schedule(step: Any) -> Any:
+        s = jnp.asarray(step, jnp.float32)
+        warm = s / max(1, warmup_steps)
+        progress = (s - warmup_steps) / max(1, total_steps - warmup_steps)
+        if kind == "linear":
+            after = jnp.maximum(0.0, 1.0 - progress)
+        elif kind == "cosine":
+            after = jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.clip(progress, 0.0, 1.0))))
+        elif kind in ("constant", "constant_with_warmup"):
+            after = jnp.ones_like(s)
+        else:
+            raise ConfigError(f"lr_scheduler_type {kind!r} is not supported")
+        if kind == "constant":
+            return learning_rate * after
+        return learning_rate * jnp.where(s < warmup_steps, warm, after)
+
+    return schedule
+
+
+def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+    """clip_by_global_norm -> AdamW (decay on matrices only, as transformers skips biases and norms)."""
+    schedule = lr_schedule(
+        cfg.lr_scheduler_type, cfg.learning_rate, math.ceil(cfg.warmup_ratio * total_steps), total_steps
+    )
+    adamw = optax.adamw(
+        schedule,
+        b1=cfg.adam_beta1,
+        b2=cfg.adam_beta2,
+        eps=cfg.adam_epsilon,
+        weight_decay=cfg.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    )
+    chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    return optax.chain(*chain, adamw), schedule
+
+
+def completion_lengths(completion_ids: np.ndarray, eos_token_ids: Sequence[int]) -> np.ndarray:
+    """EOS-cut lengths [N]: up to and including the first EOS, else C. [[5, 1, 0], [5, 6, 7]], eos 1 -> [2, 3]."""
+    is_eos = np.isin(completion_ids, list(eos_token_ids))
+    first = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, completion_ids.shape[1])
+    return first.astype(np.int32)
+
+
+def crossed(previous: int, current: int, every: int | None) -> bool:
+    """True when a multiple of `every` lies in (previous, current] (a step may advance by several updates)."""
+    return bool(every) and current // every > previous // every
+
+
+def eos_token_ids(model_dir: str, tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's EOS plus every id in the model's generation_config.json (Qwen/Llama-3 have several)."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            extra = json.load(f).get("eos_token_id")
+        ids += [int(e) for e in (extra if isinstance(extra, list) else [extra]) if e is not None]
+    return tuple(dict.fromkeys(ids))
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def build_config(argv: Sequence[str]) -> RLOOConfig:
+    """The run config; with neither --config nor --model_name_or_path, the built-in demo is the base."""
+    config_path, overrides = parse_argv(argv)
+    if config_path is None and "model_name_or_path" not in overrides:
+        logger.warning("no --config and no --model_name_or_path: running the built-in demo (configs/default.yaml)")
+        return load_config(argv, base=demo.DEFAULT_CONFIG)
+    return load_config(argv)
+
+
+def enable_compilation_cache(cfg: RLOOConfig) -> None:
+    if cfg.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.compilation_cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop needs, all loaded and validated before anything is written."""
+
+    cfg: RLOOConfig
+    tokenizer: Any
+    model: Any
+    train_ds: Any
+    eval_ds: Any
+    encoder: PromptEncoder
+    reward_funcs: list[RewardFunction]
+    eos_ids: tuple[int, ...]
+
+
+def prepare(cfg: RLOOConfig) -> Run:
+    """Resolve the demo, load tokenizer, policy, data and reward functions; check the first batch encodes."""
+    model_path, dataset = cfg.model_name_or_path, cfg.dataset_name
+    if model_path == "demo":
+        model_path = demo.prepare_model(
+            os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/model-{cfg.seed}")), cfg.seed
+        )
+    if dataset == "demo":
+        dataset = demo.prepare_dataset(os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/data-{cfg.seed}")), cfg.seed)
+    if cfg.trust_remote_code:
+        logger.warning("note: trust_remote_code has no effect; rloo_jax never runs code shipped with a model")
+    model_dir = str(resolve_checkpoint(model_path))
+    tokenizer = load_tokenizer(model_dir, padding_side="left")
+    model = load_causal_lm(model_dir, dtype="bfloat16" if cfg.bf16 else "float32", param_dtype="float32")
+    train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, cfg.dataset_config)
+    eval_ds = load_prompt_dataset(dataset, cfg.dataset_test_split, cfg.dataset_config) if cfg.eval_steps else None
+    encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
+    encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
+    builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
+    reward_funcs = resolve_reward_funcs(
+        cfg.reward_sources,
+        builtins,
+        lambda path: load_reward_model_scorer(
+            path, "bfloat16" if cfg.bf16 else "float32", cfg.prompt_bucket, cfg.chat_template_kwargs
+        ),
+    )
+    check_report_to(cfg.report_to)
+    eos = eos_token_ids(model_dir, tokenizer)
+    if not eos:
+        raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
+    return Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, eos)
+
+
+def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> SamplingConfig:
+    return SamplingConfig(
+        max_new_tokens=cfg.max_completion_length,
+        num_generations=num_generations,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        min_p=cfg.min_p or 0.0,
+        repetition_penalty=cfg.repetition_penalty,
+        eos_token_ids=run.eos_ids,
+        pad_token_id=int(run.tokenizer.pad_token_id),
+    )
+
+
+def step_config(cfg: RLOOConfig, run: Run) -> StepConfig:
+    return StepConfig(
+        sampling=sampling_config(cfg, run, cfg.num_generations),
+        beta=cfg.beta,
+        epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high,
+        normalize_advantages=cfg.normalize_advantages,
+        reward_clip_range=cfg.reward_clip_range,
+        mask_truncated_completions=cfg.mask_truncated_completions,
+        missing_eos_penalty=cfg.missing_eos_penalty,
+        kl_estimator=cfg.kl_estimator,
+        token_level_kl=cfg.token_level_kl,
+        num_iterations=cfg.num_iterations,
+        steps_per_generation=cfg.resolved_steps_per_generation,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ host work
+@dataclasses.dataclass
+class Scored:
+    """A generation batch after decoding and reward computation (host side)."""
+
+    prompts: list[Any]  # N prompts (repeated G times)
+    completions: list[Any]  # N texts, or assistant messages for conversational prompts
+    lengths: np.ndarray  # [N] EOS-cut lengths
+    truncated: np.ndarray  # [N] bool
+    rewards_per_func: np.ndarray  # [N, F] float32 with NaN
+
+
+def decode_and_score(run: Run, batch: PromptBatch, completion_ids: np.ndarray, num_generations: int) -> Scored:
+    """Decode completions (special tokens skipped, as TRL) and call every reward function."""
+    lengths = completion_lengths(completion_ids, run.eos_ids)
+    ids = [completion_ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
+    texts = run.tokenizer.batch_decode(ids, skip_special_tokens=True)
+    chat = is_conversational(batch.prompts[0])
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+    prompts = repeat_per_generation(batch.prompts, num_generations)
+    columns = {k: repeat_per_generation(v, num_generations) for k, v in batch.columns.items()}
+    rewards = compute_rewards(run.reward_funcs, prompts, completions, ids, columns)
+    truncated = ~np.isin(completion_ids[np.arange(len(lengths)), lengths - 1], list(run.eos_ids))
+    return Scored(prompts, completions, lengths, truncated, rewards)
+
+
+def evaluate(run: Run, graphdef: Any, params: Any, key: jax.Array, names: list[str]) -> dict[str, float]:
+    """Sample num_generations_eval completions per test prompt and report reward / length statistics."""
+    cfg = run.cfg
+    g = cfg.resolved_num_generations_eval
+    sc = sampling_config(cfg, run, g)
+    model = nnx.merge(graphdef, params)
+    per_func, lengths, truncated = [], [], []
+    for i, (idx, real) in enumerate(eval_batches(len(run.eval_ds), cfg.per_device_eval_batch_size // g)):
+        batch = run.encoder(run.eval_ds[idx])
+        gen = generate(
+            model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            key=jax.random.fold_in(key, i),
+            max_new_tokens=sc.max_new_tokens,
+            num_generations=g,
+            temperature=sc.temperature,
+            top_k=sc.top_k,
+            top_p=sc.top_p,
+            min_p=sc.min_p,
+            repetition_penalty=sc.repetition_penalty,
+            eos_token_ids=sc.eos_token_ids,
+            pad_token_id=sc.pad_token_id,
+            prompt_bucket=cfg.prompt_bucket,
+        )
+        scored = decode_and_score(run, batch, np.asarray(gen.completion_ids), g)
+        keep = slice(0, real * g)  # drop the rows padding the last batch
+        per_func.append(scored.rewards_per_func[keep])
+        lengths.append(scored.lengths[keep])
+        truncated.append(scored.truncated[keep])
+    per_func, lengths, truncated = np.concatenate(per_func), np.concatenate(lengths), np.concatenate(truncated)
+    reward = weighted_rewards(per_func, cfg.resolved_reward_weights)
+    out = {"reward": float(np.nanmean(reward)), "reward_std": float(np.nanstd(reward, ddof=1))}
+    for f, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = float(np.nanmean(per_func[:, f]))
+        out[f"rewards/{name}/std"] = float(np.nanstd(per_func[:, f], ddof=1))
+    out["completions/mean_length"] = float(lengths.mean())
+    out["completions/clipped_ratio"] = float(truncated.mean())
+    return {f"eval_{k}": v for k, v in out.items()}
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+def train(cfg: RLOOConfig) -> dict[str, str]:
+    """Run training; returns the output paths."""
+    enable_compilation_cache(cfg)
+    run = prepare(cfg)
+    iterator = PromptIterator(len(run.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
+    scfg = step_config(cfg, run)
+    per_gen = scfg.updates_per_generation
+    if cfg.max_steps > 0:
+        total_steps = cfg.max_steps
+    else:
+        total_steps = math.ceil(cfg.num_train_epochs * iterator.batches_per_epoch) * per_gen
+    optimizer, schedule = make_optimizer(cfg, total_steps)
+    graphdef, params = nnx.split(run.model)
+    ref = jax.tree.map(jnp.copy, params) if cfg.beta > 0 else None  # a copy: update() donates the policy buffers
+    step_fn = RLOOStep(graphdef, optimizer, scfg)
+    state = step_fn.init_state(params, ref)
+    base_key = jax.random.key(cfg.seed)
+    eval_key = jax.random.key(cfg.seed + 1)  # evaluation never consumes training randomness
+    weights = jnp.asarray(cfg.resolved_reward_weights, jnp.float32)
+    names = [f.name for f in run.reward_funcs]
+
+    # everything is loaded and valid: from here on, files are written
+    out = os.path.abspath(cfg.output_dir)
+    os.makedirs(out, exist_ok=True)
+    paths = {
+        "metrics": os.path.join(out, "metrics.jsonl"),
+        "rollouts": os.path.join(out, "rollouts.jsonl"),
+        "checkpoints": os.path.join(out, "checkpoints"),
+        "final": os.path.join(out, "final"),
+        "config": os.path.join(out, "config.yaml"),
+    }
+    ckpt = Checkpointer(paths["checkpoints"], max_to_keep=cfg.save_total_limit)
+    step = 0
+    latest = ckpt.latest_step()
+    if latest is not None:
+        state, base_key, meta = ckpt.restore(latest, state, base_key)
+        iterator.load_state_dict(meta["data"])
+        step = int(meta["step"])
+        dropped = drop_records_after(paths["metrics"], step) + drop_records_after(paths["rollouts"], step)
+        print(
+            f"Resuming from checkpoint {os.path.join(paths['checkpoints'], str(latest))} (step {step}"
+            + (f"; dropped {dropped} records logged after it)" if dropped else ")")
+        )
+    with open(paths["config"], "w", encoding="utf-8") as f:
+        f.write(cfg.to_yaml())
+    sinks = Sinks(out, cfg.report_to, json_safe(cfg.to_dict()))
+    rollouts = JsonlWriter(paths["rollouts"])
+    window = WindowMean()
+    truncated_prompts = 0
+
+    progress = Progress(
+        TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True
+    )
+    try:
+        with progress:
+            task = progress.add_task("train", total=total_steps, completed=step)
+            while step < total_steps:
+                t0 = time.perf_counter()
+                prev, lr = step, float(schedule(step + per_gen - 1))
+                batch = run.encoder(run.train_ds[next(iterator)])
+                truncated_prompts += batch.num_truncated
+                key = jax.random.fold_in(base_key, step)
+                rollout = step_fn.rollout(state, batch.prompt_ids, batch.prompt_mask, key)
+                scored = decode_and_score(run, batch, np.asarray(rollout.completion_ids), cfg.num_generations)
+                rewards = jnp.asarray(scored.rewards_per_func)
+                state, metrics = step_fn.update(state, rollout, rewards, weights)
+                step += per_gen
+                window.add(metrics)
+                if cfg.sync_ref_model and crossed(prev, step, cfg.ref_model_sync_steps):
+                    state = step_fn.sync_reference(state, cfg.ref_model_mixup_alpha)
+                last = step >= total_steps
+                if crossed(prev, step, cfg.logging_steps) or last:
+                    logged = rename_reward_metrics(window.read(), names)
+                    logged.update(
+                        step_time=time.perf_counter() - t0,
+                        learning_rate=lr,
+                        epoch=iterator.epoch + iterator.index / (iterator.batches_per_epoch * iterator.batch_size),
+                        num_truncated_prompts=truncated_prompts,
+                    )
+                    sinks.log(step, logged)
+                    progress.console.print(console_line(step, total_steps, logged), soft_wrap=True)
+                    if cfg.log_completions or last:
+                        adv, _ = step_fn.score(rollout, rewards, weights)
+                        records = rollout_records(
+                            step, scored.prompts, scored.completions, names, scored.rewards_per_func,
+                            weighted_rewards(scored.rewards_per_func, cfg.resolved_reward_weights),
+                            np.asarray(adv), scored.lengths, scored.truncated,
+                        )  # fmt: skip
+                        rollouts.write(records)
+                        print_completions(progress.console, records, cfg.num_completions_to_print)
+                if crossed(prev, step, cfg.save_steps) or last:
+                    ckpt.save(step, state, base_key, {"data": iterator.state_dict(), "step": step})
+                if run.eval_ds is not None and (crossed(prev, step, cfg.eval_steps) or last):
+                    eval_metrics = evaluate(run, graphdef, state.params, jax.random.fold_in(eval_key, step), names)
+                    sinks.log(step, eval_metrics)
+                    progress.console.print(
+                        f"eval step {step}: reward {eval_metrics['eval_reward']:.3f} "
+                        f"(len {eval_metrics['eval_completions/mean_length']:.1f})"
+                    )
+                progress.update(task, completed=step)
+    finally:
+        ckpt.close()  # waits for an in-flight save; a failed step never starts a new one
+        sinks.close()
+        rollouts.close()
+    save_pretrained(nnx.merge(graphdef, state.params), paths["final"], tokenizer=run.tokenizer)
+    print(f"Done: {step} optimizer steps. Outputs in {out}:")
+    for name in ("metrics", "rollouts", "checkpoints", "final", "config"):
+        print(f"  {name:12s} {paths[name]}")
+    return paths
+
+
+def print_completions(console: Any, records: list[dict[str, Any]], limit: int | None) -> None:
+    """A small table of (prompt, completion, reward, advantage)."""
+    table = Table("prompt", "completion", "reward", "advantage", title=f"step {records[0]['step']}")
+    for r in records[: limit if limit is not None else len(records)]:
+        table.add_row(str(r["prompt"])[-60:], str(r["completion"])[:80], f"{r['reward']:.3f}", f"{r['advantage']:.3f}")
+    console.print(table)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point: 0 on success, 2 on a configuration/data/model error (one line), 1 on a reward error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(format_help())
+        return 0
+    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    datasets.disable_progress_bars()  # one clean console: our progress bar and lines only
+    debug = any(a in ("--debug", "--debug=true", "--debug=1") for a in argv)
+    try:
+        cfg = build_config(argv)
+        debug = cfg.debug
+        train(cfg)
+    except (ConfigError, DataError, ModelLoadError) as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RewardError as e:
+        print(format_reward_error(e), file=sys.stderr)
+        print("error: training stopped; the last checkpoint was left as it was", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

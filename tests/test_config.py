@@ -1,0 +1,228 @@
+"""RLOOConfig: YAML + command-line parsing, types, aliases, suggestions, and every validation rule."""
+
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rloo_jax.config import (
+    RLOOConfig,
+    coerce,
+    config_from_dict,
+    format_help,
+    load_config,
+    parse_argv,
+)
+from rloo_jax.errors import ConfigError
+
+BASE = ["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "pkg.mod:f"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make(**kw):
+    values = {"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["pkg.mod:f"]}
+    values.update(kw)
+    return config_from_dict(values)
+
+
+def test_defaults_follow_trl():
+    cfg = make()
+    assert (cfg.learning_rate, cfg.beta, cfg.epsilon, cfg.num_generations) == (1e-6, 0.05, 0.2, 2)
+    assert (cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k) == (512, 1.0, 1.0, 0)
+    assert (cfg.per_device_train_batch_size, cfg.logging_steps, cfg.lr_scheduler_type) == (8, 10, "linear")
+    assert cfg.bf16 is False and cfg.trust_remote_code is False and cfg.report_to == ["none"]
+
+
+def test_yaml_then_overrides_and_types(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "model_name_or_path: m\ndataset_name: d\nreward_funcs: [a.b:c, accuracy]\nlearning_rate: 1e-3\n"
+        "num_generations: 4\nreward_clip_range: [-1, 1]\nchat_template_kwargs: {enable_thinking: false}\n"
+    )
+    cfg = load_config(
+        [
+            "--config",
+            str(f),
+            "--learning_rate=5e-4",
+            "--bf16",
+            "--mask_truncated_completions",
+            "1",
+            "--reward_weights",
+            "1,0.5",
+            "--top_p",
+            "0.9",
+            "--eval_steps",
+            "None",
+            "--debug",
+        ]
+    )
+    assert cfg.learning_rate == 5e-4  # command line wins over the file; YAML's "1e-3" string parsed as float
+    assert cfg.num_generations == 4 and cfg.bf16 is True and cfg.mask_truncated_completions is True
+    assert cfg.reward_funcs == ["a.b:c", "accuracy"] and cfg.reward_weights == [1.0, 0.5]
+    assert cfg.reward_clip_range == (-1.0, 1.0) and cfg.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.top_p == 0.9 and cfg.eval_steps is None and cfg.debug is True
+
+
+def test_coerce_rules():
+    assert coerce("false", bool, "x") is False and coerce("1", bool, "x") is True
+    assert coerce("3", int, "x") == 3 and coerce("1e3", int, "x") == 1000
+    assert coerce("a, b,", list[str], "x") == ["a", "b"]
+    assert coerce("[1, 2]", list[float], "x") == [1.0, 2.0]
+    assert coerce("null", int | None, "x") is None
+    assert coerce("(0, 2)", tuple[float, float], "x") == (0.0, 2.0)
+    assert coerce('{"a": 1}', dict | None, "x") == {"a": 1}
+    for value, ann in (("maybe", bool), ("1.5", int), ("abc", float), ("1", tuple[float, float]), ("[1]", dict)):
+        with pytest.raises(ConfigError, match="x"):
+            coerce(value, ann, "x")
+
+
+def test_aliases_map_to_new_names_with_a_note(caplog):
+    with caplog.at_level(logging.WARNING, logger="rloo_jax"):
+        cfg = load_config(BASE + ["--rloo_k", "4", "--kl_coef", "0.1", "--cliprange=0.3", "--num_ppo_epochs", "2"])
+    assert (cfg.num_generations, cfg.beta, cfg.epsilon, cfg.num_iterations) == (4, 0.1, 0.3, 2)
+    assert "`rloo_k` is the old TRL name of `num_generations`" in caplog.text
+
+
+def test_unknown_option_suggests_nearest():
+    with pytest.raises(ConfigError, match="did you mean --learning_rate"):
+        load_config(BASE + ["--learning_rte", "1"])
+    with pytest.raises(ConfigError, match="unknown option 'zzz'"):
+        load_config(BASE + ["--zzz", "1"])
+
+
+def test_parse_argv_forms():
+    path, values = parse_argv(["--config", "x.yaml", "--seed=3", "--debug", "--temperature", "0.5"])
+    assert path == "x.yaml" and values == {"seed": "3", "debug": "true", "temperature": "0.5"}
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_argv(["--seed"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_argv(["seed"])
+
+
+def test_derived_values():
+    cfg = make(per_device_train_batch_size=6, gradient_accumulation_steps=2, num_generations=3, epsilon=0.1)
+    assert cfg.resolved_steps_per_generation == 2 and cfg.generation_batch_size == 12
+    assert cfg.prompts_per_generation == 4 and cfg.resolved_epsilon_high == 0.1
+    assert cfg.resolved_num_generations_eval == 3 and cfg.resolved_reward_weights == [1.0]
+    cfg = make(
+        reward_model_name_or_path="a/rm",
+        reward_weights=[1, 2],
+        epsilon_high=0.28,
+        num_generations_eval=1,
+        per_device_eval_batch_size=3,
+    )
+    assert cfg.reward_sources == ["pkg.mod:f", "a/rm"] and cfg.resolved_epsilon_high == 0.28
+    assert cfg.resolved_soft_overlong_cache == 128
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model_name_or_path": None}, "model_name_or_path is required"),
+        ({"dataset_name": ""}, "dataset_name is required"),
+        ({"num_generations": 1}, "num_generations must be >= 2"),
+        ({"per_device_train_batch_size": 6, "num_generations": 4}, "must be divisible by num_generations = 4"),
+        ({"per_device_eval_batch_size": 5, "eval_steps": 2}, "per_device_eval_batch_size .5. must be divisible"),
+        (
+            {"steps_per_generation": 3, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
+            "must be a multiple of gradient_accumulation_steps",
+        ),
+        ({"learning_rate": 0}, "learning_rate must be > 0"),
+        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"min_p": 2}, "min_p must be in"),
+        ({"epsilon": 0}, "epsilon must be > 0"),
+        ({"epsilon_high": -1}, "epsilon_high must be > 0"),
+        ({"max_completion_length": 0}, "max_completion_length must be >= 1"),
+        ({"max_prompt_length": 0}, "max_prompt_length must be >= 1"),
+        ({"beta": -0.1}, "beta must be >= 0"),
+        ({"max_steps": 0}, "max_steps must be >= 1"),
+        ({"warmup_ratio": 1}, r"warmup_ratio must be in \[0, 1\)"),
+        ({"adam_beta2": 1}, "adam_beta2 must be in"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+        ({"sync_ref_model": True, "beta": 0}, "sync_ref_model needs a reference model"),
+        ({"ref_model_mixup_alpha": 2}, "ref_model_mixup_alpha must be in"),
+        ({"reward_clip_range": (1, 0)}, "min < max"),
+        ({"reward_funcs": None}, "no reward"),
+        ({"reward_weights": [1, 2]}, "reward_weights has 2 values but there are 1 reward functions"),
+        ({"report_to": "tensorbord"}, "unknown sink 'tensorbord'"),
+        ({"lr_scheduler_type": "cosin"}, "did you mean 'cosine'"),
+        ({"kl_estimator": "k4"}, "not one of k1, k2, k3"),
+        ({"dataset_name": "tfds:"}, "needs a dataset name"),
+        ({"logging_steps": 0}, "logging_steps must be >= 1"),
+        ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
+    ],
+)
+def test_validation_messages(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        make(**overrides)
+
+
+def test_validation_reruns_on_replace():
+    with pytest.raises(ConfigError, match="num_generations"):
+        dataclasses.replace(make(), num_generations=1)
+
+
+def test_unreadable_yaml_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match=f"config file {bad} is not valid YAML"):
+        load_config(["--config", str(bad)])
+    with pytest.raises(ConfigError, match="cannot read config file .*missing.yaml"):
+        load_config(["--config", str(tmp_path / "missing.yaml")])
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(["--config", str(listy)])
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("num_generation: 4\n")
+    with pytest.raises(ConfigError, match=f"in {typo}; did you mean --num_generations"):
+        load_config(["--config", str(typo)])
+
+
+def test_help_lists_every_option_with_help_text():
+    text = format_help()
+    for f in dataclasses.fields(RLOOConfig):
+        assert f"--{f.name} " in text, f.name
+        assert f.metadata["help"] in text
+    assert "rloo_k -> num_generations" in text
+
+
+def test_yaml_round_trip():
+    cfg = make(reward_clip_range=(0, 1), report_to="tensorboard,wandb", chat_template_kwargs={"a": 1})
+    import yaml
+
+    again = config_from_dict(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg
+
+
+def run_cli(*args, cwd=ROOT):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "rloo_jax.train", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120
+    )
+
+
+def test_cli_config_errors_exit_2_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("keep\n")
+    r = run_cli(*BASE, "--num_generations", "1", "--output_dir", str(out))
+    assert r.returncode == 2, r.stderr
+    assert "num_generations must be >= 2" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"] and (out / "metrics.jsonl").read_text() == "keep\n"
+    r = run_cli(*BASE, "--lerning_rate", "1")
+    assert r.returncode == 2 and "did you mean --learning_rate" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli(*BASE, "--num_generations", "1", "--debug")
+    assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+def test_cli_help_exits_0():
+    r = run_cli("--help")
+    assert r.returncode == 0 and "--num_generations" in r.stdout and "--learning_rate" in r.stdout

@@ -1,0 +1,334 @@
+"""The training loop end to end on the built-in demo: outputs, resume, failures, shipped configs, learning."""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rloo_jax import demo
+from rloo_jax.metrics import read_jsonl
+from rloo_jax.train import completion_lengths, crossed, eos_token_ids, lr_schedule, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the demo, shrunk: 8 prompts x G=4 per step, 8-token completions
+SMALL = [
+    "--per_device_train_batch_size",
+    "32",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "8",
+    "--eval_steps",
+    "None",
+    "--compilation_cache",
+    "false",
+]
+REQUIRED = [
+    "step",
+    "reward",
+    "reward_std",
+    "rewards/letters_reward/mean",
+    "rewards/letters_reward/std",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "step_time",
+    "learning_rate",
+    "kl",
+    "entropy",
+    "loss",
+    "grad_norm",
+    "frac_reward_zero_std",
+    "num_tokens",
+]
+
+
+def steps_of(path):
+    return [r["step"] for r in read_jsonl(path) if "reward" in r]
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def test_lr_schedule_goldens():
+    lin = lr_schedule("linear", 1.0, 2, 6)
+    np.testing.assert_allclose([float(lin(s)) for s in range(6)], [0, 0.5, 1, 0.75, 0.5, 0.25])
+    cos = lr_schedule("cosine", 2.0, 0, 4)
+    np.testing.assert_allclose([float(cos(s)) for s in range(5)], [2, 1 + 2**-0.5, 1, 1 - 2**-0.5, 0], atol=1e-6)
+    np.testing.assert_allclose(
+        [float(lr_schedule("constant_with_warmup", 1.0, 2, 9)(s)) for s in range(4)], [0, 0.5, 1, 1]
+    )
+    assert float(lr_schedule("constant", 0.1, 5, 9)(0)) == pytest.approx(0.1)
+
+
+def test_completion_lengths_crossed_and_eos_ids(tmp_path):
+    ids = np.array([[5, 1, 0], [5, 6, 7], [2, 9, 9]])
+    np.testing.assert_array_equal(completion_lengths(ids, (1, 2)), [2, 3, 1])
+    assert crossed(9, 10, 5) and not crossed(10, 14, 5) and crossed(3, 7, 5) and not crossed(1, 2, None)
+    tok = demo.build_tokenizer()
+    assert eos_token_ids(str(tmp_path), tok) == (1,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 1]}))
+    assert eos_token_ids(str(tmp_path), tok) == (1, 7)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def test_cli_default_run_writes_every_output(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rloo_jax.train",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "4",
+            "--logging_steps",
+            "2",
+            "--save_steps",
+            "2",
+            "--eval_steps",
+            "4",
+            "--log_completions",
+            "true",
+            *SMALL[:6],
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "running the built-in demo" in r.stderr and f"Outputs in {out}" in r.stdout
+    metrics = read_jsonl(out / "metrics.jsonl")
+    train_rows = [m for m in metrics if "reward" in m]
+    assert [m["step"] for m in train_rows] == [2, 4]
+    for key in REQUIRED:
+        assert key in train_rows[0], key
+    assert train_rows[0]["learning_rate"] == pytest.approx(1e-3) and train_rows[0]["step_time"] > 0
+    evals = [m for m in metrics if "eval_reward" in m]
+    assert len(evals) == 1 and evals[0]["step"] == 4 and "eval_rewards/letters_reward/mean" in evals[0]
+    rollouts = read_jsonl(out / "rollouts.jsonl")
+    assert len(rollouts) == 2 * 32 and {r["step"] for r in rollouts} == {2, 4}
+    rec = rollouts[0]
+    assert set(rec) == {"step", "prompt", "completion", "rewards", "reward", "advantage", "length", "truncated"}
+    assert rec["reward"] == pytest.approx(demo.letters_reward([rec["completion"]], [rec["prompt"][:3]])[0])
+    assert sorted(os.listdir(out / "checkpoints")) == ["2", "4"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out / "final"))
+    assert "num_generations: 4" in (out / "config.yaml").read_text()
+
+
+def test_resume_continues_at_the_right_step_and_matches_a_straight_run(tmp_path, capsys):
+    common = [*SMALL, "--logging_steps", "1", "--save_steps", "2"]
+    assert main(["--output_dir", str(tmp_path / "straight"), "--max_steps", "4", *common]) == 0
+    assert main(["--output_dir", str(tmp_path / "resumed"), "--max_steps", "2", *common]) == 0
+    capsys.readouterr()
+    assert main(["--output_dir", str(tmp_path / "resumed"), "--max_steps", "4", *common]) == 0
+    assert "Resuming from checkpoint" in capsys.readouterr().out
+    straight = read_jsonl(tmp_path / "straight" / "metrics.jsonl")
+    resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed, strict=True):  # same data order, keys and updates after the resume
+        assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_reward_error_stops_and_keeps_the_last_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["--output_dir", str(out), "--max_steps", "2", "--save_steps", "2", *SMALL]) == 0
+    before = {p: os.path.getmtime(p) for p in glob.glob(str(out / "checkpoints" / "**"), recursive=True)}
+    rc = main(
+        [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "4",
+            "--save_steps",
+            "1",
+            *SMALL,
+            "--reward_funcs",
+            "tests.test_train:broken_reward",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 1 and "reward function 'broken_reward' raised ZeroDivisionError" in err and "on sample 0" in err
+    after = {p: os.path.getmtime(p) for p in glob.glob(str(out / "checkpoints" / "**"), recursive=True)}
+    assert after == before and sorted(os.listdir(out / "checkpoints")) == ["2"]
+
+
+def broken_reward(completions, **kwargs):
+    return [1 / 0 for _ in completions]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model_name_or_path", "/nonexistent/model", "--dataset_name", "demo"], "checkpoint path does not exist"),
+        (["--model_name_or_path", "demo", "--dataset_name", "/nonexistent/data.jsonl"], "no such file or folder"),
+        (
+            ["--model_name_or_path", "demo", "--dataset_name", "demo", "--reward_funcs", "nosuch_mod_q:f"],
+            "cannot import 'nosuch_mod_q'",
+        ),
+        (["--model_name_or_path", "demo", "--dataset_name", "demo", "--report_to", "wandb"], "rloo_jax\\[wandb\\]"),
+    ],
+)
+def test_load_errors_exit_2_and_touch_nothing(tmp_path, capsys, args, message, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("keep\n")
+    base = ["--reward_funcs", "rloo_jax.demo:letters_reward"] if "--reward_funcs" not in args else []
+    assert main([*args, *base, "--output_dir", str(out), "--compilation_cache", "false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and re.search(message, err) and "Traceback" not in err
+    assert err.count("\n") == 1
+    assert os.listdir(out) == ["metrics.jsonl"] and (out / "metrics.jsonl").read_text() == "keep\n"
+
+
+# ------------------------------------------------------------------------------------------------ configs
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    from rloo_jax.models import init_reward_model, save_pretrained
+
+    d = tmp_path_factory.mktemp("assets")
+    policy = demo.prepare_model(d / "policy", seed=0)
+    cfg = dict(demo.MODEL_CONFIG, architectures=["Qwen2ForSequenceClassification"])
+    save_pretrained(init_reward_model(cfg, seed=1), d / "rm", tokenizer=demo.build_tokenizer())
+    rows = demo.make_rows(16, seed=0)
+    (d / "text.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chat = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": "#### 3"} for r in rows]
+    (d / "chat_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    (d / "chat_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat[:4]))
+    return {
+        "policy": policy,
+        "rm": str(d / "rm"),
+        "text": str(d / "text.jsonl"),
+        "chat_train": str(d / "chat_train.jsonl"),
+        "chat_test": str(d / "chat_test.jsonl"),
+    }
+
+
+def test_every_shipped_config_validates():
+    from rloo_jax.config import config_from_dict, load_config
+
+    files = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+    assert {os.path.basename(f) for f in files} >= {
+        "default.yaml",
+        "tldr_pythia1b.yaml",
+        "math_qwen05b.yaml",
+        "tpu_pod.yaml",
+    }
+    for f in files:
+        load_config(["--config", f])
+    assert load_config(["--config", os.path.join(ROOT, "configs", "default.yaml")]) == config_from_dict(
+        demo.DEFAULT_CONFIG
+    )
+
+
+@pytest.mark.parametrize("name", ["tldr_pythia1b", "math_qwen05b", "tpu_pod"])
+def test_shipped_configs_run_two_steps_on_tiny_local_stand_ins(name, tiny_assets, tmp_path):
+    swap = {
+        "tldr_pythia1b": [
+            "--reward_model_name_or_path",
+            tiny_assets["rm"],
+            "--dataset_name",
+            tiny_assets["text"],
+            "--dataset_test_split",
+            tiny_assets["text"],
+            "--per_device_train_batch_size",
+            "4",
+            "--gradient_accumulation_steps",
+            "2",
+        ],
+        "math_qwen05b": [
+            "--dataset_name",
+            tiny_assets["chat_train"],
+            "--dataset_test_split",
+            tiny_assets["chat_test"],
+            "--eval_steps",
+            "2",
+            "--per_device_eval_batch_size",
+            "4",
+            "--per_device_train_batch_size",
+            "16",
+        ],
+        "tpu_pod": [
+            "--dataset_name",
+            tiny_assets["chat_train"],
+            "--dataset_test_split",
+            tiny_assets["chat_test"],
+            "--eval_steps",
+            "2",
+            "--per_device_eval_batch_size",
+            "8",
+            "--per_device_train_batch_size",
+            "8",
+            "--gradient_accumulation_steps",
+            "1",
+            "--steps_per_generation",
+            "2",
+            "--num_generations",
+            "4",
+            "--soft_overlong_cache",
+            "4",
+        ],
+    }[name]
+    out = tmp_path / name
+    args = [
+        "--config",
+        os.path.join(ROOT, "configs", f"{name}.yaml"),
+        "--model_name_or_path",
+        tiny_assets["policy"],
+        *swap,
+        "--max_steps",
+        "2",
+        "--max_completion_length",
+        "6",
+        "--output_dir",
+        str(out),
+        "--compilation_cache",
+        "false",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "2",
+    ]
+    assert main(args) == 0
+    rows = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
+    assert rows and rows[-1]["step"] == 2 and all(np.isfinite(r["loss"]) for r in rows)
+    assert os.path.isdir(out / "final") and os.listdir(out / "checkpoints") == ["2"]
+
+
+# ------------------------------------------------------------------------------------------------ learning
+@pytest.mark.slow
+def test_default_demo_learns(tmp_path):
+    """A shorter default run: the mean reward of the last fifth of logged steps beats the first fifth."""
+    out = tmp_path / "learn"
+    assert (
+        main(
+            [
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "120",
+                "--logging_steps",
+                "5",
+                "--eval_steps",
+                "None",
+                "--save_steps",
+                "1000",
+            ]
+        )
+        == 0
+    )
+    rewards = [m["reward"] for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
+    fifth = len(rewards) // 5
+    first, last = np.mean(rewards[:fifth]), np.mean(rewards[-fifth:])
+    assert last - first >= 0.2, (first, last, rewards)
