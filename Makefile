@@ -25,7 +25,7 @@ run: $(VENV)/.installed
 	$(BIN)/python -m rloo_jax.train $(ARGS)
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check rloo_jax tests bench
+	$(BIN)/ruff check rloo_jax tests bench notebooks scripts
 
 test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
