@@ -7,6 +7,11 @@ Python reward functions) lives in the trainer loop:
     rewards_per_func = <host: decode, reward functions / reward models>   # [B*G, F] with NaN for None
     state, metrics = step.update(state, rollout, rewards_per_func, w)   # jitted: RLOO + optimizer updates
 
+With a device mesh (``RLOOStep(..., mesh=make_mesh(...))``) the same functions are jitted with explicit shardings:
+parameters and optimizer state by the rule table of ``rloo_jax.mesh`` (FSDP + tensor parallel; XLA gathers each
+layer's weights where it is used, never the whole model on one device), batches over data x fsdp, scalars
+replicated; ``update`` still donates the state.
+
 Shapes: B prompts, G generations, N = B*G completions, P prompt length, C completion length.
 """
 
@@ -17,10 +22,22 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
+from jax.sharding import NamedSharding
 
 from rloo_jax.logprobs import completion_mask, masked_mean, per_token_logps_from_hidden
+from rloo_jax.mesh import (
+    LOGICAL_RULES,
+    Rules,
+    batch_sharding,
+    constrain_batch,
+    replicate,
+    replicated,
+    shard_params,
+    state_shardings,
+)
 from rloo_jax.rloo import KLEstimator, RLOOOptions, clipped_objective, kl_loss, score_completions
 from rloo_jax.sampling import SamplingConfig, generate_fn
 
@@ -168,27 +185,129 @@ def sync_reference(params: nnx.State, ref_params: nnx.State, alpha: float) -> nn
 
 
 class RLOOStep:
-    """Holds only static things (graphdef, optax transform, StepConfig) and the jitted step functions."""
+    """Holds only static things (graphdef, optax transform, StepConfig, mesh) and the jitted step functions.
 
-    def __init__(self, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, cfg: StepConfig) -> None:
+    ``mesh=None``: plain ``jax.jit`` on the default device. With a ``mesh`` (``rloo_jax.mesh.make_mesh``), call
+    ``init_state`` first: it places the state on its shardings (``self.state_shardings``), which the jitted
+    functions then take as explicit ``in_shardings``/``out_shardings``; batch arrays are split over data x fsdp
+    (each function is compiled once per batch shape). Multi-process: pass global arrays
+    (``rloo_jax.mesh.host_local_batch_to_global`` for per-process rows, ``replicate`` for keys and weights).
+    """
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        optimizer: optax.GradientTransformation,
+        cfg: StepConfig,
+        mesh: jax.sharding.Mesh | None = None,
+        rules: Rules | None = None,
+    ) -> None:
         self.graphdef = graphdef
         self.optimizer = optimizer
         self.cfg = cfg
-        self.rollout: Callable[..., Rollout] = jax.jit(self._rollout)
-        self.update: Callable[..., tuple[TrainState, dict[str, Array]]] = jax.jit(self._update, donate_argnums=0)
-        self.score: Callable[..., tuple[Array, dict[str, Array]]] = jax.jit(self._score)
-        self.sync_reference = jax.jit(self._sync_reference, static_argnums=1)
+        self.mesh = mesh
+        self.rules = LOGICAL_RULES if rules is None else rules
+        self.state_shardings: TrainState | None = None  # set by init_state when there is a mesh
+        self._sharded_jits: dict[tuple, Callable] = {}
+        if mesh is None:
+            self.rollout: Callable[..., Rollout] = jax.jit(self._rollout)
+            self.update: Callable[..., tuple[TrainState, dict[str, Array]]] = jax.jit(self._update, donate_argnums=0)
+            self.score: Callable[..., tuple[Array, dict[str, Array]]] = jax.jit(self._score)
+            self.sync_reference = jax.jit(self._sync_reference, static_argnums=1)
+        else:
+            self.rollout = self._sharded_rollout
+            self.update = self._sharded_update
+            self.score = self._sharded_score
+            self.sync_reference = self._sharded_sync_reference
 
     def init_state(self, params: nnx.State, ref_params: nnx.State | None = None) -> TrainState:
-        """A fresh state; ``ref_params`` is required when beta > 0 (usually a copy of the initial policy)."""
+        """A fresh state; ``ref_params`` is required when beta > 0 (usually a copy of the initial policy).
+
+        With a mesh the state is created directly on its shardings (the optimizer state is initialised sharded).
+        """
         if self.cfg.beta != 0.0 and ref_params is None:
             raise ValueError("beta != 0 needs ref_params (a frozen copy of the initial policy)")
+        ref_params = ref_params if self.cfg.beta != 0.0 else None
+        if self.mesh is None:
+            return TrainState(
+                params=params,
+                opt_state=self.optimizer.init(params),
+                ref_params=ref_params,
+                step=jnp.zeros((), jnp.int32),
+            )
+        abstract = jax.eval_shape(
+            lambda p, r: TrainState(p, self.optimizer.init(p), r, jnp.zeros((), jnp.int32)), params, ref_params
+        )
+        shardings = state_shardings(abstract, self.mesh, self.rules)
+        self.state_shardings = shardings
+        params = shard_params(params, shardings.params)
         return TrainState(
             params=params,
-            opt_state=self.optimizer.init(params),
-            ref_params=ref_params if self.cfg.beta != 0.0 else None,
-            step=jnp.zeros((), jnp.int32),
+            opt_state=jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params),
+            ref_params=None if ref_params is None else shard_params(ref_params, shardings.ref_params),
+            step=replicate(np.zeros((), np.int32), self.mesh),
         )
+
+    # -- sharded entry points (mesh given) ----------------------------------------------------------------------
+    def _jit(self, name: str, key: tuple, make: Callable[[], Callable]) -> Callable:
+        """One jitted function per (entry point, batch shardings): shardings depend on the batch sizes."""
+        if self.state_shardings is None and name != "score":
+            raise RuntimeError("RLOOStep with a mesh: call init_state first (it fixes the state's shardings)")
+        if (name, *key) not in self._sharded_jits:
+            self._sharded_jits[(name, *key)] = make()
+        return self._sharded_jits[(name, *key)]
+
+    def _rollout_shardings(self, num_prompts: int) -> tuple[NamedSharding, NamedSharding, Rollout]:
+        """Shardings of the prompts ``[B, ..]``, the completions ``[N, ..]`` and a whole ``Rollout``."""
+        b = batch_sharding(self.mesh, (num_prompts,))
+        n = batch_sharding(self.mesh, (num_prompts * self.cfg.num_generations,))
+        ro = Rollout(
+            prompt_ids=b, prompt_mask=b, completion_ids=n, completion_mask=n, is_truncated=n, old_logps=n,
+            ref_logps=n if self.cfg.beta != 0.0 else None,
+        )
+        return b, n, ro
+
+    def _sharded_rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
+        b, _, ro = self._rollout_shardings(prompt_ids.shape[0])
+        fn = self._jit("rollout", (b,), lambda: jax.jit(
+            self._rollout, in_shardings=(self.state_shardings, b, b, replicated(self.mesh)), out_shardings=ro
+        ))
+        return fn(state, prompt_ids, prompt_mask, key)
+
+    def _sharded_score(
+        self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
+    ) -> tuple[Array, dict[str, Array]]:
+        _, n, ro = self._rollout_shardings(rollout.prompt_ids.shape[0])
+        rep = replicated(self.mesh)
+        fn = self._jit("score", (n,), lambda: jax.jit(
+            self._score, in_shardings=(ro, n, rep), out_shardings=(n, rep)
+        ))
+        return fn(rollout, rewards_per_func, reward_weights)
+
+    def _sharded_update(
+        self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
+    ) -> tuple[TrainState, dict[str, Array]]:
+        _, n, ro = self._rollout_shardings(rollout.prompt_ids.shape[0])
+        rep = replicated(self.mesh)
+        fn = self._jit("update", (n,), lambda: jax.jit(
+            self._update,
+            in_shardings=(self.state_shardings, ro, n, rep),
+            out_shardings=(self.state_shardings, rep),
+            donate_argnums=0,
+        ))
+        return fn(state, rollout, rewards_per_func, reward_weights)
+
+    def _sharded_sync_reference(self, state: TrainState, alpha: float) -> TrainState:
+        fn = self._jit("sync_reference", (alpha,), lambda: jax.jit(
+            lambda s: self._sync_reference(s, alpha),
+            in_shardings=(self.state_shardings,),
+            out_shardings=self.state_shardings,
+        ))
+        return fn(state)
+
+    def _rows(self, x: Array, axis: int = 0) -> Array:
+        """Keep a batch dimension split over data x fsdp after reshapes/repeats (no-op without a mesh)."""
+        return x if self.mesh is None else constrain_batch(x, self.mesh, axis)
 
     # -- rollout ------------------------------------------------------------------------------------------------
     def _rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
@@ -204,7 +323,8 @@ class RLOOStep:
         if cfg.beta != 0.0:
             g = sc.num_generations
             ref_logps = completion_logps(
-                self.graphdef, state.ref_params, jnp.repeat(prompt_ids, g, 0), jnp.repeat(prompt_mask, g, 0),
+                self.graphdef, state.ref_params,
+                self._rows(jnp.repeat(prompt_ids, g, 0)), self._rows(jnp.repeat(prompt_mask, g, 0)),
                 gen.completion_ids, mask, cfg.temperature, cfg.logprob_chunk,
             )
             ref_logps = ref_logps * mask
@@ -266,8 +386,8 @@ class RLOOStep:
         if n % spg:
             raise ValueError(f"{n} completions cannot be split into steps_per_generation={spg} micro-batches")
         batch = {
-            "prompt_ids": jnp.repeat(rollout.prompt_ids, g, 0),
-            "prompt_mask": jnp.repeat(rollout.prompt_mask, g, 0),
+            "prompt_ids": self._rows(jnp.repeat(rollout.prompt_ids, g, 0)),
+            "prompt_mask": self._rows(jnp.repeat(rollout.prompt_mask, g, 0)),
             "completion_ids": rollout.completion_ids,
             "mask": rollout.completion_mask,
             "old_logps": rollout.old_logps,
@@ -276,7 +396,7 @@ class RLOOStep:
         if cfg.beta != 0.0 and cfg.token_level_kl:
             batch["ref_logps"] = rollout.ref_logps
         # [spg, N / spg, ...]: micro-batch i of the generation batch
-        micro = jax.tree.map(lambda x: x.reshape(spg, n // spg, *x.shape[1:]), batch)
+        micro = jax.tree.map(lambda x: self._rows(x.reshape(spg, n // spg, *x.shape[1:]), axis=1), batch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def one_update(carry: tuple[nnx.State, optax.OptState], u: Array) -> tuple[tuple, dict[str, Array]]:
@@ -284,8 +404,10 @@ class RLOOStep:
 
             def accumulate(acc: tuple, j: Array) -> tuple[tuple, dict[str, Array]]:
                 grads_sum, = acc
-                mb = jax.tree.map(lambda x: x[(u % (spg // gas)) * gas + j], micro)
+                mb = jax.tree.map(lambda x: self._rows(x[(u % (spg // gas)) * gas + j]), micro)
                 (loss, m), grads = grad_fn(params, mb)
+                if self.state_shardings is not None:  # gradients reduce-scattered to the params' layout (FSDP)
+                    grads = jax.lax.with_sharding_constraint(grads, self.state_shardings.params)
                 m["loss"] = loss
                 return (jax.tree.map(jnp.add, grads_sum, grads),), m
 

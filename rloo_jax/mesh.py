@@ -1,0 +1,398 @@
+"""Device meshes, the logical-axis rule table, and multi-host helpers ("sharding is data").
+
+Model code names logical axes on every parameter (``embed``, ``mlp``, ``heads``, ``kv``, ``vocab``; see
+``rloo_jax.models.logical_axes``); ONE small table here maps them onto three mesh axes:
+
+- ``data``:   pure data parallelism; parameters are replicated along it (gradients all-reduced over it).
+- ``fsdp``:   data parallelism whose devices also split every parameter (and its optimizer state) along the hidden
+              dimension ``embed``; XLA gathers one layer's weights at a time where they are used.
+- ``tensor``: Megatron-style model parallelism: the wide dimensions (MLP hidden, attention heads, KV heads,
+              vocabulary) are split, so activations of one row are split too.
+
+A batch ``[B, ...]`` is split over ``data x fsdp``. A mesh axis that does not divide a dimension is dropped for
+that dimension (the dimension is replicated along it), so tiny test models and odd batch sizes still run.
+
+Multi-host: ``initialize_distributed()`` (explicit coordinator, or auto-detected SLURM / Open MPI / TPU pod), each
+process loads ``process_slice(...)`` of the prompts, ``host_local_batch_to_global`` makes the global array, and
+``local_rows`` reads this process's rows of a global result back (e.g. completions to decode and reward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+__all__ = [
+    "BATCH_AXES",
+    "LOGICAL_RULES",
+    "MESH_AXES",
+    "batch_sharding",
+    "constrain_batch",
+    "detect_cluster",
+    "fit_spec",
+    "host_local_batch_to_global",
+    "initialize_distributed",
+    "kv_cache_sharding",
+    "local_rows",
+    "logical_to_spec",
+    "make_mesh",
+    "param_shardings",
+    "process_slice",
+    "replicate",
+    "replicated",
+    "shard_params",
+    "state_shardings",
+]
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+Rules = Mapping[str, str | tuple[str, ...] | None]
+
+# The one rule table. Why these: `embed` is in every weight, so FSDP along it splits all parameters (and Adam's
+# two moments) by the fsdp size; the Megatron pairs (gate/up split on `mlp`, down on `mlp`; q/k/v on heads/kv, o
+# on heads) keep one tensor all-reduce per block; `vocab` on tensor splits the largest matrices of small models
+# (embedding, lm head) and the [N, V] logits. Batches go over data x fsdp (every data-parallel device).
+LOGICAL_RULES: Rules = {
+    "batch": BATCH_AXES,
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv": "tensor",
+    "vocab": "tensor",
+}
+
+
+# ----------------------------------------------------------------------------------------------- the mesh
+
+
+def make_mesh(
+    data_parallel: int = 1,
+    fsdp: int = -1,
+    tensor_parallel: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices of all processes).
+
+    One of the three sizes may be ``-1``: it takes the remaining devices. E.g. 8 devices, ``(2, -1, 2)`` ->
+    shape ``(2, 2, 2)``. Axis types are Auto, so the compiler propagates shardings and
+    ``with_sharding_constraint`` works (``jax.make_mesh`` defaults to Explicit axes).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {"data_parallel": data_parallel, "fsdp": fsdp, "tensor_parallel": tensor_parallel}
+    shape = _resolve_mesh_shape(sizes, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def _resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+    """Fill in the one ``-1`` and check the product equals ``num_devices`` (``ValueError`` naming the options)."""
+    described = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    free = [k for k, v in sizes.items() if v == -1]
+    bad = [k for k, v in sizes.items() if v == 0 or v < -1]
+    if bad:
+        raise ValueError(f"mesh sizes must be positive or -1 (remaining devices): {described}")
+    if len(free) > 1:
+        raise ValueError(f"at most one mesh size may be -1 (remaining devices), got {described}")
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(
+                f"mesh {described}: the fixed sizes multiply to {fixed}, which does not divide the "
+                f"{num_devices} devices, so {free[0]}=-1 has no integer value"
+            )
+        sizes = {k: (num_devices // fixed if v == -1 else v) for k, v in sizes.items()}
+    elif fixed != num_devices:
+        raise ValueError(
+            f"mesh {described} needs {fixed} devices but {num_devices} are available; "
+            "make data_parallel * fsdp * tensor_parallel equal the device count or set one of them to -1"
+        )
+    return tuple(sizes.values())
+
+
+# ----------------------------------------------------------------------------------------------- rule table
+
+
+def _mesh_axes_for(name: str | None, rules: Rules) -> tuple[str, ...]:
+    target = rules.get(name) if name is not None else None
+    if target is None:
+        return ()
+    return (target,) if isinstance(target, str) else tuple(target)
+
+
+def fit_spec(
+    logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Rules = LOGICAL_RULES
+) -> PartitionSpec:
+    """Logical axis names of an array -> a ``PartitionSpec`` that divides ``shape`` evenly.
+
+    For each dimension, its mesh axes are kept from the left while their sizes' product divides the dimension;
+    the first one that does not divide is dropped with everything after it (that dimension is replicated
+    along them). A mesh axis is used at most once per array. E.g. mesh (data=2, fsdp=2, tensor=2),
+    ``("embed", "mlp")``, shape ``(32, 3)`` -> ``P("fsdp", None)``; ``("batch",)``, shape ``(2,)`` -> ``P("data")``.
+    """
+    if len(logical) != len(shape):
+        raise ValueError(f"logical axes {tuple(logical)} do not match the shape {tuple(shape)}")
+    used: set[str] = set()
+    spec: list[str | tuple[str, ...] | None] = []
+    for name, dim in zip(logical, shape, strict=True):
+        kept: list[str] = []
+        for axis in _mesh_axes_for(name, rules):
+            if axis in used or dim % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[axis]):
+                break
+            kept.append(axis)
+        used.update(kept)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    while spec and spec[-1] is None:  # P("fsdp", None) == P("fsdp"); the short form reads better in goldens
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def logical_to_spec(logical: Sequence[str | None], mesh: Mesh, rules: Rules = LOGICAL_RULES) -> PartitionSpec:
+    """The rule table alone, ignoring shapes: ``("embed", "mlp")`` -> ``P("fsdp", "tensor")``."""
+    return fit_spec(logical, [math.prod(mesh.shape.values())] * len(logical), mesh, rules)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A fully replicated sharding on ``mesh`` (scalars, keys, reward weights, metrics)."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh, shape: Sequence[int] | None = None) -> NamedSharding:
+    """Rows of a ``[B, ...]`` array over ``data x fsdp``; with ``shape``, axes not dividing ``B`` are dropped."""
+    if shape is None:
+        return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    return NamedSharding(mesh, fit_spec(["batch"] + [None] * (len(shape) - 1), shape, mesh))
+
+
+def constrain_batch(x: jax.Array, mesh: Mesh, axis: int = 0) -> jax.Array:
+    """Inside a jit: ``x``'s dimension ``axis`` split over data x fsdp (others replicated), where it divides."""
+    logical = [None] * x.ndim
+    logical[axis] = "batch"
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, fit_spec(logical, x.shape, mesh)))
+
+
+def kv_cache_sharding(mesh: Mesh, shape: Sequence[int], rules: Rules = LOGICAL_RULES) -> NamedSharding:
+    """A KV cache ``[L, B, S, K, Dh]`` (prompt: S = P; generated: B = N, S = C): rows over data x fsdp, K heads
+    over tensor (the heads split the same way as the k/v projections), where they divide."""
+    return NamedSharding(mesh, fit_spec((None, "batch", None, "kv", None), shape, mesh, rules))
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_shardings(model_or_state: nnx.Module | nnx.State, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> nnx.State:
+    """A State shaped like ``nnx.state(model, nnx.Param)`` with a ``NamedSharding`` in each Variable.
+
+    Accepts a module, its param State (concrete, or abstract from ``nnx.eval_shape``/``jax.eval_shape``): the
+    logical names come from each Param's ``out_sharding`` metadata, shapes from its value. Dimensions that a mesh
+    axis does not divide are replicated along it (``fit_spec``).
+    """
+    state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
+
+    def one(v: nnx.Variable) -> nnx.Variable:
+        logical = v.get_metadata().get("out_sharding") or (None,) * len(v.shape)
+        return v.replace(NamedSharding(mesh, fit_spec(tuple(logical), v.shape, mesh, rules)))
+
+    return jax.tree.map(one, state, is_leaf=_is_variable)
+
+
+def shard_params(params: Any, shardings: Any) -> Any:
+    """Place ``params`` (any pytree, e.g. a param State) onto ``shardings`` (same structure or a prefix).
+
+    Single process: ``jax.device_put`` (each device receives only its shard). Multi-process (a sharding spans
+    other hosts' devices): every process holds the same full host value and builds its local shards from it.
+    """
+
+    def put(x: Any, s: NamedSharding) -> jax.Array:
+        if s.is_fully_addressable:
+            return jax.device_put(x, s)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+    return jax.tree.map(put, params, shardings)
+
+
+def _param_like(tree: Any, params: Any) -> bool:
+    """A subtree of an optimizer state that mirrors ``params`` (Adam's mu/nu, momentum, ...)."""
+    return jax.tree.structure(tree) == jax.tree.structure(params)
+
+
+def state_shardings(
+    train_state: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES, param_fields: Sequence[str] = ("params", "ref_params")
+) -> Any:
+    """Shardings for a whole train state (concrete or ``jax.eval_shape`` abstract): same pytree structure.
+
+    ``params``/``ref_params``: the rule table (``param_shardings``). ``opt_state``: every subtree with the params'
+    structure (optax moments mirror the params) takes the params' sharding leaf by leaf where the shapes agree
+    (factored statistics of another shape are replicated); everything else, e.g. ``count``, ``step``, is
+    replicated.
+    """
+    params = train_state.params
+    p_shard = param_shardings(params, mesh, rules)
+    p_leaves = jax.tree.leaves(p_shard)
+    p_shapes = [x.shape for x in jax.tree.leaves(params)]
+    rep = replicated(mesh)
+
+    def mirror(sub: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(sub)
+        out = [s if x.shape == shape else rep for x, s, shape in zip(leaves, p_leaves, p_shapes, strict=True)]
+        return jax.tree.unflatten(treedef, out)
+
+    def opt(sub: Any) -> Any:
+        return mirror(sub) if _param_like(sub, params) else jax.tree.map(lambda _: rep, sub)
+
+    fields = {}
+    for name in (f.name for f in dataclasses.fields(train_state)):
+        value = getattr(train_state, name)
+        if name in param_fields and value is not None:
+            fields[name] = param_shardings(value, mesh, rules)
+        elif name == "opt_state":
+            fields[name] = jax.tree.map(opt, value, is_leaf=lambda t: _param_like(t, params))
+        else:
+            fields[name] = jax.tree.map(lambda _: rep, value)
+    return train_state.replace(**fields)
+
+
+# ----------------------------------------------------------------------------------------------- multi-host
+
+
+def detect_cluster(environ: Mapping[str, str] | None = None) -> str | None:
+    """Which multi-process launcher started us, from its environment: "slurm", "mpi", "tpu" or None.
+
+    Only launches with more than one process count: a single SLURM task, a 1-rank ``mpirun`` or a single-host
+    TPU VM run as one plain process. ``jax.distributed.initialize()`` with no arguments reads the coordinator,
+    process count and index from these same environments.
+    """
+    env = os.environ if environ is None else environ
+
+    def count(name: str) -> int:
+        try:
+            return int(env.get(name, "1") or "1")
+        except ValueError:
+            return 1
+
+    if count("SLURM_NTASKS") > 1 or count("SLURM_NPROCS") > 1:
+        return "slurm"
+    if count("OMPI_COMM_WORLD_SIZE") > 1:
+        return "mpi"
+    hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    if len(hosts) > 1 or count("MEGASCALE_NUM_SLICES") > 1 or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return "tpu"
+    return None
+
+
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
+    """Start JAX's multi-process runtime when this is a multi-process run; returns whether it did.
+
+    Explicit arguments (or the ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment
+    variables, handy for a few processes on one machine) go to ``jax.distributed.initialize``. Otherwise a SLURM,
+    Open MPI or TPU-pod launch is detected and ``jax.distributed.initialize()`` reads its environment; a single
+    plain host does nothing. Call before any other JAX work (the backend must not be started yet).
+    """
+    env = os.environ
+    coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
+    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and env.get("JAX_PROCESS_ID"):
+        process_id = int(env["JAX_PROCESS_ID"])
+    if jax.distributed.is_initialized():
+        return True
+    explicit = (coordinator_address, num_processes, process_id)
+    if any(a is not None for a in explicit):
+        if any(a is None for a in explicit):
+            raise ValueError(
+                "initialize_distributed needs all of coordinator_address, num_processes and process_id "
+                f"(got {coordinator_address!r}, {num_processes!r}, {process_id!r})"
+            )
+        if num_processes == 1:
+            return False
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+        )
+        return True
+    if detect_cluster() is None:
+        return False
+    jax.distributed.initialize()
+    return True
+
+
+def process_slice(global_batch: int, process_index: int | None = None, process_count: int | None = None) -> slice:
+    """The rows ``[i * b, (i + 1) * b)`` of a global batch that process ``i`` loads, ``b = global_batch / count``.
+
+    Matches ``batch_sharding`` on a mesh from ``make_mesh`` (devices in process order, batch on the leading
+    mesh axes). E.g. 8 prompts, 2 processes: process 1 loads ``slice(4, 8)``.
+    """
+    index = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    if global_batch % count:
+        raise ValueError(f"a global batch of {global_batch} cannot be split evenly over {count} processes")
+    per = global_batch // count
+    return slice(index * per, (index + 1) * per)
+
+
+def host_local_batch_to_global(
+    local: np.ndarray | jax.Array, mesh: Mesh, sharding: NamedSharding | None = None
+) -> jax.Array:
+    """This process's rows ``[b, ...]`` -> the global ``[b * process_count, ...]`` array, split over the mesh.
+
+    Every process calls it with its own rows (``process_slice``), e.g. prompts, or Python reward-function outputs
+    ``[n_local, F]`` that the sharded update consumes as ``[N, F]`` without any host gather. Default sharding:
+    ``batch_sharding`` fitted to the global shape.
+    """
+    local = np.asarray(local)
+    global_shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
+    sharding = batch_sharding(mesh, global_shape) if sharding is None else sharding
+    return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+
+def replicate(value: Any, mesh: Mesh) -> Any:
+    """A pytree of host values (the same on every process: keys, reward weights) -> replicated global arrays."""
+    rep = replicated(mesh)
+
+    def put(x: Any) -> jax.Array:
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(x)
+            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=impl)
+        host = np.asarray(x)
+        return jax.make_array_from_process_local_data(rep, host, host.shape)
+
+    return jax.tree.map(put, value)
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+    """The rows of a global ``[N, ...]`` array held by this process's devices, in global order, as numpy.
+
+    The inverse of ``host_local_batch_to_global``: e.g. the completions this process decodes and rewards. A fully
+    replicated (or single-process) array gives all rows.
+    """
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    shards = x.addressable_shards
+    ranges = sorted({_rows(s.index[0], x.shape[0]) for s in shards})
+    offset = {}
+    total = 0
+    for start, stop in ranges:
+        offset[start] = total
+        total += stop - start
+    out = np.empty((total, *x.shape[1:]), x.dtype)
+    for s in shards:  # replicas along other mesh axes write the same values
+        start, stop = _rows(s.index[0], x.shape[0])
+        out[(slice(offset[start], offset[start] + stop - start), *s.index[1:])] = np.asarray(s.data)
+    return out
+
+
+def _rows(index: slice, n: int) -> tuple[int, int]:
+    start, stop, _ = index.indices(n)
+    return start, stop

@@ -1,0 +1,392 @@
+"""Sharded step and sampler on device meshes: sharded == single device, FSDP really splits, multi-process == one.
+
+Rule-table goldens run in this process on an ``AbstractMesh`` (no devices needed). Everything that needs 8
+devices runs in a subprocess (``XLA_FLAGS`` must be set before jax is imported, and other test modules import jax
+first): one 8-device process comparing single-device vs 2x2x2-mesh results, and two processes on localhost
+(4 CPU devices each, ``jax.distributed``) running the same scenario with each process loading half the prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+
+from rloo_jax import mesh as rmesh
+from rloo_jax.models import init_causal_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 240
+
+TINY = dict(
+    model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
+)
+
+# The worker: `python -c WORKER compare` (one process, 8 devices) or `python -c WORKER process PORT ID` (one of two
+# processes, 4 devices each). Prints one JSON line.
+WORKER = r'''
+import json, os, re, sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+mode = sys.argv[1]
+if mode == "process":
+    from rloo_jax.mesh import initialize_distributed
+    initialize_distributed(f"127.0.0.1:{sys.argv[2]}", 2, int(sys.argv[3]))
+import rloo_jax as rj
+from rloo_jax import mesh as M
+from rloo_jax.models import init_causal_lm
+from rloo_jax.sampling import SamplingConfig
+from rloo_jax.step import RLOOStep, StepConfig, completion_logps
+
+TINY = json.loads(os.environ["TINY_JSON"])
+G, C, B, P = 2, 6, 4, 5
+CFG = StepConfig(sampling=SamplingConfig(max_new_tokens=C, num_generations=G, temperature=0.9,
+                                         eos_token_ids=(3,), pad_token_id=0), beta=0.1,
+                 steps_per_generation=2, gradient_accumulation_steps=2)  # micro-batches of 4 rows, accumulated
+IDS = (np.arange(B * P).reshape(B, P) * 7 % 36 + 4).astype(np.int32)
+MASK = np.ones((B, P), np.int32)
+MASK[0, :2] = 0
+MASK[2, :1] = 0
+
+def copy(t):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), t)
+
+def rewards_of(ids, first_row=0):
+    """Host-side 'Python reward function' on rows first_row.. of the completions: [n, 1]; global row 1 is None."""
+    r = (ids % 2 == 0).mean(1).astype(np.float32)[:, None]
+    r[np.arange(len(ids)) + first_row == 1] = np.nan
+    return r
+
+def scenario(mesh):
+    """init -> rollout -> host rewards -> one SGD update; each process feeds only its own prompts/rewards."""
+    graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
+    step = RLOOStep(graphdef, optax.sgd(0.5), CFG, mesh=mesh)
+    ref = jax.tree.map(lambda x: x + 0.01, copy(params))  # reference != policy, so the KL is not 0
+    state = step.init_state(copy(params), ref)
+    key, w = jax.random.key(7), np.ones((1,), np.float32)
+    if mesh is None:
+        ids, mask = IDS, MASK
+    else:
+        rows = M.process_slice(B)
+        ids, mask = M.host_local_batch_to_global(IDS[rows], mesh), M.host_local_batch_to_global(MASK[rows], mesh)
+        key, w = M.replicate(key, mesh), M.replicate(w, mesh)
+    rollout_args = (state, ids, mask, key)
+    ro = step.rollout(*rollout_args)
+    local = M.local_rows(ro.completion_ids)
+    r = rewards_of(local, first_row=0 if mesh is None else M.process_slice(B * G).start)
+    rewards = r if mesh is None else M.host_local_batch_to_global(r, mesh)
+    state, metrics = step.update(state, ro, rewards, w)
+    sums = jax.jit(lambda t: [jnp.sum(x) for x in jax.tree.leaves(t)])
+    return {
+        "completions": local.tolist(),
+        "old_logps": M.local_rows(ro.old_logps).tolist(),
+        "completions_spec": str(getattr(ro.completion_ids.sharding, "spec", None)),
+        "metrics": {k: float(v) for k, v in metrics.items()},
+        "param_sums": [float(s) for s in sums(state.params)],
+        "step": int(state.step),
+    }, state, step, rollout_args
+
+out = {}
+if mode == "process":
+    res, *_ = scenario(M.make_mesh(2, -1, 2))
+    out = {"process_index": jax.process_index(), "devices": jax.device_count(),
+           "local_devices": jax.local_device_count(), **res}
+    jax.distributed.shutdown()
+else:
+    mesh = M.make_mesh(2, 2, 2)
+    single, s_state, _, _ = scenario(None)
+    sharded, m_state, m_step, rollout_args = scenario(mesh)
+    # per-device KV-cache buffers of the compiled sharded rollout (test-only peek at the jitted function):
+    # [L, N, C, K, Dh] = [2, 8, 6, 2, 8] split over data x fsdp (rows) and tensor (K)
+    jitted = next(f for k, f in m_step._sharded_jits.items() if k[0] == "rollout")
+    hlo = jitted.lower(*rollout_args).compile().as_text()
+    out["cache_shapes"] = sorted(set(re.findall(r"f32\[2,\d+,6,\d+,8\]", hlo)))
+    out["single"], out["sharded"] = single, sharded
+    out["param_max_diff"] = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(s_state.params), jax.tree.leaves(m_state.params), strict=True))
+    # the loss and its gradients, jitted with sharded params/batch vs on one device
+    graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
+    sp = M.shard_params(params, M.param_shardings(params, mesh))
+    ro = RLOOStep(graphdef, optax.sgd(0.0), CFG).rollout(
+        RLOOStep(graphdef, optax.sgd(0.0), CFG).init_state(params, params), IDS, MASK, jax.random.key(1))
+    rewards = rewards_of(np.asarray(ro.completion_ids))
+    def loss_fn(p, ro, rewards):
+        lp = completion_logps(graphdef, p, jnp.repeat(ro.prompt_ids, G, 0), jnp.repeat(ro.prompt_mask, G, 0),
+                              ro.completion_ids, ro.completion_mask, 0.9)
+        # off-policy (old != current: ratio in (1, 1 + eps), varying by row) so the loss itself is not ~0
+        old = jax.lax.stop_gradient(lp) * 1.03
+        ref = jax.lax.stop_gradient(lp) + 0.01 * ro.completion_mask
+        return rj.rloo_loss(lp, old, ref, rewards, ro.completion_mask, ro.is_truncated, num_generations=G,
+                            reward_weights=jnp.ones(1), options=CFG.options)[0]
+    vg = jax.jit(jax.value_and_grad(loss_fn))
+    l1, gr1 = vg(params, ro, rewards)
+    put = lambda x: jax.device_put(x, M.batch_sharding(mesh, x.shape))
+    l8, gr8 = vg(sp, jax.tree.map(put, ro), put(rewards))
+    out["loss"] = [float(l1), float(l8)]
+    out["grad_max_diff"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                               for a, b in zip(jax.tree.leaves(gr1), jax.tree.leaves(gr8), strict=True))
+    out["grad_norm"] = float(optax.global_norm(gr1))
+    # FSDP x tensor: the state is really split across devices
+    w = m_state.params["lm_head"]["kernel"][...]
+    out["lm_head"] = {"shape": list(w.shape), "shard": list(w.addressable_shards[0].data.shape),
+                      "devices": len(w.sharding.device_set), "spec": str(w.sharding.spec)}
+    emb = m_state.ref_params["model"]["embed"]["embedding"][...]
+    out["ref_embed_shard"] = list(emb.addressable_shards[0].data.shape)
+    out["step_spec"] = str(m_state.step.sharding.spec)
+    # make_mesh with -1, and its errors
+    out["mesh_shapes"] = [list(M.make_mesh(*a).devices.shape) for a in [(1, -1, 1), (2, -1, 2), (-1, 2, 1)]]
+    errors = []
+    for args in [(3, -1, 1), (2, 2, 1), (-1, -1, 2), (0, -1, 1)]:
+        try:
+            M.make_mesh(*args)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    out["mesh_errors"] = errors
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _env(devices: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        TINY_JSON=json.dumps(TINY),
+    )
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(name, None)
+    return env
+
+
+def _result(stdout: str) -> dict:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, stdout[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workers() -> dict:
+    """Start the 8-device comparison and the two 4-device processes together (they are independent), collect
+    their JSON; every child is killed on failure or timeout."""
+    port = str(_free_port())
+    commands = {
+        "compare": (["compare"], 8),
+        "process0": (["process", port, "0"], 4),
+        "process1": (["process", port, "1"], 4),
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", WORKER, *args], cwd=ROOT, env=_env(devices),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for name, (args, devices) in commands.items()
+    }
+    results = {}
+    try:
+        for name, p in procs.items():
+            stdout, stderr = p.communicate(timeout=TIMEOUT)
+            assert p.returncode == 0, f"{name}: {stderr[-5000:]}"
+            results[name] = _result(stdout)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return results
+
+
+@pytest.fixture(scope="module")
+def compare(workers: dict) -> dict:
+    return workers["compare"]
+
+
+@pytest.fixture(scope="module")
+def two_processes(workers: dict) -> list[dict]:
+    return [workers["process0"], workers["process1"]]
+
+
+# ------------------------------------------------------------------------------------------- rule table goldens
+MESH = AbstractMesh((2, 2, 2), rmesh.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def test_rule_table_goldens():
+    assert rmesh.logical_to_spec(("embed", "mlp"), MESH) == PartitionSpec("fsdp", "tensor")
+    assert rmesh.logical_to_spec(("mlp", "embed"), MESH) == PartitionSpec("tensor", "fsdp")
+    assert rmesh.logical_to_spec(("vocab", "embed"), MESH) == PartitionSpec("tensor", "fsdp")
+    assert rmesh.logical_to_spec(("embed", "heads"), MESH) == PartitionSpec("fsdp", "tensor")
+    assert rmesh.logical_to_spec(("embed", "kv"), MESH) == PartitionSpec("fsdp", "tensor")
+    assert rmesh.logical_to_spec(("batch", None), MESH) == PartitionSpec(("data", "fsdp"))
+    assert rmesh.logical_to_spec((None, "unknown"), MESH) == PartitionSpec()
+
+
+def test_fit_spec_drops_axes_that_do_not_divide():
+    # embed 32 over fsdp 2 kept; mlp 3 not divisible by tensor 2 -> replicated
+    assert rmesh.fit_spec(("embed", "mlp"), (32, 3), MESH) == PartitionSpec("fsdp")
+    # batch over data x fsdp = 4: 6 rows -> only data (2) divides; 1 row -> nothing
+    assert rmesh.fit_spec(("batch",), (6,), MESH) == PartitionSpec("data")
+    assert rmesh.fit_spec(("batch",), (8,), MESH) == PartitionSpec(("data", "fsdp"))
+    assert rmesh.fit_spec(("batch", None), (1, 5), MESH) == PartitionSpec()
+    # one mesh axis at most once per array: the second "mlp" is replicated
+    assert rmesh.fit_spec(("mlp", "mlp"), (4, 4), MESH) == PartitionSpec("tensor")
+    custom = {"embed": ("fsdp", "tensor")}
+    assert rmesh.fit_spec(("embed",), (8,), MESH, custom) == PartitionSpec(("fsdp", "tensor"))
+    assert rmesh.fit_spec(("embed",), (6,), MESH, custom) == PartitionSpec("fsdp")
+    with pytest.raises(ValueError, match="do not match"):
+        rmesh.fit_spec(("embed",), (4, 4), MESH)
+
+
+def test_param_shardings_of_tiny_model():
+    cfg = dict(TINY, num_attention_heads=3, num_key_value_heads=1, hidden_size=24, intermediate_size=36)
+    model = init_causal_lm(cfg, seed=0)  # q: 24 (3 heads x 8), k: 8, mlp 36, vocab 40
+    mesh = AbstractMesh((1, 2, 8), rmesh.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    specs = jax.tree.map(lambda s: s.spec, rmesh.param_shardings(model, mesh))
+    layer = specs["model"]["layers"][0]
+    assert layer["mlp"]["gate"]["kernel"] == PartitionSpec("fsdp")  # 36 % 8 != 0 -> mlp replicated
+    assert layer["attn"]["q"]["kernel"] == PartitionSpec("fsdp", "tensor")  # 24 % 8 == 0
+    assert layer["attn"]["k"]["kernel"] == PartitionSpec("fsdp", "tensor")  # 8 % 8 == 0
+    assert layer["attn"]["o"]["kernel"] == PartitionSpec("tensor", "fsdp")
+    assert specs["lm_head"]["kernel"] == PartitionSpec("fsdp", "tensor")  # 40 % 8 == 0
+    assert specs["model"]["final_norm"]["scale"] == PartitionSpec("fsdp")
+
+
+def test_state_shardings_mirror_params_in_optimizer_state():
+    """Adam's mu/nu take the params' shardings; counts, step and a factored statistic are replicated."""
+    from flax import nnx
+
+    from rloo_jax.step import TrainState
+
+    _, params = nnx.split(init_causal_lm(TINY, seed=0))
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    abstract = jax.eval_shape(lambda p: TrainState(p, opt.init(p), p, jnp.zeros((), jnp.int32)), params)
+    shard = rmesh.state_shardings(abstract, MESH)
+    adam = shard.opt_state[1][0]
+    for tree in (shard.params, shard.ref_params, adam.mu, adam.nu):
+        assert tree["lm_head"]["kernel"].spec == PartitionSpec("fsdp", "tensor")
+        assert tree["model"]["layers"][1]["mlp"]["down"]["kernel"].spec == PartitionSpec("tensor", "fsdp")
+    assert adam.count.spec == PartitionSpec() and shard.step.spec == PartitionSpec()
+    # a same-structure subtree whose leaves have other shapes (factored second moments) is replicated
+    fake = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,), x.dtype), params)
+    odd = rmesh.state_shardings(abstract.replace(opt_state=(fake,)), MESH)
+    assert all(s.spec == PartitionSpec() for s in jax.tree.leaves(odd.opt_state))
+
+
+def test_mesh_shape_resolution_and_errors():
+    resolve = rmesh._resolve_mesh_shape
+    assert resolve({"data_parallel": 1, "fsdp": -1, "tensor_parallel": 1}, 8) == (1, 8, 1)
+    assert resolve({"data_parallel": 2, "fsdp": -1, "tensor_parallel": 2}, 8) == (2, 2, 2)
+    with pytest.raises(ValueError, match="needs 4 devices but 8"):
+        resolve({"data_parallel": 2, "fsdp": 2, "tensor_parallel": 1}, 8)
+    with pytest.raises(ValueError, match="at most one"):
+        resolve({"data_parallel": -1, "fsdp": -1, "tensor_parallel": 1}, 8)
+    assert rmesh.make_mesh(1, -1, 1).devices.shape == (1, len(jax.devices()), 1)
+
+
+def test_process_slice_and_cluster_detection(monkeypatch):
+    assert rmesh.process_slice(8, 0, 2) == slice(0, 4)
+    assert rmesh.process_slice(8, 1, 2) == slice(4, 8)
+    assert rmesh.process_slice(6, 2, 3) == slice(4, 6)
+    with pytest.raises(ValueError, match="cannot be split"):
+        rmesh.process_slice(5, 0, 2)
+    assert rmesh.detect_cluster({}) is None
+    assert rmesh.detect_cluster({"SLURM_NTASKS": "1", "SLURM_JOB_ID": "3"}) is None
+    assert rmesh.detect_cluster({"SLURM_NTASKS": "4"}) == "slurm"
+    assert rmesh.detect_cluster({"OMPI_COMM_WORLD_SIZE": "2"}) == "mpi"
+    assert rmesh.detect_cluster({"OMPI_COMM_WORLD_SIZE": "1"}) is None
+    assert rmesh.detect_cluster({"TPU_WORKER_HOSTNAMES": "localhost"}) is None
+    assert rmesh.detect_cluster({"TPU_WORKER_HOSTNAMES": "h0,h1"}) == "tpu"
+    assert rmesh.detect_cluster({"MEGASCALE_NUM_SLICES": "2"}) == "tpu"
+    # a single plain host: nothing to initialize, and no partial explicit arguments
+    for name in ("SLURM_NTASKS", "SLURM_NPROCS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES",
+                 "MEGASCALE_NUM_SLICES", "MEGASCALE_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS",
+                 "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert rmesh.initialize_distributed() is False
+    assert rmesh.initialize_distributed("127.0.0.1:1", 1, 0) is False
+    with pytest.raises(ValueError, match="needs all of"):
+        rmesh.initialize_distributed("127.0.0.1:1234")
+
+
+# ------------------------------------------------------------------------------------------- 8 devices
+def test_sampler_sharded_equals_single_device(compare):
+    """The rollout's sampler (prefill + KV-cache decode) on the 2x2x2 mesh: same key -> same completions."""
+    single, sharded = compare["single"], compare["sharded"]
+    assert single["completions"] == sharded["completions"]
+    assert len({tuple(row) for row in single["completions"]}) == 8  # 8 different samples, not one repeated
+    np.testing.assert_allclose(sharded["old_logps"], single["old_logps"], atol=1e-5)
+    assert sharded["completions_spec"] == "P(('data', 'fsdp'),)"  # N = 8 rows split over data x fsdp = 4
+
+
+def test_kv_cache_is_sharded_in_the_sampler(compare):
+    """The decode cache [L, N, C, K, Dh] lives split: N over data x fsdp, K heads over tensor (never whole)."""
+    assert compare["cache_shapes"] == ["f32[2,2,6,1,8]"]
+
+
+def test_loss_and_grads_sharded_equal_single_device(compare):
+    l1, l8 = compare["loss"]
+    assert abs(l1) > 1e-3 and abs(l1 - l8) <= 1e-5
+    assert compare["grad_norm"] > 1e-3  # a gradient that is not ~0, so the comparison below means something
+    assert compare["grad_max_diff"] <= 1e-5
+
+
+def test_update_sharded_equals_single_device(compare):
+    single, sharded = compare["single"], compare["sharded"]
+    assert single["step"] == sharded["step"] == 1
+    assert set(single["metrics"]) == set(sharded["metrics"])
+    for name, value in single["metrics"].items():
+        assert sharded["metrics"][name] == pytest.approx(value, abs=1e-5), name
+    assert abs(single["metrics"]["kl"]) > 1e-4 and single["metrics"]["grad_norm"] > 1e-3
+    assert compare["param_max_diff"] <= 1e-5
+    np.testing.assert_allclose(single["param_sums"], sharded["param_sums"], atol=1e-4)
+
+
+def test_state_is_really_sharded(compare):
+    head = compare["lm_head"]  # [embed 32, vocab 40] over (fsdp 2, tensor 2)
+    assert head["shape"] == [32, 40] and head["shard"] == [16, 20]
+    assert head["devices"] == 8 and head["spec"] == "P('fsdp', 'tensor')"
+    assert compare["ref_embed_shard"] == [20, 16]  # the reference model too
+    assert compare["step_spec"] == "P()"
+
+
+def test_make_mesh_on_8_devices(compare):
+    assert compare["mesh_shapes"] == [[1, 8, 1], [2, 2, 2], [4, 2, 1]]
+    errors = compare["mesh_errors"]
+    assert "does not divide the 8 devices" in errors[0] and "fsdp=-1" in errors[0]
+    assert "needs 4 devices but 8" in errors[1]
+    assert "at most one" in errors[2]
+    assert "positive or -1" in errors[3]
+
+
+# ------------------------------------------------------------------------------------------- 2 processes
+def test_two_processes_equal_one_process(two_processes, compare):
+    """Each process loads half the prompts and rewards its own completions; results == one 8-device process."""
+    p0, p1 = two_processes
+    assert (p0["devices"], p0["local_devices"], p1["process_index"]) == (8, 4, 1)
+    want = compare["sharded"]
+    assert p0["completions"] + p1["completions"] == want["completions"]  # each process holds its own rows
+    np.testing.assert_allclose(p0["old_logps"] + p1["old_logps"], want["old_logps"], atol=1e-5)
+    for p in (p0, p1):
+        assert p["step"] == 1
+        for name, value in want["metrics"].items():
+            assert p["metrics"][name] == pytest.approx(value, abs=1e-5), name
+        np.testing.assert_allclose(p["param_sums"], want["param_sums"], atol=1e-5)
