@@ -9,6 +9,16 @@ from rloo_jax.logprobs import (
     per_token_logps,
     per_token_logps_from_hidden,
 )
+from rloo_jax.models import (
+    CausalLM,
+    ModelLoadError,
+    RewardModel,
+    init_causal_lm,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    save_pretrained,
+)
 from rloo_jax.rloo import (
     RLOOOptions,
     clipped_objective,
@@ -23,10 +33,28 @@ from rloo_jax.rloo import (
     sequence_kl,
     token_kl,
 )
+from rloo_jax.sampling import Generation, SamplingConfig, generate, generate_fn
+from rloo_jax.step import RLOOStep, Rollout, StepConfig, TrainState
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CausalLM",
+    "Generation",
+    "ModelLoadError",
+    "RLOOStep",
+    "RewardModel",
+    "Rollout",
+    "SamplingConfig",
+    "StepConfig",
+    "TrainState",
+    "generate",
+    "generate_fn",
+    "init_causal_lm",
+    "load_causal_lm",
+    "load_reward_model",
+    "load_tokenizer",
+    "save_pretrained",
     "ConfigError",
     "DataError",
     "RLOOConfig",
