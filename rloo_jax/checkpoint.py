@@ -3,16 +3,40 @@
 A checkpoint holds everything needed to resume exactly: the `TrainState` (params, optimizer state, reference
 params when kept, step), the RNG key, and a JSON `meta` item (the data iterator position and run facts).
 orbax writes into a temporary folder and renames it when complete, so a half-written checkpoint (a crash
-mid-save) is never listed, never restored.
+mid-save) is never listed, never restored; the next run deletes such leftovers. A state holding NaN/inf is
+refused (`NonFiniteError`) before anything is written.
 """
 
 import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 ITEMS = ("state", "meta")
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced NaN/inf (in the loss, the gradients or the state); nothing non-finite is saved."""
+
+
+def nonfinite_leaves(tree: Any) -> list[str]:
+    """Paths of the floating-point leaves of `tree` holding NaN or inf ([] when all finite; one device sync)."""
+    leaves = [
+        (jax.tree_util.keystr(path), x)
+        for path, x in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    if not leaves:
+        return []
+    flags = jax.device_get(_all_finite([x for _, x in leaves]))
+    return [name for (name, _), ok in zip(leaves, flags, strict=True) if not ok]
+
+
+@jax.jit
+def _all_finite(xs: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.all(jnp.isfinite(x)) for x in xs]
 
 
 class Checkpointer:
@@ -21,7 +45,7 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = None, async_save: bool = True) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
@@ -33,7 +57,16 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, key: jax.Array, meta: dict[str, Any]) -> None:
-        """Start saving (returns before the write finishes; `wait()` or `close()` to be sure)."""
+        """Start saving (returns before the write finishes; `wait()` or `close()` to be sure).
+
+        Raises `NonFiniteError` (writing nothing) when a floating-point leaf of `state` holds NaN or inf.
+        """
+        bad = nonfinite_leaves(state)
+        if bad:
+            raise NonFiniteError(
+                f"refusing to save checkpoint {step}: non-finite values in {', '.join(bad[:3])}"
+                + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            )
         item = {"train": state, "key": jax.random.key_data(key)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(item), meta=ocp.args.JsonSave(meta))
         self._manager.save(step, args=args, force=True)

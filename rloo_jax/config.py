@@ -295,6 +295,12 @@ class RLOOConfig:
         "optimization",
         "Clip gradients to this global norm (0 disables clipping).",
     )
+    max_consecutive_nonfinite: int = _opt(
+        5,
+        "optimization",
+        "An update whose loss or gradients hold NaN/inf is skipped (params and optimizer state kept, counted as "
+        "skipped_steps); after this many consecutive skips training stops with exit code 1.",
+    )
     adam_beta1: float = _opt(
         0.9,
         "optimization",
@@ -476,8 +482,13 @@ class RLOOConfig:
             "save_steps",
             "ref_model_sync_steps",
             "per_device_eval_batch_size",
+            "max_consecutive_nonfinite",
         ):
             _check(getattr(self, name) >= 1, name, "must be >= 1", getattr(self, name))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                _check(math.isfinite(value), f.name, "must be a finite number", value)
         for name in (
             "steps_per_generation",
             "max_prompt_length",

@@ -70,6 +70,8 @@ def _load_file(path: str) -> datasets.Dataset:
     builder = FILE_BUILDERS.get(os.path.splitext(path)[1])
     if builder is None:
         raise DataError(f"dataset {path}: unsupported file type; use .json, .jsonl, .parquet or .csv")
+    if os.path.getsize(path) == 0:
+        raise DataError(f"dataset {path} [train] is empty; add rows with a 'prompt' column")
     try:
         return datasets.load_dataset(builder, data_files=path, split="train")
     except Exception as e:  # noqa: BLE001 - any parser error becomes one readable line

@@ -64,6 +64,24 @@ class WindowMean:
         self.total, self.count = None, 0
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """The unread window as JSON-ready values (float32 sums as exact Python floats; NaN/inf as strings), so a
+        checkpoint taken between two logging steps resumes to the same logged means."""
+        total = None if self.total is None else jax.device_get(self.total)
+        return {
+            "count": self.count,
+            "total": None if total is None else {k: _encode_float(float(v)) for k, v in total.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        total = state.get("total")
+        self.count = int(state.get("count", 0))
+        self.total = None if total is None else {k: jnp.asarray(float(v), jnp.float32) for k, v in total.items()}
+
+
+def _encode_float(x: float) -> float | str:
+    return x if math.isfinite(x) else repr(x)  # 'nan', 'inf', '-inf' (float() reads them back): not JSON numbers
+
 
 class JsonlWriter:
     """Appends one JSON object per line; flushed after each write so a crash loses nothing written."""
@@ -87,18 +105,29 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def drop_records_after(path: str | os.PathLike, step: int) -> int:
-    """On resume, remove records logged after the checkpoint `step` (they will be logged again); returns how
-    many were dropped."""
+    """On resume, remove records logged after the checkpoint `step` (they will be logged again), and a torn
+    last line left by a process killed mid-write; returns how many records were dropped. The file is replaced
+    atomically, so a kill during this call leaves either the old or the new file."""
     if not os.path.exists(path):
         return 0
-    records = read_jsonl(path)
-    keep = [r for r in records if r.get("step", 0) <= step]
-    if len(keep) != len(records):
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # only the last line can be torn (every earlier write was flushed whole)
+        if record.get("step", 0) <= step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    if len(keep) != len(lines):
         tmp = f"{path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in keep)
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    return len(records) - len(keep)
+    return len(lines) - len(keep)
 
 
 # ------------------------------------------------------------------------------------------------ extra sinks

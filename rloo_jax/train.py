@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -27,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from rloo_jax import demo
-from rloo_jax.checkpoint import Checkpointer
+from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
 from rloo_jax.config import RLOOConfig, format_help, load_config, parse_argv
 from rloo_jax.data import (
     PromptBatch,
@@ -109,7 +110,19 @@ def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTra
         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
     )
     chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    return optax.chain(*chain, adamw), schedule
+    # Non-finite gradients skip the whole update (params and AdamW moments kept). The consecutive-skip limit is
+    # enforced on the host (`skipped_updates`), so apply_if_finite itself must never fall through and apply one.
+    guarded = optax.apply_if_finite(optax.chain(*chain, adamw), max_consecutive_errors=NEVER)
+    return guarded, schedule
+
+
+NEVER = int(np.iinfo(np.int32).max)  # optax's counters saturate there: `count > NEVER` is never true
+
+
+def skipped_updates(opt_state: Any) -> tuple[int, int]:
+    """(consecutive, total) updates skipped for non-finite loss/gradients, read from `make_optimizer`'s state."""
+    consecutive, total = jax.device_get((opt_state.notfinite_count, opt_state.total_notfinite))
+    return int(consecutive), int(total)
 
 
 def completion_lengths(completion_ids: np.ndarray, eos_token_ids: Sequence[int]) -> np.ndarray:
@@ -133,6 +146,25 @@ def eos_token_ids(model_dir: str, tokenizer: Any) -> tuple[int, ...]:
             extra = json.load(f).get("eos_token_id")
         ids += [int(e) for e in (extra if isinstance(extra, list) else [extra]) if e is not None]
     return tuple(dict.fromkeys(ids))
+
+
+def refuse_custom_code(model_dir: str) -> None:
+    """A tokenizer that only loads through code shipped with the model (`auto_map` in tokenizer_config.json
+    and no tokenizer.json) is refused before transformers could offer to run that code."""
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return  # loaded as a plain PreTrainedTokenizerFast: no custom code is consulted
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            auto_map = json.load(f).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return  # missing or unreadable: the loader reports it
+    if auto_map:
+        raise ModelLoadError(
+            f"the tokenizer in {model_dir} needs code shipped with the model (auto_map in tokenizer_config.json); "
+            "rloo_jax never runs such code, whatever trust_remote_code says: save a fast tokenizer "
+            "(tokenizer.json) in that folder"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ setup
@@ -178,6 +210,9 @@ def prepare(cfg: RLOOConfig) -> Run:
     if cfg.trust_remote_code:
         logger.warning("note: trust_remote_code has no effect; rloo_jax never runs code shipped with a model")
     model_dir = str(resolve_checkpoint(model_path))
+    refuse_custom_code(model_dir)
+    for reward_model in cfg.reward_model_name_or_path or []:
+        refuse_custom_code(str(resolve_checkpoint(reward_model)))
     tokenizer = load_tokenizer(model_dir, padding_side="left")
     model = load_causal_lm(model_dir, dtype="bfloat16" if cfg.bf16 else "float32", param_dtype="float32")
     train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, cfg.dataset_config)
@@ -299,8 +334,37 @@ def evaluate(run: Run, graphdef: Any, params: Any, key: jax.Array, names: list[s
 
 
 # ------------------------------------------------------------------------------------------------ the loop
+class StopRequest:
+    """SIGTERM (preemption) handling: the first signal only sets a flag (the loop finishes its step, saves a
+    checkpoint and returns); the previous handler is put back, so a second signal acts at once."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: Any = None
+
+    def __enter__(self) -> "StopRequest":
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no handler, SIGTERM keeps its default action
+            self._previous = None
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal = signal.Signals(signum).name
+        signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
 def train(cfg: RLOOConfig) -> dict[str, str]:
-    """Run training; returns the output paths."""
+    """Run training; returns the output paths (also after a SIGTERM, once the checkpoint is saved)."""
+    with StopRequest() as stop:
+        return _train(cfg, stop)
+
+
+def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
     enable_compilation_cache(cfg)
     run = prepare(cfg)
     iterator = PromptIterator(len(run.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
@@ -331,23 +395,40 @@ def train(cfg: RLOOConfig) -> dict[str, str]:
         "config": os.path.join(out, "config.yaml"),
     }
     ckpt = Checkpointer(paths["checkpoints"], max_to_keep=cfg.save_total_limit)
-    step = 0
+    window = WindowMean()
+    step, num_tokens, truncated_prompts = 0, 0, 0  # the host counters travel in the checkpoint's meta
     latest = ckpt.latest_step()
     if latest is not None:
         state, base_key, meta = ckpt.restore(latest, state, base_key)
         iterator.load_state_dict(meta["data"])
         step = int(meta["step"])
-        dropped = drop_records_after(paths["metrics"], step) + drop_records_after(paths["rollouts"], step)
+        counters = meta.get("counters", {})
+        num_tokens = int(counters.get("num_tokens", 0))
+        truncated_prompts = int(counters.get("num_truncated_prompts", 0))
+        window.load_state_dict(meta.get("window", {}))
+    # records logged after the checkpoint (or, with none, by a run killed before its first one) are redone
+    dropped = drop_records_after(paths["metrics"], step) + drop_records_after(paths["rollouts"], step)
+    if latest is not None:
         print(
             f"Resuming from checkpoint {os.path.join(paths['checkpoints'], str(latest))} (step {step}"
             + (f"; dropped {dropped} records logged after it)" if dropped else ")")
         )
+    elif dropped:
+        print(f"No checkpoint in {paths['checkpoints']}: starting over (dropped {dropped} records of an earlier run)")
     with open(paths["config"], "w", encoding="utf-8") as f:
         f.write(cfg.to_yaml())
     sinks = Sinks(out, cfg.report_to, json_safe(cfg.to_dict()))
     rollouts = JsonlWriter(paths["rollouts"])
-    window = WindowMean()
-    truncated_prompts = 0
+    saved = step if latest is not None else None
+
+    def save() -> None:
+        meta = {
+            "data": iterator.state_dict(),
+            "step": step,
+            "counters": {"num_tokens": num_tokens, "num_truncated_prompts": truncated_prompts},
+            "window": window.state_dict(),
+        }
+        ckpt.save(step, state, base_key, meta)
 
     progress = Progress(
         TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True
@@ -355,7 +436,7 @@ def train(cfg: RLOOConfig) -> dict[str, str]:
     try:
         with progress:
             task = progress.add_task("train", total=total_steps, completed=step)
-            while step < total_steps:
+            while step < total_steps and stop.signal is None:
                 t0 = time.perf_counter()
                 prev, lr = step, float(schedule(step + per_gen - 1))
                 batch = run.encoder(run.train_ds[next(iterator)])
@@ -363,16 +444,23 @@ def train(cfg: RLOOConfig) -> dict[str, str]:
                 key = jax.random.fold_in(base_key, step)
                 rollout = step_fn.rollout(state, batch.prompt_ids, batch.prompt_mask, key)
                 scored = decode_and_score(run, batch, np.asarray(rollout.completion_ids), cfg.num_generations)
+                num_tokens += int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
                 rewards = jnp.asarray(scored.rewards_per_func)
                 state, metrics = step_fn.update(state, rollout, rewards, weights)
                 step += per_gen
                 window.add(metrics)
+                consecutive, skipped = skipped_updates(state.opt_state)  # skipped params/moments: unchanged
+                diverged = consecutive >= cfg.max_consecutive_nonfinite
                 if cfg.sync_ref_model and crossed(prev, step, cfg.ref_model_sync_steps):
                     state = step_fn.sync_reference(state, cfg.ref_model_mixup_alpha)
                 last = step >= total_steps
-                if crossed(prev, step, cfg.logging_steps) or last:
+                # every record of a step is written before its checkpoint is started: a resume drops the
+                # records after the checkpoint and redoes them, so none is lost or doubled
+                if crossed(prev, step, cfg.logging_steps) or last or diverged:
                     logged = rename_reward_metrics(window.read(), names)
                     logged.update(
+                        num_tokens=float(num_tokens),
+                        skipped_steps=skipped,
                         step_time=time.perf_counter() - t0,
                         learning_rate=lr,
                         epoch=iterator.epoch + iterator.index / (iterator.batches_per_epoch * iterator.batch_size),
@@ -389,8 +477,13 @@ def train(cfg: RLOOConfig) -> dict[str, str]:
                         )  # fmt: skip
                         rollouts.write(records)
                         print_completions(progress.console, records, cfg.num_completions_to_print)
-                if crossed(prev, step, cfg.save_steps) or last:
-                    ckpt.save(step, state, base_key, {"data": iterator.state_dict(), "step": step})
+                if diverged:  # logged above; nothing is evaluated or saved
+                    raise NonFiniteError(
+                        f"{consecutive} consecutive optimizer updates had a non-finite loss or gradients "
+                        f"(step {step}, {skipped} skipped in all; max_consecutive_nonfinite = "
+                        f"{cfg.max_consecutive_nonfinite}); lower --learning_rate or --max_grad_norm, check the "
+                        "rewards for extreme values, or resume from an earlier checkpoint"
+                    )
                 if run.eval_ds is not None and (crossed(prev, step, cfg.eval_steps) or last):
                     eval_metrics = evaluate(run, graphdef, state.params, jax.random.fold_in(eval_key, step), names)
                     sinks.log(step, eval_metrics)
@@ -398,11 +491,23 @@ def train(cfg: RLOOConfig) -> dict[str, str]:
                         f"eval step {step}: reward {eval_metrics['eval_reward']:.3f} "
                         f"(len {eval_metrics['eval_completions/mean_length']:.1f})"
                     )
+                if crossed(prev, step, cfg.save_steps) or last or stop.signal is not None:
+                    save()
+                    saved = step
                 progress.update(task, completed=step)
+            if stop.signal is not None and step > 0 and saved != step:
+                save()  # the signal came after this step's save decision
     finally:
         ckpt.close()  # waits for an in-flight save; a failed step never starts a new one
         sinks.close()
         rollouts.close()
+    if stop.signal is not None and step < total_steps:
+        where = f"checkpoint {os.path.join(paths['checkpoints'], str(step))}" if step else "no step done"
+        print(f"Stopped by {stop.signal} at step {step}/{total_steps} ({where}); run the same command to resume")
+        return paths
+    bad = nonfinite_leaves(state.params)
+    if bad:
+        raise NonFiniteError(f"refusing to export {paths['final']}: non-finite values in {', '.join(bad[:3])}")
     save_pretrained(nnx.merge(graphdef, state.params), paths["final"], tokenizer=run.tokenizer)
     print(f"Done: {step} optimizer steps. Outputs in {out}:")
     for name in ("metrics", "rollouts", "checkpoints", "final", "config"):
@@ -420,7 +525,9 @@ def print_completions(console: Any, records: list[dict[str, Any]], limit: int | 
 
 # ------------------------------------------------------------------------------------------------ CLI
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point: 0 on success, 2 on a configuration/data/model error (one line), 1 on a reward error."""
+    """CLI entry point. Exit codes: 0 on success or after a SIGTERM (checkpoint saved); 2 on a configuration,
+    data or model error (one line, nothing written); 1 when training stops on a reward-function error or on
+    `max_consecutive_nonfinite` non-finite updates (the last checkpoint is left as it was)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print(format_help())
@@ -441,6 +548,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RewardError as e:
         print(format_reward_error(e), file=sys.stderr)
         print("error: training stopped; the last checkpoint was left as it was", file=sys.stderr)
+        return 1
+    except NonFiniteError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        print("error: training stopped; nothing non-finite was saved, the last checkpoint is intact", file=sys.stderr)
         return 1
     return 0
 

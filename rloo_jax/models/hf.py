@@ -386,7 +386,10 @@ def load_tokenizer(path_or_hub_id: str | Path, padding_side: str = "left") -> An
     if (directory / "tokenizer.json").is_file():
         tok = PreTrainedTokenizerFast.from_pretrained(str(directory), padding_side=padding_side)
     else:
-        tok = AutoTokenizer.from_pretrained(str(directory), padding_side=padding_side)
+        try:  # never run code shipped with a checkpoint
+            tok = AutoTokenizer.from_pretrained(str(directory), padding_side=padding_side, trust_remote_code=False)
+        except (ValueError, OSError) as e:
+            raise ModelLoadError(f"cannot load the tokenizer at {directory}: {str(e).splitlines()[0]}") from e
     tok.padding_side = padding_side
     if tok.pad_token is None:
         if tok.eos_token is None:
