@@ -14,12 +14,13 @@ import os
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Literal
 
 import yaml
 
 from rloo_jax.errors import ConfigError
+from rloo_jax.mesh import _resolve_mesh_shape
 
 logger = logging.getLogger("rloo_jax")
 
@@ -394,7 +395,8 @@ class RLOOConfig:
     per_device_eval_batch_size: int = _opt(
         8,
         "logging",
-        "Completions per evaluation batch; must be divisible by the evaluation num_generations.",
+        "Completions per device per evaluation batch (the evaluation batch is this times the data-parallel "
+        "shards, data_parallel * fsdp); it must hold whole groups of the evaluation num_generations.",
     )
     compilation_cache: bool = _opt(
         True,
@@ -412,7 +414,58 @@ class RLOOConfig:
         "Show full tracebacks for configuration and data errors.",
     )
 
-    def __post_init__(self) -> None:
+    # --- distributed
+    data_parallel: int = _opt(
+        1,
+        "distributed",
+        "Size of the mesh axis `data`: parameters replicated, the batch split. With one device the mesh "
+        "options are ignored (everything runs on that device).",
+    )
+    fsdp: int = _opt(
+        -1,
+        "distributed",
+        "Size of the mesh axis `fsdp`: the batch split, and parameters plus optimizer state split along the "
+        "hidden dimension (FSDP). -1 = the devices left after data_parallel and tensor_parallel.",
+    )
+    tensor_parallel: int = _opt(
+        1,
+        "distributed",
+        "Size of the mesh axis `tensor`: MLP, attention heads and vocabulary split over devices (Megatron "
+        "style). data_parallel * fsdp * tensor_parallel must equal the number of devices of all processes.",
+    )
+    coordinator_address: str | None = _opt(
+        None,
+        "distributed",
+        "host:port of process 0 for a multi-process run (or the JAX_COORDINATOR_ADDRESS environment "
+        "variable). SLURM, Open MPI and TPU-pod launches are detected without it.",
+    )
+    num_processes: int | None = _opt(
+        None,
+        "distributed",
+        "Number of processes of a multi-process run, with coordinator_address (or JAX_NUM_PROCESSES).",
+    )
+    process_id: int | None = _opt(
+        None,
+        "distributed",
+        "This process's index, 0 .. num_processes - 1, with coordinator_address (or JAX_PROCESS_ID).",
+    )
+
+    # Facts of the machine, not options: devices of all processes and the number of processes. The trainer
+    # passes jax.device_count() / jax.process_count() (after starting the multi-process runtime); the batch
+    # sizes and the mesh are validated against them. Kept by dataclasses.replace, never written to YAML.
+    device_count: InitVar[int] = 1
+    process_count: InitVar[int] = 1
+
+    def __post_init__(self, device_count: int, process_count: int) -> None:
+        if not (isinstance(device_count, int) and isinstance(process_count, int)) or not (
+            1 <= process_count <= device_count
+        ):
+            raise ConfigError(
+                f"device_count ({device_count!r}) and process_count ({process_count!r}) must be integers with "
+                "1 <= process_count <= device_count"
+            )
+        self.device_count = device_count
+        self.process_count = process_count
         self.validate()
 
     # ----------------------------------------------------------------------------------------- derived values
@@ -422,9 +475,30 @@ class RLOOConfig:
         return self.steps_per_generation or self.gradient_accumulation_steps
 
     @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) sizes on `device_count` devices, the -1 resolved: 8 devices, fsdp -1 -> (1, 8, 1)."""
+        sizes = {"data_parallel": self.data_parallel, "fsdp": self.fsdp, "tensor_parallel": self.tensor_parallel}
+        try:
+            data, fsdp, tensor = _resolve_mesh_shape(sizes, self.device_count)
+        except ValueError as e:
+            raise ConfigError(f"{e}; fix --data_parallel / --fsdp / --tensor_parallel") from None
+        return data, fsdp, tensor
+
+    @property
+    def data_shards(self) -> int:
+        """Devices the batch is split over (data_parallel * fsdp): TRL's number of processes, one per device."""
+        data, fsdp, _ = self.mesh_shape
+        return data * fsdp
+
+    @property
     def generation_batch_size(self) -> int:
-        """Completions per generation (B*G)."""
-        return self.per_device_train_batch_size * self.resolved_steps_per_generation
+        """Completions per generation, all devices together (B*G): per-device batch x data shards x steps."""
+        return self.per_device_train_batch_size * self.data_shards * self.resolved_steps_per_generation
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Completions per evaluation batch, all devices together: per_device_eval_batch_size x data shards."""
+        return self.per_device_eval_batch_size * self.data_shards
 
     @property
     def prompts_per_generation(self) -> int:
@@ -498,13 +572,31 @@ class RLOOConfig:
         ):
             value = getattr(self, name)
             _check(value is None or value >= 1, name, "must be >= 1 or None", value)
+        self._validate_distributed()
         if self.generation_batch_size % self.num_generations:
-            step = self.num_generations // math.gcd(self.num_generations, self.resolved_steps_per_generation)
+            shards, spg = self.data_shards, self.resolved_steps_per_generation
+            step = self.num_generations // math.gcd(self.num_generations, shards * spg)
+            if shards == 1:
+                formula = (
+                    f"per_device_train_batch_size * steps_per_generation = {self.per_device_train_batch_size} * {spg}"
+                )
+            else:
+                data, fsdp, _ = self.mesh_shape
+                formula = (
+                    f"per_device_train_batch_size * data-parallel shards (data_parallel * fsdp = {data} * {fsdp}) * "
+                    f"steps_per_generation = {self.per_device_train_batch_size} * {shards} * {spg}"
+                )
             raise ConfigError(
-                f"the generation batch per_device_train_batch_size * steps_per_generation = "
-                f"{self.per_device_train_batch_size} * {self.resolved_steps_per_generation} = "
-                f"{self.generation_batch_size} completions must be divisible by num_generations = "
-                f"{self.num_generations}; change per_device_train_batch_size to a multiple of {step}"
+                f"the generation batch {formula} = {self.generation_batch_size} completions must be divisible by "
+                f"num_generations = {self.num_generations} (whole prompt groups); change "
+                f"per_device_train_batch_size to a multiple of {step}"
+            )
+        if self.prompts_per_generation % self.process_count:
+            raise ConfigError(
+                f"the {self.prompts_per_generation} prompts of a generation batch cannot be split evenly over "
+                f"{self.process_count} processes (each samples and rewards its own prompts); make "
+                "per_device_train_batch_size * data_parallel * fsdp * steps_per_generation / num_generations a "
+                f"multiple of {self.process_count}"
             )
         if self.resolved_steps_per_generation % self.gradient_accumulation_steps:
             raise ConfigError(
@@ -512,10 +604,17 @@ class RLOOConfig:
                 f"gradient_accumulation_steps ({self.gradient_accumulation_steps}): an optimizer step cannot "
                 "span two generation batches"
             )
-        if self.eval_steps is not None and self.per_device_eval_batch_size % self.resolved_num_generations_eval:
+        g_eval = self.resolved_num_generations_eval
+        if self.eval_steps is not None and self.eval_batch_size % g_eval:
+            shards = "" if self.data_shards == 1 else f" x {self.data_shards} data-parallel shards"
             raise ConfigError(
-                f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) must be divisible by the "
-                f"evaluation num_generations ({self.resolved_num_generations_eval}); change one of them"
+                f"per_device_eval_batch_size ({self.per_device_eval_batch_size}){shards} must be divisible by the "
+                f"evaluation num_generations ({g_eval}); change one of them"
+            )
+        if self.eval_steps is not None and (self.eval_batch_size // g_eval) % self.process_count:
+            raise ConfigError(
+                f"the {self.eval_batch_size // g_eval} prompts of an evaluation batch cannot be split evenly over "
+                f"{self.process_count} processes; change per_device_eval_batch_size or num_generations_eval"
             )
         _check(
             self.max_steps == -1 or self.max_steps >= 1,
@@ -586,6 +685,11 @@ class RLOOConfig:
         if self.dataset_name.startswith("tfds:") and not self.dataset_name[5:].strip("/"):
             raise ConfigError("dataset_name: `tfds:` needs a dataset name, e.g. `tfds:gsm8k` or `tfds:glue/sst2`")
 
+    def _validate_distributed(self) -> None:
+        """Mesh sizes fit the devices (raises through `mesh_shape`); explicit process options are consistent."""
+        self.mesh_shape  # noqa: B018 - resolving the mesh is the check
+        _check_processes(self.num_processes, self.process_id)
+
     # ----------------------------------------------------------------------------------------- export
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON-ready values (tuples become lists)."""
@@ -603,6 +707,16 @@ def _require(value: Any, message: str) -> None:
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{name} {rule} (got {value!r}); fix --{name}")
+
+
+def _check_processes(num_processes: int | None, process_id: int | None) -> None:
+    _check(num_processes is None or num_processes >= 1, "num_processes", "must be >= 1 or None", num_processes)
+    _check(process_id is None or process_id >= 0, "process_id", "must be >= 0 or None", process_id)
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        raise ConfigError(
+            f"process_id ({process_id}) must be below num_processes ({num_processes}); processes are numbered "
+            "0 .. num_processes - 1"
+        )
 
 
 _HINTS: dict[str, Any] = {}
@@ -763,22 +877,40 @@ def parse_argv(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
     return config_path, overrides
 
 
-def load_config(argv: Sequence[str], base: dict[str, Any] | None = None) -> RLOOConfig:
-    """The validated config: `base` values, then the `--config` YAML file, then command-line overrides."""
+def _raw_values(argv: Sequence[str], base: dict[str, Any] | None) -> dict[str, Any]:
     config_path, overrides = parse_argv(argv)
     values = dict(base or {})
     if config_path is not None:
         values.update(read_yaml(config_path))
     values.update(overrides)
-    return config_from_dict(values)
+    return values
 
 
-def config_from_dict(values: dict[str, Any]) -> RLOOConfig:
+def load_config(
+    argv: Sequence[str], base: dict[str, Any] | None = None, device_count: int = 1, process_count: int = 1
+) -> RLOOConfig:
+    """The validated config: `base` values, then the `--config` YAML file, then command-line overrides;
+    batch sizes and mesh checked for `device_count` devices in `process_count` processes."""
+    return config_from_dict(_raw_values(argv, base), device_count, process_count)
+
+
+def distributed_options(argv: Sequence[str]) -> tuple[str | None, int | None, int | None]:
+    """(coordinator_address, num_processes, process_id) from `--config` and the command line, before the rest
+    of the config is validated: the multi-process runtime must start first (the device count depends on it)."""
+    values = _raw_values(argv, None)
+    hints = _hints()
+    names = ("coordinator_address", "num_processes", "process_id")
+    address, count, index = (coerce(values.get(name), hints[name], name) for name in names)
+    _check_processes(count, index)
+    return address, count, index
+
+
+def config_from_dict(values: dict[str, Any], device_count: int = 1, process_count: int = 1) -> RLOOConfig:
     """Build a validated config from {name: raw value}; values are coerced to the annotated types."""
     hints = _hints()
     parsed = {canonical_name(k, "the config"): v for k, v in values.items()}
     parsed = {k: coerce(v, hints[k], k) for k, v in parsed.items()}
-    return RLOOConfig(**parsed)
+    return RLOOConfig(**parsed, device_count=device_count, process_count=process_count)
 
 
 def format_help() -> str:

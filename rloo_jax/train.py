@@ -1,9 +1,14 @@
 """`python -m rloo_jax.train [--config FILE.yaml] [--name value ...]`: the RLOO training loop.
 
-Top to bottom: config -> tokenizer, policy, frozen reference -> optimizer -> `RLOOStep` -> resume -> for each
-generation: prompts, rollout (jitted), decode, rewards (host), update (jitted), metrics, records, checkpoint,
-eval, reference sync -> final Hugging Face export. Everything is validated and loaded before the first file
-is written, so a bad invocation leaves an existing output_dir untouched.
+Top to bottom: multi-process start -> config -> tokenizer, policy, frozen reference -> optimizer -> `RLOOStep` ->
+resume -> for each generation: prompts, rollout (jitted), decode, rewards (host), update (jitted), metrics, records,
+checkpoint, eval, reference sync -> final Hugging Face export. Everything is validated and loaded before the first
+file is written, so a bad invocation leaves an existing output_dir untouched.
+
+With more than one device the step runs on a (data, fsdp, tensor) mesh (`rloo_jax.mesh`). Every process runs this
+same loop on the same global batch indices; it encodes, decodes and rewards only its own rows (`Placement`), the
+step sees global arrays, and only process 0 writes logs, records, config.yaml and final/ (checkpoints are written by
+all processes together through orbax).
 """
 
 import dataclasses
@@ -24,12 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from rloo_jax import demo
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
-from rloo_jax.config import RLOOConfig, format_help, load_config, parse_argv
+from rloo_jax.config import RLOOConfig, distributed_options, format_help, load_config, parse_argv
 from rloo_jax.data import (
     PromptBatch,
     PromptEncoder,
@@ -39,6 +46,14 @@ from rloo_jax.data import (
     load_prompt_dataset,
 )
 from rloo_jax.errors import ConfigError, DataError, RewardError
+from rloo_jax.mesh import (
+    host_local_batch_to_global,
+    initialize_distributed,
+    local_rows,
+    make_mesh,
+    process_slice,
+    replicate,
+)
 from rloo_jax.metrics import (
     JsonlWriter,
     Sinks,
@@ -168,13 +183,31 @@ def refuse_custom_code(model_dir: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ setup
-def build_config(argv: Sequence[str]) -> RLOOConfig:
-    """The run config; with neither --config nor --model_name_or_path, the built-in demo is the base."""
+def build_config(argv: Sequence[str], device_count: int = 1, process_count: int = 1) -> RLOOConfig:
+    """The run config, checked for `device_count` devices in `process_count` processes; with neither --config nor
+    --model_name_or_path, the built-in demo is the base."""
     config_path, overrides = parse_argv(argv)
     if config_path is None and "model_name_or_path" not in overrides:
-        logger.warning("no --config and no --model_name_or_path: running the built-in demo (configs/default.yaml)")
-        return load_config(argv, base=demo.DEFAULT_CONFIG)
-    return load_config(argv)
+        if process_count == 1 or jax.process_index() == 0:
+            logger.warning("no --config and no --model_name_or_path: running the built-in demo (configs/default.yaml)")
+        return load_config(argv, demo.DEFAULT_CONFIG, device_count, process_count)
+    return load_config(argv, None, device_count, process_count)
+
+
+def start_distributed(coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Join a multi-process run (explicit options, JAX_* variables, or a detected SLURM / Open MPI / TPU-pod
+    launch; nothing on a plain single host). Must run before any other JAX work."""
+    try:
+        initialize_distributed(coordinator_address, num_processes, process_id)
+    except ValueError as e:
+        raise ConfigError(f"{e}; pass all of --coordinator_address, --num_processes and --process_id") from None
+
+
+def for_this_machine(cfg: RLOOConfig) -> RLOOConfig:
+    """`cfg` validated for the devices and processes JAX sees now (a copy when they differ from cfg's)."""
+    if (cfg.device_count, cfg.process_count) == (jax.device_count(), jax.process_count()):
+        return cfg
+    return dataclasses.replace(cfg, device_count=jax.device_count(), process_count=jax.process_count())
 
 
 def enable_compilation_cache(cfg: RLOOConfig) -> None:
@@ -266,6 +299,91 @@ def step_config(cfg: RLOOConfig, run: Run) -> StepConfig:
     )
 
 
+# ------------------------------------------------------------------------------------------------ placement
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where batches live: the default device (`mesh` None, one device) or a mesh over every process's devices.
+
+    Each process handles the rows `rows(n)` of a global batch of `n` (all of them with one process); `to_global`
+    turns its rows into a global array sharded over the mesh, `local` reads its rows of a global array back,
+    `gather` gives every process all rows (a collective: every process must call it).
+    """
+
+    mesh: Mesh | None
+
+    @property
+    def is_main(self) -> bool:
+        """Process 0: the one that writes logs, records, config.yaml and final/."""
+        return jax.process_index() == 0
+
+    @property
+    def multi_process(self) -> bool:
+        return jax.process_count() > 1
+
+    def rows(self, n: int) -> slice:
+        return slice(0, n) if self.mesh is None else process_slice(n)
+
+    def to_global(self, local: np.ndarray) -> jax.Array:
+        return jnp.asarray(local) if self.mesh is None else host_local_batch_to_global(local, self.mesh)
+
+    def replicate(self, value: Any) -> Any:
+        return value if self.mesh is None else replicate(value, self.mesh)
+
+    def local(self, x: jax.Array) -> np.ndarray:
+        return np.asarray(x) if self.mesh is None else local_rows(x)
+
+    def gather(self, x: Any) -> np.ndarray:
+        """All rows, on every process: of a global array, or of each process's own rows concatenated in order."""
+        if not self.multi_process:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    def gather_tree(self, tree: Any) -> Any:
+        """A pytree of (sharded) global arrays -> the same pytree of whole numpy arrays, on every process."""
+        if not self.multi_process:
+            return jax.device_get(tree)
+        return multihost_utils.process_allgather(tree, tiled=True)
+
+    def per_process(self, values: Sequence[int]) -> np.ndarray:
+        """[process_count, k] int32: every process's `values` ([1, k] with one process, no communication)."""
+        mine = np.asarray(values, np.int32)[None]
+        return self.gather(mine) if self.multi_process else mine
+
+    def host_key(self, key: jax.Array) -> jax.Array:
+        """A (replicated) global PRNG key -> the same key on this process's default device."""
+        if self.mesh is None:
+            return key
+        return jax.random.wrap_key_data(np.asarray(jax.random.key_data(key)), impl=jax.random.key_impl(key))
+
+    def any(self, flag: bool) -> bool:
+        """True on every process when `flag` is true on any (one process: `flag`)."""
+        return bool(self.per_process([int(flag)]).max())
+
+
+def encode_rows(run: "Run", place: Placement, rows: dict[str, list[Any]]) -> PromptBatch:
+    """Encode this process's prompt rows. With several processes, every process left-pads to the widest prompt
+    batch of all processes and counts truncated prompts over all, so the global batch is exactly what one process
+    encoding every row would build."""
+    batch = run.encoder(rows)
+    if not place.multi_process:
+        return batch
+    facts = place.per_process([batch.prompt_ids.shape[1], batch.num_truncated])
+    pad = ((0, 0), (int(facts[:, 0].max()) - batch.prompt_ids.shape[1], 0))
+    return dataclasses.replace(
+        batch,
+        prompt_ids=np.pad(batch.prompt_ids, pad, constant_values=prompt_pad_id(run.tokenizer)),
+        prompt_mask=np.pad(batch.prompt_mask, pad),
+        num_truncated=int(facts[:, 1].sum()),
+    )
+
+
+def prompt_pad_id(tokenizer: Any) -> int:
+    """The id `PromptEncoder` left-pads prompts with: pad, else eos, else 0."""
+    pad = tokenizer.pad_token_id
+    pad = tokenizer.eos_token_id if pad is None else pad
+    return int(pad or 0)
+
+
 # ------------------------------------------------------------------------------------------------ host work
 @dataclasses.dataclass
 class Scored:
@@ -278,50 +396,73 @@ class Scored:
     rewards_per_func: np.ndarray  # [N, F] float32 with NaN
 
 
-def decode_and_score(run: Run, batch: PromptBatch, completion_ids: np.ndarray, num_generations: int) -> Scored:
-    """Decode completions (special tokens skipped, as TRL) and call every reward function."""
+def decode(
+    run: Run, prompts: list[Any], completion_ids: np.ndarray, num_generations: int, rewards_per_func: np.ndarray
+) -> Scored:
+    """Decode completions (EOS-cut, special tokens skipped, as TRL) next to their prompts and given rewards."""
     lengths = completion_lengths(completion_ids, run.eos_ids)
     ids = [completion_ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
     texts = run.tokenizer.batch_decode(ids, skip_special_tokens=True)
-    chat = is_conversational(batch.prompts[0])
+    chat = is_conversational(prompts[0])
     completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
-    prompts = repeat_per_generation(batch.prompts, num_generations)
-    columns = {k: repeat_per_generation(v, num_generations) for k, v in batch.columns.items()}
-    rewards = compute_rewards(run.reward_funcs, prompts, completions, ids, columns)
     truncated = ~np.isin(completion_ids[np.arange(len(lengths)), lengths - 1], list(run.eos_ids))
-    return Scored(prompts, completions, lengths, truncated, rewards)
+    return Scored(repeat_per_generation(prompts, num_generations), completions, lengths, truncated, rewards_per_func)
 
 
-def evaluate(run: Run, graphdef: Any, params: Any, key: jax.Array, names: list[str]) -> dict[str, float]:
-    """Sample num_generations_eval completions per test prompt and report reward / length statistics."""
+def decode_and_score(run: Run, batch: PromptBatch, completion_ids: np.ndarray, num_generations: int) -> Scored:
+    """Decode completions (special tokens skipped, as TRL) and call every reward function."""
+    scored = decode(run, batch.prompts, completion_ids, num_generations, np.zeros((0, 0), np.float32))
+    ids = [completion_ids[i, :n].tolist() for i, n in enumerate(scored.lengths)]
+    columns = {k: repeat_per_generation(v, num_generations) for k, v in batch.columns.items()}
+    scored.rewards_per_func = compute_rewards(run.reward_funcs, scored.prompts, scored.completions, ids, columns)
+    return scored
+
+
+def evaluate(
+    run: Run, place: Placement, graphdef: Any, state: Any, key: jax.Array, names: list[str], sampler: Any = None
+) -> dict[str, float]:
+    """Sample num_generations_eval completions per test prompt and report reward / length statistics.
+
+    `sampler`: None on one device (the plain `generate` on the merged policy); with a mesh, an `RLOOStep` whose
+    rollout samples with the evaluation `SamplingConfig` on the sharded state (no parameter gather). Every process
+    encodes, samples for and rewards its share of each evaluation batch; the statistics use all rows.
+    """
     cfg = run.cfg
     g = cfg.resolved_num_generations_eval
     sc = sampling_config(cfg, run, g)
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, state.params) if sampler is None else None
     per_func, lengths, truncated = [], [], []
-    for i, (idx, real) in enumerate(eval_batches(len(run.eval_ds), cfg.per_device_eval_batch_size // g)):
-        batch = run.encoder(run.eval_ds[idx])
-        gen = generate(
-            model,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            key=jax.random.fold_in(key, i),
-            max_new_tokens=sc.max_new_tokens,
-            num_generations=g,
-            temperature=sc.temperature,
-            top_k=sc.top_k,
-            top_p=sc.top_p,
-            min_p=sc.min_p,
-            repetition_penalty=sc.repetition_penalty,
-            eos_token_ids=sc.eos_token_ids,
-            pad_token_id=sc.pad_token_id,
-            prompt_bucket=cfg.prompt_bucket,
-        )
-        scored = decode_and_score(run, batch, np.asarray(gen.completion_ids), g)
-        keep = slice(0, real * g)  # drop the rows padding the last batch
-        per_func.append(scored.rewards_per_func[keep])
-        lengths.append(scored.lengths[keep])
-        truncated.append(scored.truncated[keep])
+    for i, (idx, real) in enumerate(eval_batches(len(run.eval_ds), cfg.eval_batch_size // g)):
+        rows = place.rows(len(idx))
+        batch = encode_rows(run, place, run.eval_ds[idx[rows]])
+        batch_key = jax.random.fold_in(key, i)
+        if sampler is None:
+            completion_ids = np.asarray(
+                generate(
+                    model,
+                    batch.prompt_ids,
+                    batch.prompt_mask,
+                    key=batch_key,
+                    max_new_tokens=sc.max_new_tokens,
+                    num_generations=g,
+                    temperature=sc.temperature,
+                    top_k=sc.top_k,
+                    top_p=sc.top_p,
+                    min_p=sc.min_p,
+                    repetition_penalty=sc.repetition_penalty,
+                    eos_token_ids=sc.eos_token_ids,
+                    pad_token_id=sc.pad_token_id,
+                    prompt_bucket=cfg.prompt_bucket,
+                ).completion_ids
+            )
+        else:
+            ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
+            completion_ids = place.local(sampler.rollout(state, ids, mask, place.replicate(batch_key)).completion_ids)
+        scored = decode_and_score(run, batch, completion_ids, g)
+        keep = slice(0, real * g)  # drop the rows padding the last batch (global row order)
+        per_func.append(place.gather(scored.rewards_per_func)[keep])
+        lengths.append(place.gather(scored.lengths)[keep])
+        truncated.append(place.gather(scored.truncated)[keep])
     per_func, lengths, truncated = np.concatenate(per_func), np.concatenate(lengths), np.concatenate(truncated)
     reward = weighted_rewards(per_func, cfg.resolved_reward_weights)
     out = {"reward": float(np.nanmean(reward)), "reward_std": float(np.nanstd(reward, ddof=1))}
@@ -365,8 +506,12 @@ def train(cfg: RLOOConfig) -> dict[str, str]:
 
 
 def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
+    start_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
+    cfg = for_this_machine(cfg)
     enable_compilation_cache(cfg)
     run = prepare(cfg)
+    place = Placement(make_mesh(*cfg.mesh_shape) if cfg.device_count > 1 else None)
+    main_process = place.is_main
     iterator = PromptIterator(len(run.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
     scfg = step_config(cfg, run)
     per_gen = scfg.updates_per_generation
@@ -377,11 +522,18 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
     optimizer, schedule = make_optimizer(cfg, total_steps)
     graphdef, params = nnx.split(run.model)
     ref = jax.tree.map(jnp.copy, params) if cfg.beta > 0 else None  # a copy: update() donates the policy buffers
-    step_fn = RLOOStep(graphdef, optimizer, scfg)
-    state = step_fn.init_state(params, ref)
+    step_fn = RLOOStep(graphdef, optimizer, scfg, mesh=place.mesh)
+    state = step_fn.init_state(params, ref)  # with a mesh: placed on its shardings (FSDP / tensor parallel)
+    eval_sampler = None
+    if place.mesh is not None and run.eval_ds is not None:
+        # evaluation samples on the sharded state through a rollout with the evaluation SamplingConfig (beta 0:
+        # no reference log-probs); it shares the training state's shardings instead of initialising its own
+        eval_scfg = StepConfig(sampling=sampling_config(cfg, run, cfg.resolved_num_generations_eval), beta=0.0)
+        eval_sampler = RLOOStep(graphdef, optimizer, eval_scfg, mesh=place.mesh)
+        eval_sampler.state_shardings = step_fn.state_shardings
     base_key = jax.random.key(cfg.seed)
     eval_key = jax.random.key(cfg.seed + 1)  # evaluation never consumes training randomness
-    weights = jnp.asarray(cfg.resolved_reward_weights, jnp.float32)
+    weights = place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32))
     names = [f.name for f in run.reward_funcs]
 
     # everything is loaded and valid: from here on, files are written
@@ -394,31 +546,38 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
         "final": os.path.join(out, "final"),
         "config": os.path.join(out, "config.yaml"),
     }
-    ckpt = Checkpointer(paths["checkpoints"], max_to_keep=cfg.save_total_limit)
+    ckpt = Checkpointer(paths["checkpoints"], max_to_keep=cfg.save_total_limit)  # every process: orbax is collective
     window = WindowMean()
     step, num_tokens, truncated_prompts = 0, 0, 0  # the host counters travel in the checkpoint's meta
     latest = ckpt.latest_step()
     if latest is not None:
-        state, base_key, meta = ckpt.restore(latest, state, base_key)
+        state, key, meta = ckpt.restore(latest, state, place.replicate(base_key))  # onto the state's shardings
+        base_key = place.host_key(key)
         iterator.load_state_dict(meta["data"])
         step = int(meta["step"])
         counters = meta.get("counters", {})
         num_tokens = int(counters.get("num_tokens", 0))
         truncated_prompts = int(counters.get("num_truncated_prompts", 0))
         window.load_state_dict(meta.get("window", {}))
-    # records logged after the checkpoint (or, with none, by a run killed before its first one) are redone
-    dropped = drop_records_after(paths["metrics"], step) + drop_records_after(paths["rollouts"], step)
-    if latest is not None:
-        print(
-            f"Resuming from checkpoint {os.path.join(paths['checkpoints'], str(latest))} (step {step}"
-            + (f"; dropped {dropped} records logged after it)" if dropped else ")")
-        )
-    elif dropped:
-        print(f"No checkpoint in {paths['checkpoints']}: starting over (dropped {dropped} records of an earlier run)")
-    with open(paths["config"], "w", encoding="utf-8") as f:
-        f.write(cfg.to_yaml())
-    sinks = Sinks(out, cfg.report_to, json_safe(cfg.to_dict()))
-    rollouts = JsonlWriter(paths["rollouts"])
+        if place.mesh is not None and window.total is not None:  # onto the mesh, like the metrics added to it
+            window.total = place.replicate(window.total)
+    sinks = rollouts = None
+    if main_process:
+        # records logged after the checkpoint (or, with none, by a run killed before its first one) are redone
+        dropped = drop_records_after(paths["metrics"], step) + drop_records_after(paths["rollouts"], step)
+        if latest is not None:
+            print(
+                f"Resuming from checkpoint {os.path.join(paths['checkpoints'], str(latest))} (step {step}"
+                + (f"; dropped {dropped} records logged after it)" if dropped else ")")
+            )
+        elif dropped:
+            print(
+                f"No checkpoint in {paths['checkpoints']}: starting over (dropped {dropped} records of an earlier run)"
+            )
+        with open(paths["config"], "w", encoding="utf-8") as f:
+            f.write(cfg.to_yaml())
+        sinks = Sinks(out, cfg.report_to, json_safe(cfg.to_dict()))
+        rollouts = JsonlWriter(paths["rollouts"])
     saved = step if latest is not None else None
 
     def save() -> None:
@@ -428,24 +587,38 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
             "counters": {"num_tokens": num_tokens, "num_truncated_prompts": truncated_prompts},
             "window": window.state_dict(),
         }
-        ckpt.save(step, state, base_key, meta)
+        ckpt.save(step, state, place.replicate(base_key), meta)
+
+    def stop_requested() -> bool:
+        """A SIGTERM seen by any process (every process calls this at the same points, so all stop together)."""
+        return place.any(stop.signal is not None) if place.multi_process else stop.signal is not None
 
     progress = Progress(
-        TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        disable=not main_process,
     )
     try:
         with progress:
             task = progress.add_task("train", total=total_steps, completed=step)
-            while step < total_steps and stop.signal is None:
+            while step < total_steps and not stop_requested():
                 t0 = time.perf_counter()
                 prev, lr = step, float(schedule(step + per_gen - 1))
-                batch = run.encoder(run.train_ds[next(iterator)])
+                idx = next(iterator)  # the same global batch on every process; each one handles its rows
+                rows = place.rows(len(idx))
+                batch = encode_rows(run, place, run.train_ds[idx[rows]])
                 truncated_prompts += batch.num_truncated
-                key = jax.random.fold_in(base_key, step)
-                rollout = step_fn.rollout(state, batch.prompt_ids, batch.prompt_mask, key)
-                scored = decode_and_score(run, batch, np.asarray(rollout.completion_ids), cfg.num_generations)
-                num_tokens += int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
-                rewards = jnp.asarray(scored.rewards_per_func)
+                key = place.replicate(jax.random.fold_in(base_key, step))
+                ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
+                rollout = step_fn.rollout(state, ids, mask, key)
+                completion_ids = place.local(rollout.completion_ids)  # this process's completions
+                scored = decode_and_score(run, batch, completion_ids, cfg.num_generations)
+                local_tokens = int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
+                num_tokens += int(place.per_process([local_tokens]).sum())
+                rewards = place.to_global(scored.rewards_per_func)
                 state, metrics = step_fn.update(state, rollout, rewards, weights)
                 step += per_gen
                 window.add(metrics)
@@ -466,17 +639,26 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
                         epoch=iterator.epoch + iterator.index / (iterator.batches_per_epoch * iterator.batch_size),
                         num_truncated_prompts=truncated_prompts,
                     )
-                    sinks.log(step, logged)
-                    progress.console.print(console_line(step, total_steps, logged), soft_wrap=True)
+                    if main_process:
+                        sinks.log(step, logged)
+                        progress.console.print(console_line(step, total_steps, logged), soft_wrap=True)
                     if cfg.log_completions or last:
                         adv, _ = step_fn.score(rollout, rewards, weights)
-                        records = rollout_records(
-                            step, scored.prompts, scored.completions, names, scored.rewards_per_func,
-                            weighted_rewards(scored.rewards_per_func, cfg.resolved_reward_weights),
-                            np.asarray(adv), scored.lengths, scored.truncated,
-                        )  # fmt: skip
-                        rollouts.write(records)
-                        print_completions(progress.console, records, cfg.num_completions_to_print)
+                        adv = place.gather(adv)
+                        if place.multi_process:  # every process takes part in the gathers; process 0 decodes
+                            all_ids = place.gather(rollout.completion_ids)
+                            all_rewards = place.gather(scored.rewards_per_func)
+                            if main_process:
+                                prompts = list(run.train_ds[idx]["prompt"])
+                                scored = decode(run, prompts, all_ids, cfg.num_generations, all_rewards)
+                        if main_process:
+                            records = rollout_records(
+                                step, scored.prompts, scored.completions, names, scored.rewards_per_func,
+                                weighted_rewards(scored.rewards_per_func, cfg.resolved_reward_weights),
+                                adv, scored.lengths, scored.truncated,
+                            )  # fmt: skip
+                            rollouts.write(records)
+                            print_completions(progress.console, records, cfg.num_completions_to_print)
                 if diverged:  # logged above; nothing is evaluated or saved
                     raise NonFiniteError(
                         f"{consecutive} consecutive optimizer updates had a non-finite loss or gradients "
@@ -485,33 +667,45 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
                         "rewards for extreme values, or resume from an earlier checkpoint"
                     )
                 if run.eval_ds is not None and (crossed(prev, step, cfg.eval_steps) or last):
-                    eval_metrics = evaluate(run, graphdef, state.params, jax.random.fold_in(eval_key, step), names)
-                    sinks.log(step, eval_metrics)
-                    progress.console.print(
-                        f"eval step {step}: reward {eval_metrics['eval_reward']:.3f} "
-                        f"(len {eval_metrics['eval_completions/mean_length']:.1f})"
+                    eval_metrics = evaluate(
+                        run, place, graphdef, state, jax.random.fold_in(eval_key, step), names, eval_sampler
                     )
-                if crossed(prev, step, cfg.save_steps) or last or stop.signal is not None:
+                    if main_process:
+                        sinks.log(step, eval_metrics)
+                        progress.console.print(
+                            f"eval step {step}: reward {eval_metrics['eval_reward']:.3f} "
+                            f"(len {eval_metrics['eval_completions/mean_length']:.1f})"
+                        )
+                if crossed(prev, step, cfg.save_steps) or last or stop_requested():
                     save()
                     saved = step
                 progress.update(task, completed=step)
-            if stop.signal is not None and step > 0 and saved != step:
+            stopped = stop_requested()
+            if stopped and step > 0 and saved != step:
                 save()  # the signal came after this step's save decision
     finally:
         ckpt.close()  # waits for an in-flight save; a failed step never starts a new one
-        sinks.close()
-        rollouts.close()
-    if stop.signal is not None and step < total_steps:
-        where = f"checkpoint {os.path.join(paths['checkpoints'], str(step))}" if step else "no step done"
-        print(f"Stopped by {stop.signal} at step {step}/{total_steps} ({where}); run the same command to resume")
+        if sinks is not None:
+            sinks.close()
+            rollouts.close()
+    if stopped and step < total_steps:
+        if main_process:
+            where = f"checkpoint {os.path.join(paths['checkpoints'], str(step))}" if step else "no step done"
+            print(
+                f"Stopped by {stop.signal or 'SIGTERM'} at step {step}/{total_steps} ({where}); "
+                "run the same command to resume"
+            )
         return paths
     bad = nonfinite_leaves(state.params)
     if bad:
         raise NonFiniteError(f"refusing to export {paths['final']}: non-finite values in {', '.join(bad[:3])}")
-    save_pretrained(nnx.merge(graphdef, state.params), paths["final"], tokenizer=run.tokenizer)
-    print(f"Done: {step} optimizer steps. Outputs in {out}:")
-    for name in ("metrics", "rollouts", "checkpoints", "final", "config"):
-        print(f"  {name:12s} {paths[name]}")
+    # the export needs the whole parameters on the host: gathered from every process's shards (all take part)
+    host_params = state.params if place.mesh is None else place.gather_tree(state.params)
+    if main_process:
+        save_pretrained(nnx.merge(graphdef, host_params), paths["final"], tokenizer=run.tokenizer)
+        print(f"Done: {step} optimizer steps. Outputs in {out}:")
+        for name in ("metrics", "rollouts", "checkpoints", "final", "config"):
+            print(f"  {name:12s} {paths[name]}")
     return paths
 
 
@@ -537,7 +731,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     datasets.disable_progress_bars()  # one clean console: our progress bar and lines only
     debug = any(a in ("--debug", "--debug=true", "--debug=1") for a in argv)
     try:
-        cfg = build_config(argv)
+        # the multi-process runtime starts before anything else touches JAX; the config is then checked against
+        # the devices of all processes (the mesh sizes and the global batch depend on them)
+        start_distributed(*distributed_options(argv))
+        cfg = build_config(argv, jax.device_count(), jax.process_count())
         debug = cfg.debug
         train(cfg)
     except (ConfigError, DataError, ModelLoadError) as e:
