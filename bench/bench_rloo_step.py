@@ -73,7 +73,7 @@ def run_ours(model_dir: str, data: str, steps: int, bf16: bool, cache: bool) -> 
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "rloo_jax.train", "--model_name_or_path", model_dir, "--dataset_name", data,
                "--reward_funcs", "bench_rloo_step:reward", "--output_dir", out, "--max_steps", str(steps),
-               "--save_steps", str(10 * steps), "--eval_steps", "0", "--seed", "0", "--lr_scheduler_type",
+               "--save_steps", str(10 * steps), "--seed", "0", "--lr_scheduler_type",
                "constant", "--bf16", str(bf16).lower(), "--compilation_cache", str(cache).lower(),
                "--max_prompt_length", "32", "--prompt_bucket", "32"]
         for k, v in SETTINGS.items():
@@ -94,10 +94,11 @@ import json, sys, time, torch
 sys.path.insert(0, {here!r})
 torch.set_num_threads({threads})
 from datasets import load_dataset
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import PreTrainedTokenizerFast, TrainerCallback
 import trl
 from bench_rloo_step import reward, SETTINGS
-tok = AutoTokenizer.from_pretrained({model!r}, padding_side="left")
+# AutoTokenizer would rebuild it as Qwen2Tokenizer (another pre-tokenizer: empty ids); load it as saved
+tok = PreTrainedTokenizerFast.from_pretrained({model!r}, padding_side="left")
 ds = load_dataset("json", data_files={data!r}, split="train")
 times = []
 class Timer(TrainerCallback):

@@ -165,7 +165,7 @@ def greedy_tokens(scores: jax.Array) -> jax.Array:
     """argmax over the last axis, first index on ties: ``min{i : s_i = max(s)}``.
 
     scores [N, V] -> [N] int32. A max then a min-index reduction: the same result as ``jnp.argmax`` but
-    several times faster on XLA:CPU (see bench/RESULTS_generate.md).
+    several times faster on XLA:CPU (see BENCHMARKS.md).
     """
     vocab = scores.shape[-1]
     top = jnp.max(scores, axis=-1, keepdims=True)

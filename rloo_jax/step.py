@@ -87,8 +87,10 @@ class StepConfig:
     """Micro-batches the generation batch is split into."""
     gradient_accumulation_steps: int = 1
     """Micro-batches whose gradients are averaged into one optimizer update."""
-    logprob_chunk: int = 128
-    """Sequence positions unembedded at a time when computing log-probs (bounds the [.., V] logits held)."""
+    logprob_chunk: int = 64
+    """Sequence positions unembedded at a time when computing log-probs (bounds the [.., V] logits held: at
+    8 rows x 1024 positions and V = 152k, 64 keeps the log-prob pass under 1/8 of the full float32 logits;
+    see BENCHMARKS.md). Completions no longer than this are unembedded in one piece."""
 
     def __post_init__(self) -> None:
         if self.steps_per_generation % self.gradient_accumulation_steps:
@@ -146,16 +148,16 @@ def completion_logps(
 ) -> Array | tuple[Array, Array]:
     """Per-token log-probs of the completions under ``params``: ``[N, C]`` float32 (and entropy ``[N, C]``).
 
-    prompt_ids/mask ``[N, P]`` (already repeated per completion), completion ids/mask ``[N, C]``. One forward over
-    ``[prompt; completion]``; hidden state ``P - 1 + t`` predicts completion token ``t``; the vocabulary projection
-    runs in chunks of ``chunk`` positions (``per_token_logps_from_hidden``).
+    prompt_ids/mask ``[N, P]`` (one prompt per completion) or ``[B, P]`` with ``N = B*G`` (prompt ``r // G`` for
+    completion ``r``); completion ids/mask ``[N, C]``. Each distinct prompt row runs through the model once and its
+    G completions attend to its keys (``CausalLM.completion_hidden_states``; the same numbers as one forward over
+    ``[prompt; completion]``, without repeating the prompt G times). The vocabulary projection runs in chunks of
+    ``chunk`` positions (``per_token_logps_from_hidden``).
     """
     model = nnx.merge(graphdef, params)
-    p = prompt_ids.shape[1]
-    c = completion_ids.shape[1]
-    ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
-    mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
-    hidden = model.hidden_states(ids, mask)[:, p - 1 : p - 1 + c]
+    if completion_ids.shape[0] % prompt_ids.shape[0]:
+        raise ValueError(f"{completion_ids.shape[0]} completions do not split into {prompt_ids.shape[0]} prompts")
+    hidden = model.completion_hidden_states(prompt_ids, prompt_mask, completion_ids, completion_mask)
     return per_token_logps_from_hidden(
         hidden, model.unembed, completion_ids, temperature, chunk_size=chunk, with_entropy=with_entropy
     )
@@ -321,10 +323,8 @@ class RLOOStep:
             mask = mask * (~truncated)[:, None].astype(mask.dtype)
         ref_logps = None
         if cfg.beta != 0.0:
-            g = sc.num_generations
             ref_logps = completion_logps(
-                self.graphdef, state.ref_params,
-                self._rows(jnp.repeat(prompt_ids, g, 0)), self._rows(jnp.repeat(prompt_mask, g, 0)),
+                self.graphdef, state.ref_params, prompt_ids, prompt_mask,
                 gen.completion_ids, mask, cfg.temperature, cfg.logprob_chunk,
             )
             ref_logps = ref_logps * mask
@@ -385,9 +385,12 @@ class RLOOStep:
         spg, gas = cfg.steps_per_generation, cfg.gradient_accumulation_steps
         if n % spg:
             raise ValueError(f"{n} completions cannot be split into steps_per_generation={spg} micro-batches")
+        # Micro-batches of whole groups keep one prompt row per group (run once, shared by its G completions);
+        # otherwise each completion gets its own copy of its prompt.
+        share = (n // spg) % g == 0
         batch = {
-            "prompt_ids": self._rows(jnp.repeat(rollout.prompt_ids, g, 0)),
-            "prompt_mask": self._rows(jnp.repeat(rollout.prompt_mask, g, 0)),
+            "prompt_ids": rollout.prompt_ids if share else self._rows(jnp.repeat(rollout.prompt_ids, g, 0)),
+            "prompt_mask": rollout.prompt_mask if share else self._rows(jnp.repeat(rollout.prompt_mask, g, 0)),
             "completion_ids": rollout.completion_ids,
             "mask": rollout.completion_mask,
             "old_logps": rollout.old_logps,
@@ -395,8 +398,8 @@ class RLOOStep:
         }
         if cfg.beta != 0.0 and cfg.token_level_kl:
             batch["ref_logps"] = rollout.ref_logps
-        # [spg, N / spg, ...]: micro-batch i of the generation batch
-        micro = jax.tree.map(lambda x: self._rows(x.reshape(spg, n // spg, *x.shape[1:]), axis=1), batch)
+        # [spg, N / spg, ...] (prompts [spg, B / spg, P] when shared): micro-batch i of the generation batch
+        micro = jax.tree.map(lambda x: self._rows(x.reshape(spg, x.shape[0] // spg, *x.shape[1:]), axis=1), batch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def one_update(carry: tuple[nnx.State, optax.OptState], u: Array) -> tuple[tuple, dict[str, Array]]:

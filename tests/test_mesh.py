@@ -109,10 +109,10 @@ else:
     single, s_state, _, _ = scenario(None)
     sharded, m_state, m_step, rollout_args = scenario(mesh)
     # per-device KV-cache buffers of the compiled sharded rollout (test-only peek at the jitted function):
-    # [L, N, C, K, Dh] = [2, 8, 6, 2, 8] split over data x fsdp (rows) and tensor (K)
+    # [L, N, K, C, Dh] = [2, 8, 2, 6, 8] split over data x fsdp (rows) and tensor (K)
     jitted = next(f for k, f in m_step._sharded_jits.items() if k[0] == "rollout")
     hlo = jitted.lower(*rollout_args).compile().as_text()
-    out["cache_shapes"] = sorted(set(re.findall(r"f32\[2,\d+,6,\d+,8\]", hlo)))
+    out["cache_shapes"] = sorted(set(re.findall(r"f32\[2,\d+,\d+,6,8\]", hlo)))
     out["single"], out["sharded"] = single, sharded
     out["param_max_diff"] = max(
         float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
@@ -338,8 +338,8 @@ def test_sampler_sharded_equals_single_device(compare):
 
 
 def test_kv_cache_is_sharded_in_the_sampler(compare):
-    """The decode cache [L, N, C, K, Dh] lives split: N over data x fsdp, K heads over tensor (never whole)."""
-    assert compare["cache_shapes"] == ["f32[2,2,6,1,8]"]
+    """The decode cache [L, N, K, C, Dh] lives split: N over data x fsdp, K heads over tensor (never whole)."""
+    assert compare["cache_shapes"] == ["f32[2,2,1,6,8]"]
 
 
 def test_loss_and_grads_sharded_equal_single_device(compare):

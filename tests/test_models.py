@@ -172,11 +172,11 @@ def test_prefill_and_decode_match_full_forward(tiny_checkpoint, name):
     assert pcache.k.shape == (
         cfg.num_layers,
         b,
-        p,
         cfg.num_kv_heads,
+        p,
         cfg.head_dim,
-    )  # prompt NOT repeated G times
-    assert cache.k.shape == (cfg.num_layers, b * g, c, cfg.num_kv_heads, cfg.head_dim)
+    )  # prompt NOT repeated G times; kv-head-major
+    assert cache.k.shape == (cfg.num_layers, b * g, cfg.num_kv_heads, c, cfg.head_dim)
     np.testing.assert_array_equal(pcache.lengths, [6, 3])
     d_prefill = np.abs(np.asarray(last) - full[::g, p - 1]).max()
     d_decode = np.abs(np.transpose(np.asarray(logits), (1, 0, 2)) - full[:, p:]).max()

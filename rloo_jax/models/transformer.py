@@ -95,25 +95,28 @@ def attend_shared_prompt(
     gv: jax.Array,
     g_allowed: jax.Array,
 ) -> jax.Array:
-    """One decode query per row over its prompt's shared keys plus its own generated keys, one joint softmax.
+    """T queries per row over its prompt's shared keys plus its own keys, one joint softmax (f32).
 
-    q [B, G, H, Dh]; prompt pk/pv [B, P, K, Dh] (NOT repeated G times), p_allowed [B, G, P];
-    generated gk/gv [B, G, C, K, Dh], g_allowed [B, G, C]  ->  [B, G, H, Dh].
+    q [B, G, T, H, Dh]; prompt pk/pv [B, K, P, Dh] (NOT repeated G times), p_allowed [B, G, T, P];
+    own keys gk/gv [B, G, K, S, Dh], g_allowed [B, G, T, S]  ->  [B, G, T, H, Dh].
+    Keys are kv-head-major ([.., K, S, Dh]) so both score contractions have (b, [g,] k) as batch dimensions with
+    each head's keys contiguous: a decode step then reads the caches in place (no per-step transpose copy).
+    Decoding uses T = 1 and S = C cache slots; the training forward uses T = S = C completion tokens.
     """
-    b, g, h, dh = q.shape
-    kh = pk.shape[2]
-    qg = q.reshape(b, g, kh, h // kh, dh)
+    b, g, t, h, dh = q.shape
+    kh = pk.shape[1]
+    qg = q.reshape(b, g, t, kh, h // kh, dh)
     scale = dh**-0.5
-    sp = jnp.einsum("bgkhd,bpkd->bgkhp", qg, pk, preferred_element_type=jnp.float32) * scale
-    sc = jnp.einsum("bgkhd,bgckd->bgkhc", qg, gk, preferred_element_type=jnp.float32) * scale
+    sp = jnp.einsum("bgtkhd,bkpd->bgkhtp", qg, pk, preferred_element_type=jnp.float32) * scale
+    sc = jnp.einsum("bgtkhd,bgksd->bgkhts", qg, gk, preferred_element_type=jnp.float32) * scale
     sp = jnp.where(p_allowed[:, :, None, None], sp, _NEG)
     sc = jnp.where(g_allowed[:, :, None, None], sc, _NEG)
     m = jnp.maximum(sp.max(-1, keepdims=True), sc.max(-1, keepdims=True))
     ep, ec = jnp.exp(sp - m), jnp.exp(sc - m)
     z = ep.sum(-1, keepdims=True) + ec.sum(-1, keepdims=True)
-    o = jnp.einsum("bgkhp,bpkd->bgkhd", (ep / z).astype(pv.dtype), pv)
-    o = o + jnp.einsum("bgkhc,bgckd->bgkhd", (ec / z).astype(gv.dtype), gv)
-    return o.reshape(b, g, h, dh)
+    o = jnp.einsum("bgkhtp,bkpd->bgtkhd", (ep / z).astype(pv.dtype), pv)
+    o = o + jnp.einsum("bgkhts,bgksd->bgtkhd", (ec / z).astype(gv.dtype), gv)
+    return o.reshape(b, g, t, h, dh)
 
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
@@ -137,8 +140,8 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
 class PromptCache:
     """Keys/values of B prompts, computed once by `prefill` and shared by their G samples."""
 
-    k: jax.Array  # [L, B, P, K, Dh] (after RoPE)
-    v: jax.Array  # [L, B, P, K, Dh]
+    k: jax.Array  # [L, B, K, P, Dh] (after RoPE; kv-head-major)
+    v: jax.Array  # [L, B, K, P, Dh]
     mask: jax.Array  # [B, P] int32, 1 at real prompt tokens
     lengths: jax.Array  # [B] int32, real prompt tokens = position of the first generated token
 
@@ -148,8 +151,8 @@ class DecodeCache:
     """Prompt cache at batch B plus the generated keys/values of the B*G rows (row r samples prompt r // G)."""
 
     prompt: PromptCache
-    k: jax.Array  # [L, B*G, C, K, Dh]
-    v: jax.Array  # [L, B*G, C, K, Dh]
+    k: jax.Array  # [L, B*G, K, C, Dh] (kv-head-major: slot s of head k is [l, r, k, s])
+    v: jax.Array  # [L, B*G, K, C, Dh]
 
 
 # ----------------------------------------------------------------------------------------------- modules
@@ -309,6 +312,62 @@ class Transformer(nnx.Module):
             kvs.append(kv)
         return self.final_norm(x), kvs
 
+    def forward_shared_prompt(
+        self, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """B prompts, each continued by G completions, without repeating the prompts G times.
+
+        prompt_ids, prompt_mask [B, P] (any padding); completion_ids, completion_mask [B*G, C] (row r continues
+        prompt r // G; its mask is a prefix of ones) -> final-norm hidden states (prompt [B, P, D], completions
+        [B*G, C, D]), equal to `forward` over each row's concatenation [prompt; completion]: completion token t of
+        row r sits at position lengths[r // G] + cumsum(mask)[t] - 1 and attends to its prompt's real tokens
+        (keys computed once per prompt) and to its own earlier real tokens. Gradients reach the prompt keys and
+        values through all G rows.
+        """
+        b, p = prompt_ids.shape
+        n, c = completion_ids.shape
+        g = n // b
+        pmask, cmask = prompt_mask.astype(jnp.int32), completion_mask.astype(jnp.int32)
+        p_pos = positions_from_mask(pmask)  # [B, P]
+        c_pos = jnp.repeat(pmask.sum(-1), g)[:, None] + jnp.cumsum(cmask, axis=-1) - 1  # [N, C]
+        idx = jnp.arange(p)
+        pp_allowed = (idx[:, None] >= idx[None, :])[None] & (pmask[:, None, :] > 0)
+        pp_allowed = pp_allowed & self._visible(p_pos[:, :, None], p_pos[:, None, :])  # [B, P, P]
+        cq = c_pos.reshape(b, g, c)
+        cp_allowed = (pmask[:, None, None, :] > 0) & self._visible(cq[..., None], p_pos[:, None, None, :])
+        jdx = jnp.arange(c)
+        cc_allowed = (jdx[:, None] >= jdx[None, :])[None] & (cmask[:, None, :] > 0)
+        cc_allowed = cc_allowed.reshape(b, g, c, c) & self._visible(cq[..., None], cq[:, :, None, :])
+        inv = np.asarray(self.inv_freq, np.float32)
+        cos_p, sin_p = rope_cos_sin(p_pos, inv)
+        cos_c, sin_c = rope_cos_sin(c_pos, inv)
+        xp, xc = self.embed(prompt_ids), self.embed(completion_ids)
+
+        def prompt_fn(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            return attend(q, k, v, pp_allowed), (k, v)
+
+        for layer in self.layers:
+            xp, (pk, pv) = layer(xp, cos_p, sin_p, prompt_fn)
+
+            def completion_fn(
+                q: jax.Array, k: jax.Array, v: jax.Array, pk: jax.Array = pk, pv: jax.Array = pv
+            ) -> tuple[jax.Array, None]:
+                kh, dh = k.shape[2:]
+                own = (b, g, c, kh, dh)
+                o = attend_shared_prompt(
+                    q.reshape(b, g, c, *q.shape[2:]),
+                    pk.swapaxes(1, 2),
+                    pv.swapaxes(1, 2),
+                    cp_allowed,
+                    k.reshape(own).swapaxes(2, 3),
+                    v.reshape(own).swapaxes(2, 3),
+                    cc_allowed,
+                )
+                return o.reshape(q.shape), None
+
+            xc, _ = layer(xc, cos_c, sin_c, completion_fn)
+        return self.final_norm(xp), self.final_norm(xc)
+
     def decode(self, tokens: jax.Array, step: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
         """One token per row: tokens [B*G] -> (hidden [B*G, D], cache with slot `step` written)."""
         p = cache.prompt
@@ -319,20 +378,22 @@ class Transformer(nnx.Module):
         q_pos = pos.reshape(b, g)
         p_pos = positions_from_mask(p.mask)
         p_allowed = (p.mask[:, None, :] > 0) & self._visible(q_pos[:, :, None], p_pos[:, None, :])  # [B, G, P]
-        c = jnp.arange(cache.k.shape[2])
-        g_allowed = jnp.broadcast_to((c <= step) & self._visible(step, c), (b, g, c.shape[0]))  # [B, G, C]
+        c = jnp.arange(cache.k.shape[3])
+        g_allowed = jnp.broadcast_to((c <= step) & self._visible(step, c), (b, g, 1, c.shape[0]))  # [B, G, 1, C]
+        p_allowed = p_allowed[:, :, None]  # [B, G, 1, P]
         x = self.embed(tokens)[:, None]
         gk, gv = cache.k, cache.v
         for li, layer in enumerate(self.layers):
 
             def fn(q: jax.Array, k: jax.Array, v: jax.Array, li: int = li) -> tuple[jax.Array, None]:
                 nonlocal gk, gv
-                start = (li, 0, step, 0, 0)
-                gk = jax.lax.dynamic_update_slice(gk, k[None].astype(gk.dtype), start)
-                gv = jax.lax.dynamic_update_slice(gv, v[None].astype(gv.dtype), start)
+                start = (li, 0, 0, step, 0)
+                # k, v [B*G, 1, K, Dh] -> slot `step` of [L, B*G, K, C, Dh]
+                gk = jax.lax.dynamic_update_slice(gk, k.swapaxes(1, 2)[None].astype(gk.dtype), start)
+                gv = jax.lax.dynamic_update_slice(gv, v.swapaxes(1, 2)[None].astype(gv.dtype), start)
                 kshape = (b, g, *gk.shape[2:])
                 o = attend_shared_prompt(
-                    q.reshape(b, g, *q.shape[2:]),
+                    q.reshape(b, g, 1, *q.shape[2:]),
                     p.k[li],
                     p.v[li],
                     p_allowed,
@@ -367,6 +428,20 @@ class CausalLM(nnx.Module):
         """[B, T] -> final-norm hidden states [B, T, D] in the compute dtype."""
         return self.model.forward(input_ids, attention_mask)[0]
 
+    def completion_hidden_states(
+        self, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array
+    ) -> jax.Array:
+        """Hidden states that predict each completion token: [B*G, C, D], row r continuing prompt r // G.
+
+        prompt [B, P], completions [B*G, C] (see `Transformer.forward_shared_prompt`: each prompt runs once).
+        Entry t is the hidden state after the token before completion token t: the prompt's last real token
+        for t = 0, completion token t - 1 otherwise; `unembed` of it scores completion token t.
+        """
+        hp, hc = self.model.forward_shared_prompt(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        g = completion_ids.shape[0] // prompt_ids.shape[0]
+        last = hp[jnp.arange(hp.shape[0]), last_token_index(prompt_mask)]  # [B, D]
+        return jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc[:, :-1]], axis=1)
+
     def unembed(self, h: jax.Array) -> jax.Array:
         """h [..., D] -> logits [..., V] float32 (lm head, or the tied embedding transposed)."""
         dt = jnp.dtype(self.config.dtype)
@@ -387,17 +462,17 @@ class CausalLM(nnx.Module):
         logits = self.unembed(h[jnp.arange(h.shape[0]), last])
         mask = prompt_mask.astype(jnp.int32)
         cache = PromptCache(
-            k=jnp.stack([k for k, _ in kvs]),
-            v=jnp.stack([v for _, v in kvs]),
+            k=jnp.stack([k.swapaxes(1, 2) for k, _ in kvs]),  # [L, B, K, P, Dh]
+            v=jnp.stack([v.swapaxes(1, 2) for _, v in kvs]),
             mask=mask,
             lengths=mask.sum(-1).astype(jnp.int32),
         )
         return logits, cache
 
     def init_decode_cache(self, prompt_cache: PromptCache, num_generations: int, max_new_tokens: int) -> DecodeCache:
-        """Empty generated-token slots [L, B*G, C, K, Dh] next to the shared prompt cache."""
-        n_layers, b, _, kh, dh = prompt_cache.k.shape
-        shape = (n_layers, b * num_generations, max_new_tokens, kh, dh)
+        """Empty generated-token slots [L, B*G, K, C, Dh] next to the shared prompt cache."""
+        n_layers, b, kh, _, dh = prompt_cache.k.shape
+        shape = (n_layers, b * num_generations, kh, max_new_tokens, dh)
         zeros = jnp.zeros(shape, prompt_cache.k.dtype)
         return DecodeCache(prompt=prompt_cache, k=zeros, v=zeros)
 

@@ -1,0 +1,90 @@
+"""Recompilation counting: after the first step, a run with varied prompt lengths compiles nothing.
+
+Compilations are counted with jax's monitoring events (one `/jax/core/compile/backend_compile_duration` event per
+XLA compile, one `/jax/core/compile/jaxpr_trace_duration` per trace), so every jitted function counts, including
+eager jnp calls between the steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from rloo_jax.models import init_causal_lm
+from rloo_jax.sampling import SamplingConfig, bucket_prompts
+from rloo_jax.step import RLOOStep, StepConfig
+
+COMPILE = "/jax/core/compile/backend_compile_duration"
+TRACE = "/jax/core/compile/jaxpr_trace_duration"
+VOCAB, PAD, EOS = 64, 0, 1
+TINY = dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0,
+            tie_word_embeddings=False)
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[dict[str, int]]:
+    """Counts XLA compiles and jaxpr traces inside the block: yields {"compiles": n, "traces": m}."""
+    counts = {"compiles": 0, "traces": 0}
+
+    def listener(event: str, duration: float, **kwargs: object) -> None:
+        if event == COMPILE:
+            counts["compiles"] += 1
+        elif event == TRACE:
+            counts["traces"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _prompts(rng: np.random.Generator, num_prompts: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded prompts of random length 1..bucket, put into the one bucket the trainer would use."""
+    lengths = rng.integers(1, bucket + 1, num_prompts)
+    ids = np.full((num_prompts, bucket), PAD, np.int32)
+    mask = np.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = rng.integers(2, VOCAB, n)
+        mask[b, :n] = 1
+    return bucket_prompts(ids, mask, bucket, PAD)
+
+
+def test_no_recompilation_after_first_step():
+    """Steps 2..N of rollout -> host reward -> update, prompt lengths varying inside one bucket: 0 compiles."""
+    graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
+    sc = SamplingConfig(max_new_tokens=6, num_generations=2, eos_token_ids=(EOS,), pad_token_id=PAD)
+    step = RLOOStep(graphdef, optax.adamw(1e-3), StepConfig(sampling=sc, beta=0.05))
+    state = step.init_state(params, jax.tree.map(jnp.copy, params))
+    weights = jnp.ones((1,), jnp.float32)
+    rng = np.random.default_rng(0)
+    base_key = jax.random.key(0)
+
+    prompt_lengths = []
+
+    def one_step(i: int, state: object) -> tuple[object, dict]:
+        ids, mask = _prompts(rng, 3, bucket=8)
+        prompt_lengths.append(tuple(mask.sum(axis=1)))
+        rollout = step.rollout(state, ids, mask, jax.random.fold_in(base_key, i))
+        completions = np.asarray(rollout.completion_ids)
+        rewards = jnp.asarray((completions % 3 == 0).mean(axis=1, keepdims=True), jnp.float32)
+        state, metrics = step.update(state, rollout, rewards, weights)
+        return state, jax.device_get(metrics)
+
+    with count_compiles() as first:
+        state, _ = one_step(0, state)
+    assert first["compiles"] >= 2  # rollout and update at least: the counter works
+    with count_compiles() as later:
+        for i in range(1, 8):
+            state, metrics = one_step(i, state)
+            assert np.isfinite(metrics["loss"])
+    print(f"first step: {first}; steps 2-8: {later}")
+    assert later == {"compiles": 0, "traces": 0}
+    assert len(set(prompt_lengths)) > 4  # the prompt lengths really varied
