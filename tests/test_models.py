@@ -139,6 +139,40 @@ def test_reward_pools_last_real_token_when_pad_is_eos(tiny_checkpoint, left):
         assert np.abs(np.asarray(rm(jnp.asarray(ids_eos_pad), jnp.asarray(wrong_mask)))[1] - ref[1]) > 1e-3
 
 
+# ----------------------------------------------------------------------------------------------- shared prompt
+@pytest.mark.parametrize("name", ["qwen2_untied", "mistral_sliding", "neox_sequential_r050"])
+def test_completion_hidden_states_equal_full_forward_values_and_grads(tiny_checkpoint, name):
+    """Each prompt run once, its G completions attending to its keys == a forward over G copies of
+    [prompt; completion] (values and parameter gradients, incl. through the prompt keys; EOS-cut masks)."""
+    b, g, p, c = 2, 3, 6, 5
+    model = load_causal_lm(tiny_checkpoint(name))
+    graphdef, params = nnx.split(model)
+    prompt_ids, prompt_mask = _batch(b, p, [6, 3], seed=7)
+    comp = np.random.RandomState(8).randint(3, 280, size=(b * g, c)).astype(np.int32)
+    cmask = np.ones((b * g, c), np.int32)
+    cmask[1, 3:] = 0  # a completion that ended early
+    w = jnp.asarray(np.random.RandomState(9).normal(size=(b * g, c, model.config.hidden_size)), jnp.float32)
+
+    def shared(params):
+        m = nnx.merge(graphdef, params)
+        return m.completion_hidden_states(jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), jnp.asarray(comp),
+                                          jnp.asarray(cmask))
+
+    def full(params):
+        m = nnx.merge(graphdef, params)
+        ids = jnp.concatenate([jnp.repeat(jnp.asarray(prompt_ids), g, 0), jnp.asarray(comp)], axis=1)
+        mask = jnp.concatenate([jnp.repeat(jnp.asarray(prompt_mask), g, 0), jnp.asarray(cmask)], axis=1)
+        return m.hidden_states(ids, mask)[:, p - 1 : p - 1 + c]
+
+    valid = np.asarray(cmask, bool)
+    np.testing.assert_allclose(np.asarray(shared(params))[valid], np.asarray(full(params))[valid], atol=1e-5)
+    loss = lambda f: lambda q: jnp.sum(f(q) * w * jnp.asarray(cmask)[..., None])  # noqa: E731
+    g_shared = jax.jit(jax.grad(loss(shared)))(params)
+    g_full = jax.jit(jax.grad(loss(full)))(params)
+    for a, b_ in zip(jax.tree.leaves(g_shared), jax.tree.leaves(g_full), strict=True):
+        np.testing.assert_allclose(a, b_, atol=1e-4, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------------------------- KV cache
 @pytest.mark.parametrize("name", ["qwen2_tied", "llama3", "mistral_sliding", "neox_parallel_r025"])
 def test_prefill_and_decode_match_full_forward(tiny_checkpoint, name):
