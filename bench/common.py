@@ -22,6 +22,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rloo_jax.models import init_causal_lm  # noqa: E402
+from rloo_jax.rloo import RLOOOptions  # noqa: E402
 from rloo_jax.sampling import SamplingConfig  # noqa: E402
 from rloo_jax.step import RLOOStep, StepConfig  # noqa: E402
 
@@ -48,7 +49,7 @@ def make_step(size: str, dtype: str = "float32", num_prompts: int = 2, group: in
     sc = SamplingConfig(max_new_tokens=new_tokens, num_generations=group, temperature=1.0,
                         eos_token_ids=(EOS_ID,), pad_token_id=PAD_ID)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5, weight_decay=0.0))
-    step = RLOOStep(graphdef, opt, StepConfig(sampling=sc, beta=beta))
+    step = RLOOStep(graphdef, opt, StepConfig(sampling=sc, rloo=RLOOOptions(beta=beta)))
     ref = jax.tree.map(jnp.copy, params) if beta else None
     return step, step.init_state(params, ref)
 

@@ -38,7 +38,7 @@ from rloo_jax.mesh import (
     shard_params,
     state_shardings,
 )
-from rloo_jax.rloo import KLEstimator, RLOOOptions, clipped_objective, kl_loss, score_completions
+from rloo_jax.rloo import RLOOOptions, clipped_objective, kl_loss, score_completions
 from rloo_jax.sampling import SamplingConfig, generate_fn
 
 Array = jax.Array
@@ -72,15 +72,8 @@ class StepConfig:
     """Static, hashable options of a step (TRL names). Built once from the run config."""
 
     sampling: SamplingConfig
-    beta: float = 0.05
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    normalize_advantages: bool = False
-    reward_clip_range: tuple[float, float] | None = None
-    mask_truncated_completions: bool = False
-    missing_eos_penalty: float | None = None
-    kl_estimator: KLEstimator = "k1"
-    token_level_kl: bool = False
+    rloo: RLOOOptions = RLOOOptions()
+    """The algorithm's knobs (beta, epsilon, normalisation, clipping, KL estimator, loss level ...)."""
     num_iterations: int = 1
     """Optimisation passes over each generation batch (PPO epochs)."""
     steps_per_generation: int = 1
@@ -116,20 +109,6 @@ class StepConfig:
     @property
     def updates_per_generation(self) -> int:
         return self.num_iterations * self.steps_per_generation // self.gradient_accumulation_steps
-
-    @property
-    def options(self) -> RLOOOptions:
-        return RLOOOptions(
-            beta=self.beta,
-            epsilon=self.epsilon,
-            epsilon_high=self.epsilon_high,
-            normalize_advantages=self.normalize_advantages,
-            reward_clip_range=self.reward_clip_range,
-            mask_truncated_completions=self.mask_truncated_completions,
-            missing_eos_penalty=self.missing_eos_penalty,
-            kl_estimator=self.kl_estimator,
-            token_level_kl=self.token_level_kl,
-        )
 
 
 # ----------------------------------------------------------------------------------------------- pure pieces
@@ -227,9 +206,9 @@ class RLOOStep:
 
         With a mesh the state is created directly on its shardings (the optimizer state is initialised sharded).
         """
-        if self.cfg.beta != 0.0 and ref_params is None:
+        if self.cfg.rloo.beta != 0.0 and ref_params is None:
             raise ValueError("beta != 0 needs ref_params (a frozen copy of the initial policy)")
-        ref_params = ref_params if self.cfg.beta != 0.0 else None
+        ref_params = ref_params if self.cfg.rloo.beta != 0.0 else None
         if self.mesh is None:
             return TrainState(
                 params=params,
@@ -265,7 +244,7 @@ class RLOOStep:
         n = batch_sharding(self.mesh, (num_prompts * self.cfg.num_generations,))
         ro = Rollout(
             prompt_ids=b, prompt_mask=b, completion_ids=n, completion_mask=n, is_truncated=n, old_logps=n,
-            ref_logps=n if self.cfg.beta != 0.0 else None,
+            ref_logps=n if self.cfg.rloo.beta != 0.0 else None,
         )
         return b, n, ro
 
@@ -319,10 +298,10 @@ class RLOOStep:
         prompt_ids, prompt_mask = _left_align(prompt_ids, prompt_mask)
         # TRL's mask/truncation rule (a pad id as last token counts as terminated)
         mask, truncated = completion_mask(gen.completion_ids, sc.eos_token_ids or (-1,), sc.pad_token_id)
-        if cfg.mask_truncated_completions:
+        if cfg.rloo.mask_truncated_completions:
             mask = mask * (~truncated)[:, None].astype(mask.dtype)
         ref_logps = None
-        if cfg.beta != 0.0:
+        if cfg.rloo.beta != 0.0:
             ref_logps = completion_logps(
                 self.graphdef, state.ref_params, prompt_ids, prompt_mask,
                 gen.completion_ids, mask, cfg.temperature, cfg.logprob_chunk,
@@ -349,7 +328,7 @@ class RLOOStep:
             rollout.ref_logps,
             num_generations=self.cfg.num_generations,
             reward_weights=reward_weights,
-            options=self.cfg.options,
+            options=self.cfg.rloo,
         )
         eos_mask, _ = completion_mask(
             rollout.completion_ids, self.cfg.sampling.eos_token_ids or (-1,), self.cfg.sampling.pad_token_id
@@ -369,9 +348,12 @@ class RLOOStep:
         )
         mask = mb["mask"].astype(jnp.float32)
         old = jax.lax.stop_gradient(logps) if cfg.on_policy else mb["old_logps"]
-        loss, metrics = clipped_objective(logps, old, mb["advantages"], mask, cfg.epsilon, cfg.epsilon_high)
-        if cfg.beta != 0.0 and cfg.token_level_kl:
-            loss = loss + cfg.beta * kl_loss(logps, mb["ref_logps"], mask, cfg.kl_estimator)
+        r = cfg.rloo
+        loss, metrics = clipped_objective(
+            logps, old, mb["advantages"], mask, r.epsilon, r.epsilon_high, r.level, r.aggregation
+        )
+        if r.beta != 0.0 and r.token_level_kl:
+            loss = loss + r.beta * kl_loss(logps, mb["ref_logps"], mask, r.kl_estimator)
         metrics["entropy"] = masked_mean(entropy, mask)
         return loss, metrics
 
@@ -396,7 +378,7 @@ class RLOOStep:
             "old_logps": rollout.old_logps,
             "advantages": adv,
         }
-        if cfg.beta != 0.0 and cfg.token_level_kl:
+        if cfg.rloo.beta != 0.0 and cfg.rloo.token_level_kl:
             batch["ref_logps"] = rollout.ref_logps
         # [spg, N / spg, ...] (prompts [spg, B / spg, P] when shared): micro-batch i of the generation batch
         micro = jax.tree.map(lambda x: self._rows(x.reshape(spg, x.shape[0] // spg, *x.shape[1:]), axis=1), batch)

@@ -77,6 +77,7 @@ from rloo_jax.rewards import (
     repeat_per_generation,
     resolve_reward_funcs,
 )
+from rloo_jax.rloo import RLOOOptions
 from rloo_jax.sampling import SamplingConfig, generate
 from rloo_jax.step import RLOOStep, StepConfig
 
@@ -284,15 +285,17 @@ def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> Sampling
 def step_config(cfg: RLOOConfig, run: Run) -> StepConfig:
     return StepConfig(
         sampling=sampling_config(cfg, run, cfg.num_generations),
-        beta=cfg.beta,
-        epsilon=cfg.epsilon,
-        epsilon_high=cfg.epsilon_high,
-        normalize_advantages=cfg.normalize_advantages,
-        reward_clip_range=cfg.reward_clip_range,
-        mask_truncated_completions=cfg.mask_truncated_completions,
-        missing_eos_penalty=cfg.missing_eos_penalty,
-        kl_estimator=cfg.kl_estimator,
-        token_level_kl=cfg.token_level_kl,
+        rloo=RLOOOptions(
+            beta=cfg.beta,
+            epsilon=cfg.epsilon,
+            epsilon_high=cfg.epsilon_high,
+            normalize_advantages=cfg.normalize_advantages,
+            reward_clip_range=cfg.reward_clip_range,
+            mask_truncated_completions=cfg.mask_truncated_completions,
+            missing_eos_penalty=cfg.missing_eos_penalty,
+            kl_estimator=cfg.kl_estimator,
+            token_level_kl=cfg.token_level_kl,
+        ),
         num_iterations=cfg.num_iterations,
         steps_per_generation=cfg.resolved_steps_per_generation,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -528,7 +531,8 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
     if place.mesh is not None and run.eval_ds is not None:
         # evaluation samples on the sharded state through a rollout with the evaluation SamplingConfig (beta 0:
         # no reference log-probs); it shares the training state's shardings instead of initialising its own
-        eval_scfg = StepConfig(sampling=sampling_config(cfg, run, cfg.resolved_num_generations_eval), beta=0.0)
+        eval_scfg = StepConfig(sampling=sampling_config(cfg, run, cfg.resolved_num_generations_eval),
+                               rloo=RLOOOptions(beta=0.0))
         eval_sampler = RLOOStep(graphdef, optimizer, eval_scfg, mesh=place.mesh)
         eval_sampler.state_shardings = step_fn.state_shardings
     base_key = jax.random.key(cfg.seed)

@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from rloo_jax.models import init_causal_lm
+from rloo_jax.rloo import RLOOOptions
 from rloo_jax.sampling import SamplingConfig, bucket_prompts
 from rloo_jax.step import RLOOStep, StepConfig
 
@@ -61,7 +62,7 @@ def test_no_recompilation_after_first_step():
     """Steps 2..N of rollout -> host reward -> update, prompt lengths varying inside one bucket: 0 compiles."""
     graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
     sc = SamplingConfig(max_new_tokens=6, num_generations=2, eos_token_ids=(EOS,), pad_token_id=PAD)
-    step = RLOOStep(graphdef, optax.adamw(1e-3), StepConfig(sampling=sc, beta=0.05))
+    step = RLOOStep(graphdef, optax.adamw(1e-3), StepConfig(sampling=sc, rloo=RLOOOptions(beta=0.05)))
     state = step.init_state(params, jax.tree.map(jnp.copy, params))
     weights = jnp.ones((1,), jnp.float32)
     rng = np.random.default_rng(0)

@@ -53,7 +53,7 @@ from rloo_jax.step import RLOOStep, StepConfig, completion_logps
 TINY = json.loads(os.environ["TINY_JSON"])
 G, C, B, P = 2, 6, 4, 5
 CFG = StepConfig(sampling=SamplingConfig(max_new_tokens=C, num_generations=G, temperature=0.9,
-                                         eos_token_ids=(3,), pad_token_id=0), beta=0.1,
+                                         eos_token_ids=(3,), pad_token_id=0), rloo=rj.RLOOOptions(beta=0.1),
                  steps_per_generation=2, gradient_accumulation_steps=2)  # micro-batches of 4 rows, accumulated
 IDS = (np.arange(B * P).reshape(B, P) * 7 % 36 + 4).astype(np.int32)
 MASK = np.ones((B, P), np.int32)
@@ -130,7 +130,7 @@ else:
         old = jax.lax.stop_gradient(lp) * 1.03
         ref = jax.lax.stop_gradient(lp) + 0.01 * ro.completion_mask
         return rj.rloo_loss(lp, old, ref, rewards, ro.completion_mask, ro.is_truncated, num_generations=G,
-                            reward_weights=jnp.ones(1), options=CFG.options)[0]
+                            reward_weights=jnp.ones(1), options=CFG.rloo)[0]
     vg = jax.jit(jax.value_and_grad(loss_fn))
     l1, gr1 = vg(params, ro, rewards)
     put = lambda x: jax.device_put(x, M.batch_sharding(mesh, x.shape))

@@ -36,7 +36,9 @@ def _prompts():
 def _cfg(**kw):
     sampling = SamplingConfig(max_new_tokens=C, num_generations=G, temperature=kw.pop("temperature", 0.9),
                               eos_token_ids=(EOS,), pad_token_id=PAD)
-    return StepConfig(sampling=sampling, **kw)
+    step_fields = {k: kw.pop(k) for k in ("num_iterations", "steps_per_generation", "gradient_accumulation_steps")
+                   if k in kw}
+    return StepConfig(sampling=sampling, rloo=rj.RLOOOptions(**kw), **step_fields)
 
 
 def _rewards(rollout):
@@ -84,7 +86,7 @@ def test_update_equals_sgd_on_rloo_loss(model_parts):
     def direct_loss(p):
         lp = completion_logps(graphdef, p, p_ids, p_mask, ro.completion_ids, ro.completion_mask, 0.9)
         return rj.rloo_loss(lp, None, ro.ref_logps, rewards, ro.completion_mask, ro.is_truncated,
-                            num_generations=G, reward_weights=w, options=cfg.options)
+                            num_generations=G, reward_weights=w, options=cfg.rloo)
 
     (loss, want_metrics), grads = jax.value_and_grad(direct_loss, has_aux=True)(params)
     want = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
