@@ -22,6 +22,16 @@ import transformers
 VOCAB = 288  # model vocab size; >= the tokenizer's 280 entries
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2  # tokenizer special tokens "<pad>", "<|endoftext|>", "<s>"
 _SPECIAL = dict(pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID)
+# The size every tiny checkpoint shares: hidden 32, 4 heads (head_dim 8), 2 layers.
+TINY_SIZE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    initializer_range=0.15,
+)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -63,15 +73,9 @@ def _build(model_cls: type, config: Any, out_dir: str | Path, seed: int, max_sha
 def qwen2_config(tied: bool = True, **overrides: Any) -> transformers.Qwen2Config:
     """Qwen2, GQA (4 heads / 2 kv heads, head_dim 8), hidden 32, 2 layers."""
     kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY_SIZE,
         num_key_value_heads=2,
-        max_position_embeddings=128,
         rms_norm_eps=1e-6,
-        initializer_range=0.15,
         tie_word_embeddings=tied,
         rope_theta=10000.0,
         **_SPECIAL,
@@ -88,14 +92,8 @@ def build_qwen2(out_dir: str | Path, tied: bool = True, seed: int = 0, max_shard
 def build_llama3(out_dir: str | Path, seed: int = 1) -> Path:
     """LlamaForCausalLM with llama3 rope scaling (factor 8, original context 16), 4 heads / 2 kv, untied."""
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY_SIZE,
         num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.15,
         tie_word_embeddings=False,
         rope_parameters={
             "rope_type": "llama3",
@@ -113,13 +111,7 @@ def build_llama3(out_dir: str | Path, seed: int = 1) -> Path:
 def gpt_neox_config(parallel_residual: bool = True, rotary_pct: float = 0.25, **overrides: Any) -> Any:
     """GPT-NeoX (Pythia layout): hidden 32, 4 heads (head_dim 8), 2 layers, partial rotary."""
     kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        initializer_range=0.15,
+        **TINY_SIZE,
         use_parallel_residual=parallel_residual,
         rotary_pct=rotary_pct,
         rotary_emb_base=10000,
@@ -153,15 +145,9 @@ def build_qwen2_reward(out_dir: str | Path, seed: int = 4) -> Path:
 def build_mistral(out_dir: str | Path, sliding_window: int = 4, seed: int = 5) -> Path:
     """MistralForCausalLM with a short `sliding_window` (a key is visible iff q_pos - k_pos < window)."""
     config = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY_SIZE,
         num_key_value_heads=2,
         head_dim=8,
-        max_position_embeddings=128,
-        initializer_range=0.15,
         sliding_window=sliding_window,
         tie_word_embeddings=False,
         **_SPECIAL,

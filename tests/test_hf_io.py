@@ -21,7 +21,7 @@ from rloo_jax.models import (
     load_tokenizer,
     save_pretrained,
 )
-from tests.checkpoints import EOS_ID, PAD_ID, VOCAB, build_qwen2
+from tests.checkpoints import EOS_ID, PAD_ID, TINY_SIZE, build_qwen2
 
 TEXTS = [
     "Hello, world!",
@@ -95,12 +95,8 @@ def test_reward_export_round_trip(tiny_checkpoint, tmp_path):
 @pytest.mark.parity
 def test_random_init_exports_with_tokenizer(tiny_checkpoint, tmp_path):
     hf_config = dict(
+        TINY_SIZE,
         model_type="qwen2",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=2,
         tie_word_embeddings=True,
         initializer_range=0.2,
