@@ -384,21 +384,27 @@ class RLOOStep:
         micro = jax.tree.map(lambda x: self._rows(x.reshape(spg, x.shape[0] // spg, *x.shape[1:]), axis=1), batch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
+        def micro_grads(params: nnx.State, i: Array) -> tuple[nnx.State, dict[str, Array]]:
+            mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
+            (loss, m), grads = grad_fn(params, mb)
+            if self.state_shardings is not None:  # gradients reduce-scattered to the params' layout (FSDP)
+                grads = jax.lax.with_sharding_constraint(grads, self.state_shardings.params)
+            m["loss"] = loss
+            return grads, m
+
         def one_update(carry: tuple[nnx.State, optax.OptState], u: Array) -> tuple[tuple, dict[str, Array]]:
             params, opt_state = carry
+            first = (u % (spg // gas)) * gas
+            if gas == 1:  # no zeros + add + divide over every parameter
+                grads, m = micro_grads(params, first)
+            else:
 
-            def accumulate(acc: tuple, j: Array) -> tuple[tuple, dict[str, Array]]:
-                grads_sum, = acc
-                mb = jax.tree.map(lambda x: self._rows(x[(u % (spg // gas)) * gas + j]), micro)
-                (loss, m), grads = grad_fn(params, mb)
-                if self.state_shardings is not None:  # gradients reduce-scattered to the params' layout (FSDP)
-                    grads = jax.lax.with_sharding_constraint(grads, self.state_shardings.params)
-                m["loss"] = loss
-                return (jax.tree.map(jnp.add, grads_sum, grads),), m
+                def accumulate(grads_sum: nnx.State, j: Array) -> tuple[nnx.State, dict[str, Array]]:
+                    grads, m = micro_grads(params, first + j)
+                    return jax.tree.map(jnp.add, grads_sum, grads), m
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            (grads,), m = jax.lax.scan(accumulate, (zeros,), jnp.arange(gas))
-            grads = jax.tree.map(lambda x: x / gas, grads)
+                grads, m = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), jnp.arange(gas))
+                grads = jax.tree.map(lambda x: x / gas, grads)
             grad_norm = optax.global_norm(grads)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
@@ -406,9 +412,7 @@ class RLOOStep:
             m["grad_norm"] = grad_norm
             return (params, opt_state), m
 
-        (params, opt_state), ms = jax.lax.scan(
-            one_update, (state.params, state.opt_state), jnp.arange(cfg.updates_per_generation)
-        )
+        (params, opt_state), ms = _scan(one_update, (state.params, state.opt_state), cfg.updates_per_generation)
         # TRL averages per-micro-batch values over the logging window; extremes keep their extreme
         for name, values in ms.items():
             if name == "clip_ratio/low_min":
@@ -422,6 +426,15 @@ class RLOOStep:
 
     def _sync_reference(self, state: TrainState, alpha: float) -> TrainState:
         return state.replace(ref_params=sync_reference(state.params, state.ref_params, alpha))
+
+
+def _scan(f: Callable, init: object, length: int) -> tuple[object, object]:
+    """``lax.scan(f, init, arange(length))``; one direct call when ``length == 1`` (XLA:CPU copies a while loop's
+    carry, here the parameters and optimizer state, in and out)."""
+    if length == 1:
+        carry, y = f(init, jnp.zeros((), jnp.int32))
+        return carry, jax.tree.map(lambda v: v[None], y)
+    return jax.lax.scan(f, init, jnp.arange(length))
 
 
 def _left_align(prompt_ids: Array, prompt_mask: Array) -> tuple[Array, Array]:

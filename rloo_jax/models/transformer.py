@@ -339,34 +339,35 @@ class Transformer(nnx.Module):
         cc_allowed = (jdx[:, None] >= jdx[None, :])[None] & (cmask[:, None, :] > 0)
         cc_allowed = cc_allowed.reshape(b, g, c, c) & self._visible(cq[..., None], cq[:, :, None, :])
         inv = np.asarray(self.inv_freq, np.float32)
-        cos_p, sin_p = rope_cos_sin(p_pos, inv)
-        cos_c, sin_c = rope_cos_sin(c_pos, inv)
-        xp, xc = self.embed(prompt_ids), self.embed(completion_ids)
+        # Row b packs prompt b and its G completions, [B, P + G*C, D]: the position-wise layers (norms, q/k/v/o,
+        # MLP) run as one matmul per weight over all tokens (one weight-gradient dot each, not a prompt one plus
+        # a completion one and their sum); only attention splits the row.
+        cos, sin = rope_cos_sin(jnp.concatenate([p_pos, c_pos.reshape(b, g * c)], axis=1), inv)
+        # two lookups, then concatenate: one gather over the packed ids trips XLA's SPMD partitioner (a slice
+        # of the wrong shape) when the table is sharded over vocab x embed
+        x = jnp.concatenate([self.embed(prompt_ids), self.embed(completion_ids).reshape(b, g * c, -1)], axis=1)
 
-        def prompt_fn(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            return attend(q, k, v, pp_allowed), (k, v)
+        def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, None]:
+            # q [B, P + G*C, H, Dh], k/v [B, P + G*C, K, Dh]
+            kh, dh = k.shape[2:]
+            pk, pv = k[:, :p], v[:, :p]
+            own = (b, g, c, kh, dh)
+            o_prompt = attend(q[:, :p], pk, pv, pp_allowed)
+            o_comp = attend_shared_prompt(
+                q[:, p:].reshape(b, g, c, *q.shape[2:]),
+                pk.swapaxes(1, 2),
+                pv.swapaxes(1, 2),
+                cp_allowed,
+                k[:, p:].reshape(own).swapaxes(2, 3),
+                v[:, p:].reshape(own).swapaxes(2, 3),
+                cc_allowed,
+            )
+            return jnp.concatenate([o_prompt, o_comp.reshape(b, g * c, *q.shape[2:])], axis=1), None
 
         for layer in self.layers:
-            xp, (pk, pv) = layer(xp, cos_p, sin_p, prompt_fn)
-
-            def completion_fn(
-                q: jax.Array, k: jax.Array, v: jax.Array, pk: jax.Array = pk, pv: jax.Array = pv
-            ) -> tuple[jax.Array, None]:
-                kh, dh = k.shape[2:]
-                own = (b, g, c, kh, dh)
-                o = attend_shared_prompt(
-                    q.reshape(b, g, c, *q.shape[2:]),
-                    pk.swapaxes(1, 2),
-                    pv.swapaxes(1, 2),
-                    cp_allowed,
-                    k.reshape(own).swapaxes(2, 3),
-                    v.reshape(own).swapaxes(2, 3),
-                    cc_allowed,
-                )
-                return o.reshape(q.shape), None
-
-            xc, _ = layer(xc, cos_c, sin_c, completion_fn)
-        return self.final_norm(xp), self.final_norm(xc)
+            x, _ = layer(x, cos, sin, fn)
+        x = self.final_norm(x)
+        return x[:, :p], x[:, p:].reshape(n, c, x.shape[-1])
 
     def decode(self, tokens: jax.Array, step: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
         """One token per row: tokens [B*G] -> (hidden [B*G, D], cache with slot `step` written)."""
