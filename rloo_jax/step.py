@@ -265,18 +265,46 @@ class RLOOStep:
         ))
         return fn(rollout, rewards_per_func, reward_weights)
 
-    def _sharded_update(
-        self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
-    ) -> tuple[TrainState, dict[str, Array]]:
-        _, n, ro = self._rollout_shardings(rollout.prompt_ids.shape[0])
+    def _update_jit(self, num_prompts: int) -> Callable:
+        if self.mesh is None:
+            return self.update
+        _, n, ro = self._rollout_shardings(num_prompts)
         rep = replicated(self.mesh)
-        fn = self._jit("update", (n,), lambda: jax.jit(
+        return self._jit("update", (n,), lambda: jax.jit(
             self._update,
             in_shardings=(self.state_shardings, ro, n, rep),
             out_shardings=(self.state_shardings, rep),
             donate_argnums=0,
         ))
-        return fn(state, rollout, rewards_per_func, reward_weights)
+
+    def _sharded_update(
+        self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
+    ) -> tuple[TrainState, dict[str, Array]]:
+        return self._update_jit(rollout.prompt_ids.shape[0])(state, rollout, rewards_per_func, reward_weights)
+
+    def compile_update(self, state: TrainState, prompt_shape: tuple[int, int], reward_weights: Array) -> None:
+        """Compile ``update`` for prompts ``[B, P]`` before its first call; that call then reuses the executable.
+
+        The trainer runs this in a thread while the first rollout compiles and runs: XLA compiles the two
+        programs on two cores at once instead of one after the other (the first step's wall time). Rewards are
+        ``[B*G, F]`` float32 with ``F = len(reward_weights)``.
+        """
+        b, p = prompt_shape
+        n, c = b * self.cfg.num_generations, self.cfg.sampling.max_new_tokens
+        on_mesh = self.mesh is not None  # the same shardings as the real arguments, or jit compiles again
+        pb, nb = self._rollout_shardings(b)[:2] if on_mesh else (None, None)
+        i32, f32 = jnp.int32, jnp.float32
+
+        def sds(shape: tuple[int, ...], dtype: object) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=(nb if shape[0] == n else pb) if on_mesh else None)
+
+        rollout = Rollout(
+            prompt_ids=sds((b, p), i32), prompt_mask=sds((b, p), i32), completion_ids=sds((n, c), i32),
+            completion_mask=sds((n, c), i32), is_truncated=sds((n,), jnp.bool_), old_logps=sds((n, c), f32),
+            ref_logps=sds((n, c), f32) if self.cfg.rloo.beta != 0.0 else None,
+        )
+        rewards = sds((n, reward_weights.shape[0]), f32)
+        self._update_jit(b).lower(state, rollout, rewards, reward_weights).compile()
 
     def _sharded_sync_reference(self, state: TrainState, alpha: float) -> TrainState:
         fn = self._jit("sync_reference", (alpha,), lambda: jax.jit(

@@ -12,12 +12,14 @@ all processes together through orbax).
 """
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -133,6 +135,34 @@ def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTra
 
 
 NEVER = int(np.iinfo(np.int32).max)  # optax's counters saturate there: `count > NEVER` is never true
+
+
+fold_in = jax.jit(jax.random.fold_in)  # the per-step key: one dispatch instead of eager ops (~1 ms a step)
+
+
+def cpu_compile_flags(environ: dict[str, str] = os.environ) -> None:
+    """On a CPU-only install, add ``--xla_llvm_disable_expensive_passes=true`` to XLA_FLAGS (unless set).
+
+    XLA:CPU runs the matmuls in library kernels (YNNPACK/Eigen), so LLVM's expensive passes buy no measured step
+    time but cost ~15% of the first step's compile (BENCHMARKS.md). Accelerator installs are left alone: there
+    LLVM emits the GPU kernels. Must run before the first JAX computation (XLA reads its flags once).
+    """
+    flags = environ.get("XLA_FLAGS", "")
+    accelerators = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin", "libtpu")
+    on_cpu = environ.get("JAX_PLATFORMS", "").strip() == "cpu" or not any(
+        importlib.util.find_spec(name) for name in accelerators
+    )
+    if on_cpu and "xla_llvm_disable_expensive_passes" not in flags:
+        environ["XLA_FLAGS"] = f"{flags} --xla_llvm_disable_expensive_passes=true".strip()
+
+
+def compile_quietly(step_fn: RLOOStep, state: Any, prompt_shape: tuple[int, int], weights: jax.Array) -> None:
+    """`RLOOStep.compile_update` for a background thread: a failure here is left to the real call, which
+    compiles again and raises it with its own message."""
+    try:
+        step_fn.compile_update(state, prompt_shape, weights)
+    except Exception:  # noqa: BLE001 -- reported by the update call itself
+        logging.getLogger(__name__).debug("ahead-of-time compile of update failed", exc_info=True)
 
 
 def skipped_updates(opt_state: Any) -> tuple[int, int]:
@@ -523,6 +553,7 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
     else:
         total_steps = math.ceil(cfg.num_train_epochs * iterator.batches_per_epoch) * per_gen
     optimizer, schedule = make_optimizer(cfg, total_steps)
+    lr_at = jax.jit(schedule)  # one dispatch, not a handful of eager ops, per logged step
     graphdef, params = nnx.split(run.model)
     ref = jax.tree.map(jnp.copy, params) if cfg.beta > 0 else None  # a copy: update() donates the policy buffers
     step_fn = RLOOStep(graphdef, optimizer, scfg, mesh=place.mesh)
@@ -605,24 +636,32 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
         transient=True,
         disable=not main_process,
     )
+    start, compiling = step, None
     try:
         with progress:
             task = progress.add_task("train", total=total_steps, completed=step)
             while step < total_steps and not stop_requested():
                 t0 = time.perf_counter()
-                prev, lr = step, float(schedule(step + per_gen - 1))
+                prev = step
                 idx = next(iterator)  # the same global batch on every process; each one handles its rows
                 rows = place.rows(len(idx))
                 batch = encode_rows(run, place, run.train_ds[idx[rows]])
                 truncated_prompts += batch.num_truncated
-                key = place.replicate(jax.random.fold_in(base_key, step))
+                key = place.replicate(fold_in(base_key, step))
                 ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
+                if compiling is None and step == start:  # first step: compile update while the rollout runs
+                    compiling = threading.Thread(
+                        target=compile_quietly, args=(step_fn, state, ids.shape, weights), daemon=True
+                    )
+                    compiling.start()
                 rollout = step_fn.rollout(state, ids, mask, key)
                 completion_ids = place.local(rollout.completion_ids)  # this process's completions
                 scored = decode_and_score(run, batch, completion_ids, cfg.num_generations)
                 local_tokens = int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
                 num_tokens += int(place.per_process([local_tokens]).sum())
                 rewards = place.to_global(scored.rewards_per_func)
+                if compiling is not None and compiling.is_alive():
+                    compiling.join()  # before update donates the state it reads
                 state, metrics = step_fn.update(state, rollout, rewards, weights)
                 step += per_gen
                 window.add(metrics)
@@ -639,7 +678,7 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
                         num_tokens=float(num_tokens),
                         skipped_steps=skipped,
                         step_time=time.perf_counter() - t0,
-                        learning_rate=lr,
+                        learning_rate=float(lr_at(prev + per_gen - 1)),
                         epoch=iterator.epoch + iterator.index / (iterator.batches_per_epoch * iterator.batch_size),
                         num_truncated_prompts=truncated_prompts,
                     )
@@ -732,6 +771,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     logging.basicConfig(format="%(message)s", level=logging.WARNING)
     logging.getLogger("absl").setLevel(logging.ERROR)
+    cpu_compile_flags()
     datasets.disable_progress_bars()  # one clean console: our progress bar and lines only
     debug = any(a in ("--debug", "--debug=true", "--debug=1") for a in argv)
     try:

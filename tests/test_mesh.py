@@ -87,7 +87,16 @@ def scenario(mesh):
     local = M.local_rows(ro.completion_ids)
     r = rewards_of(local, first_row=0 if mesh is None else M.process_slice(B * G).start)
     rewards = r if mesh is None else M.host_local_batch_to_global(r, mesh)
+    step.compile_update(state, ids.shape, w)  # ahead of time, as the trainer does on its first step
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
     state, metrics = step.update(state, ro, rewards, w)
+    jax.monitoring.unregister_event_duration_listener(listener)
     sums = jax.jit(lambda t: [jnp.sum(x) for x in jax.tree.leaves(t)])
     return {
         "completions": local.tolist(),
@@ -96,6 +105,7 @@ def scenario(mesh):
         "metrics": {k: float(v) for k, v in metrics.items()},
         "param_sums": [float(s) for s in sums(state.params)],
         "step": int(state.step),
+        "update_compiles": len(compiles),
     }, state, step, rollout_args
 
 out = {}
@@ -352,6 +362,7 @@ def test_loss_and_grads_sharded_equal_single_device(compare):
 def test_update_sharded_equals_single_device(compare):
     single, sharded = compare["single"], compare["sharded"]
     assert single["step"] == sharded["step"] == 1
+    assert single["update_compiles"] == sharded["update_compiles"] == 0  # compile_update's executable was reused
     assert set(single["metrics"]) == set(sharded["metrics"])
     for name, value in single["metrics"].items():
         assert sharded["metrics"][name] == pytest.approx(value, abs=1e-5), name
@@ -386,7 +397,7 @@ def test_two_processes_equal_one_process(two_processes, compare):
     assert p0["completions"] + p1["completions"] == want["completions"]  # each process holds its own rows
     np.testing.assert_allclose(p0["old_logps"] + p1["old_logps"], want["old_logps"], atol=1e-5)
     for p in (p0, p1):
-        assert p["step"] == 1
+        assert p["step"] == 1 and p["update_compiles"] == 0
         for name, value in want["metrics"].items():
             assert p["metrics"][name] == pytest.approx(value, abs=1e-5), name
         np.testing.assert_allclose(p["param_sums"], want["param_sums"], atol=1e-5)
