@@ -40,6 +40,7 @@ __all__ = [
     "inverse_cdf_sample",
     "min_p_filter",
     "row_uniforms",
+    "step_uniforms",
     "token_logps",
     "top_k_filter",
     "top_p_filter",
@@ -227,15 +228,29 @@ def _has_filters(cfg: SamplingConfig) -> bool:
     return cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0 or cfg.repetition_penalty != 1.0
 
 
+def step_uniforms(key: jax.Array, num_steps: int, num_rows: int) -> jax.Array:
+    """``row_uniforms(key, s, N)`` for every step s < num_steps at once: [num_steps, N] float32, the same values.
+
+    The sampler draws them all before its decode loop: one batched threefry instead of three small ones (each a
+    rolled loop of tiny kernels on XLA:CPU) inside every decode step.
+    """
+    return jax.vmap(lambda s: row_uniforms(key, s, num_rows))(jnp.arange(num_steps, dtype=jnp.int32))
+
+
 def choose_tokens(
-    logits: jax.Array, seen: jax.Array | None, key: jax.Array, step: jax.Array | int, cfg: SamplingConfig
+    logits: jax.Array,
+    seen: jax.Array | None,
+    key: jax.Array,
+    step: jax.Array | int,
+    cfg: SamplingConfig,
+    uniforms: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pick one token per row and its log-prob: logits [N, V] f32 -> (tokens [N] int32, logps [N] f32).
 
     Greedy (T = 0): penalty then ``greedy_tokens``; logps at T = 1. Sampling: penalty -> /T -> top-k ->
-    top-p -> min-p -> ``inverse_cdf_sample`` with ``row_uniforms(key, step, N)``; logps =
-    ``token_logps(logits, tok, T)`` of the raw logits. ``seen`` [N, V] bool is only read when
-    ``cfg.repetition_penalty != 1``.
+    top-p -> min-p -> ``inverse_cdf_sample`` with ``row_uniforms(key, step, N)`` (or ``uniforms`` [N] when given,
+    e.g. a row of ``step_uniforms``); logps = ``token_logps(logits, tok, T)`` of the raw logits. ``seen`` [N, V]
+    bool is only read when ``cfg.repetition_penalty != 1``.
     """
     scores = logits
     if cfg.repetition_penalty != 1.0:
@@ -250,7 +265,7 @@ def choose_tokens(
         scores = top_p_filter(scores, cfg.top_p)
     if cfg.min_p > 0.0:
         scores = min_p_filter(scores, cfg.min_p)
-    tokens = inverse_cdf_sample(scores, row_uniforms(key, step, logits.shape[0]))
+    tokens = inverse_cdf_sample(scores, row_uniforms(key, step, logits.shape[0]) if uniforms is None else uniforms)
     return tokens, token_logps(logits, tokens, cfg.temperature)
 
 
@@ -320,8 +335,11 @@ def generate_fn(
         prompt_seen = prompt_seen.at[jnp.arange(num_prompts)[:, None], prompt_ids].max(prompt_mask > 0)
         seen = jnp.repeat(prompt_seen, group, axis=0)
 
+    draws = None if cfg.greedy else step_uniforms(key, length, rows)  # [C, N]
+
     def emit(state: _LoopState, logits: jax.Array) -> _LoopState:
-        tokens, logps = choose_tokens(logits, state.seen, key, state.step, cfg)
+        u = None if draws is None else jax.lax.dynamic_index_in_dim(draws, state.step, keepdims=False)
+        tokens, logps = choose_tokens(logits, state.seen, key, state.step, cfg, u)
         tokens = jnp.where(state.done, pad, tokens)
         logps = jnp.where(state.done, 0.0, logps)
         new_seen = state.seen

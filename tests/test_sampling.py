@@ -191,6 +191,15 @@ def test_row_uniforms_depend_only_on_key_step_row():
     assert float(u8.min()) > 0.0 and float(u8.max()) < 1.0
 
 
+def test_step_uniforms_are_row_uniforms_of_each_step():
+    """The sampler draws every step's uniforms before its loop: bit-identical to drawing them step by step."""
+    key = jax.random.key(11)
+    table = np.asarray(jax.jit(sampling.step_uniforms, static_argnums=(1, 2))(key, 6, 5))
+    assert table.shape == (6, 5)
+    for s in range(6):
+        np.testing.assert_array_equal(table[s], sampling.row_uniforms(key, s, 5))
+
+
 def test_config_validation_and_hashing():
     cfg = SamplingConfig(max_new_tokens=4, eos_token_ids=7)
     assert cfg.eos_token_ids == (7,)
