@@ -477,3 +477,35 @@ def test_one_compile_per_prompt_bucket(tmp_path):
     sampling.generate(model, ids, np.ones_like(ids), key=jax.random.key(0), **kwargs)
     sampling.generate(model, ids[:, 1:], np.ones_like(ids[:, 1:]), key=jax.random.key(1), **kwargs)
     assert sampling.compile_count() - start == 2
+
+
+def test_compute_dtype_weights_cast_matmul_weights_only_and_change_nothing(tmp_path):
+    """bf16 compute, f32 parameters: the sampler's one-time cast of kernels/embeddings gives the same samples."""
+    model = load_causal_lm(build_qwen2(tmp_path, tied=False, seed=3), dtype="bfloat16", param_dtype="float32")
+    graphdef, params = nnx.split(model)
+    cast = sampling.compute_dtype_weights(graphdef, params)
+    for (path, before), after in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(cast),
+                                     strict=True):
+        name = jax.tree_util.keystr(path)
+        want = jnp.bfloat16 if ("kernel" in name or "embedding" in name) else jnp.float32
+        assert before.dtype == jnp.float32 and after.dtype == want, name
+    ids = jnp.asarray([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]], jnp.int32)
+    mask = (ids != 0).astype(jnp.int32)
+    cfg = SamplingConfig(max_new_tokens=6, num_generations=2, temperature=1.0, pad_token_id=PAD_ID)
+    key = jax.random.key(5)
+    plain = jax.jit(lambda p: sampling.generate_fn(graphdef, p, ids, mask, key, cfg))
+
+    def uncast(p: nnx.State) -> sampling.Generation:  # the layers' own per-use casts, no pre-cast
+        real = sampling.compute_dtype_weights
+        sampling.compute_dtype_weights = lambda g, q: q
+        try:
+            return sampling.generate_fn(graphdef, p, ids, mask, key, cfg)
+        finally:
+            sampling.compute_dtype_weights = real
+
+    a, b = plain(params), jax.jit(uncast)(params)
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_array_equal(a.logps, b.logps)
+    f32_graphdef, f32_params = nnx.split(load_causal_lm(build_qwen2(tmp_path / "f32", seed=3)))
+    same = sampling.compute_dtype_weights(f32_graphdef, f32_params)  # f32 compute: nothing to cast
+    assert {x.dtype for x in jax.tree.leaves(same)} == {jnp.dtype(jnp.float32)}

@@ -180,8 +180,10 @@ class Dense(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
-        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+        # f32 accumulation, rounded once to the compute dtype (a no-op for f32). XLA:CPU runs a bf16 x bf16 -> f32
+        # dot natively; a bf16-output dot it widens to f32 with a convert of both operands first.
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), preferred_element_type=jnp.float32)
+        return (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(self.dtype)
 
 
 class Embedding(nnx.Module):
@@ -252,9 +254,12 @@ class MLP(nnx.Module):
         self.act = cfg.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        act = activation(self.act)
-        h = act(self.up(x)) if self.gate is None else act(self.gate(x)) * self.up(x)
-        return self.down(h)
+        # The activation in f32, rounded once (as torch's fused CPU/GPU kernels do): XLA:CPU emulates bf16
+        # elementwise math op by op with a convert around each, which made this the slowest op of a bf16 decode.
+        act, f32 = activation(self.act), jnp.float32
+        up = self.up(x).astype(f32)
+        h = act(up) if self.gate is None else act(self.gate(x).astype(f32)) * up
+        return self.down(h.astype(x.dtype))
 
 
 class Block(nnx.Module):
