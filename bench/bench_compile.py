@@ -7,7 +7,7 @@
 2. Recompilations: `rloo_jax.train.train(cfg)` in this process for --steps (50) steps over the 256 prompts of 8..24
    words (prompt lengths vary every step, inside the one 32-token bucket), counting jax's monitoring events
    (`/jax/core/compile/backend_compile_duration` = an XLA compile, `/jax/core/compile/jaxpr_trace_duration` = a
-   trace) that happen after the first `update` returned and before the last one returned.
+   trace) that happen from the second rollout call (step 2) until the last `update` returned.
 
     .venv/bin/python bench/bench_compile.py [--size small] [--recompile-size tiny] [--steps 50]
 
@@ -70,6 +70,7 @@ def count_recompiles(model_dir: str, data: str, steps: int) -> dict:
 
     events: list[tuple[float, str]] = []
     update_done: list[float] = []
+    rollout_started: list[float] = []
 
     def listener(event: str, duration: float, **kwargs: object) -> None:
         if event in (COMPILE, TRACE):
@@ -88,6 +89,13 @@ def count_recompiles(model_dir: str, data: str, steps: int) -> dict:
             return out
 
         self.update = timed_update
+        rollout = self.rollout
+
+        def timed_rollout(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            rollout_started.append(time.perf_counter())
+            return rollout(*a, **k)
+
+        self.rollout = timed_rollout
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     step_mod.RLOOStep.__init__ = init
@@ -98,9 +106,10 @@ def count_recompiles(model_dir: str, data: str, steps: int) -> dict:
     finally:
         step_mod.RLOOStep.__init__ = original_init
         jax.monitoring.unregister_event_duration_listener(listener)
-    lo, hi = update_done[0], update_done[-1]
-    after = [e for t, e in events if lo < t <= hi]
-    first = [e for t, e in events if t <= lo]
+    # step 1 = everything up to the second rollout call (its update, logging and first metric reads included)
+    lo, hi = rollout_started[1], update_done[-1]
+    after = [e for t, e in events if lo <= t <= hi]
+    first = [e for t, e in events if t < lo]
     return {"steps": len(update_done), "step1_compiles": first.count(COMPILE), "step1_traces": first.count(TRACE),
             "later_compiles": after.count(COMPILE), "later_traces": after.count(TRACE)}
 

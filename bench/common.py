@@ -15,6 +15,10 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rloo_jax.train import cpu_compile_flags  # noqa: E402
+
+cpu_compile_flags()  # the trainer's XLA flags, so in-process figures match `python -m rloo_jax.train`
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

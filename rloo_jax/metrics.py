@@ -43,39 +43,30 @@ def rename_reward_metrics(metrics: dict[str, Any], names: Sequence[str], prefix:
 
 
 @jax.jit
-def _as_f32(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-
-
-@jax.jit
 def _add_f32(total: dict[str, jax.Array], metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {k: total[k] + jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
 
-@jax.jit
-def _stack(total: dict[str, jax.Array]) -> jax.Array:
-    return jnp.stack([total[k] for k in sorted(total)])
-
-
 class WindowMean:
     """Sums step metrics on the device (no host sync) and reads the window mean in one transfer (TRL logs
-    the mean over the logging window). Adding and reading are one jitted call each: per-metric eager adds
-    and transfers cost more host time than a whole tiny-model step."""
+    the mean over the logging window). Adding is one jitted call, the same one from the first step on (host
+    zeros start the sum): per-metric eager adds cost more host time than a whole tiny-model step."""
 
     def __init__(self) -> None:
         self.total: dict[str, jax.Array] | None = None
         self.count = 0
 
     def add(self, metrics: dict[str, jax.Array]) -> None:
-        self.total = _as_f32(metrics) if self.total is None else _add_f32(self.total, metrics)
+        start = {k: np.float32(0.0) for k in metrics} if self.total is None else self.total
+        self.total = _add_f32(start, metrics)
         self.count += 1
 
     def read(self) -> dict[str, float]:
         """The mean of every metric since the last read (one device -> host transfer); resets the window."""
         if self.total is None:
             return {}
-        host = np.asarray(jax.device_get(_stack(self.total)), np.float64)
-        out = {k: float(v) / self.count for k, v in zip(sorted(self.total), host, strict=True)}
+        host = jax.device_get(self.total)
+        out = {k: float(v) / self.count for k, v in host.items()}
         self.total, self.count = None, 0
         return out
 

@@ -554,6 +554,7 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
         total_steps = math.ceil(cfg.num_train_epochs * iterator.batches_per_epoch) * per_gen
     optimizer, schedule = make_optimizer(cfg, total_steps)
     lr_at = jax.jit(schedule)  # one dispatch, not a handful of eager ops, per logged step
+    lr_at(0)  # compiled here, not at the first logged step (no compile after step 1)
     graphdef, params = nnx.split(run.model)
     ref = jax.tree.map(jnp.copy, params) if cfg.beta > 0 else None  # a copy: update() donates the policy buffers
     step_fn = RLOOStep(graphdef, optimizer, scfg, mesh=place.mesh)
