@@ -182,8 +182,12 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         # f32 accumulation, rounded once to the compute dtype (a no-op for f32). XLA:CPU runs a bf16 x bf16 -> f32
         # dot natively; a bf16-output dot it widens to f32 with a convert of both operands first.
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), preferred_element_type=jnp.float32)
-        return (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(self.dtype)
+        # Leading dims flattened: [B, T, din] -> [B*T, din], so the weight gradient contracts one token axis
+        # (a 3-D dot made XLA:CPU transpose the activations for it; -12% fwd+bwd time on the MLP, BENCHMARKS.md).
+        w = self.kernel[...].astype(self.dtype)
+        y = jnp.dot(x.reshape(-1, x.shape[-1]).astype(self.dtype), w, preferred_element_type=jnp.float32)
+        y = (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(self.dtype)
+        return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
 class Embedding(nnx.Module):
@@ -451,11 +455,14 @@ class CausalLM(nnx.Module):
     def unembed(self, h: jax.Array) -> jax.Array:
         """h [..., D] -> logits [..., V] float32 (lm head, or the tied embedding transposed)."""
         dt = jnp.dtype(self.config.dtype)
+        flat = h.reshape(-1, h.shape[-1]).astype(dt)  # one token axis for the weight gradient, as in `Dense`
         if self.lm_head is None:
             w = self.model.embed.embedding[...].astype(dt)
-            return jnp.einsum("...d,vd->...v", h.astype(dt), w, preferred_element_type=jnp.float32)
-        w = self.lm_head.kernel[...].astype(dt)
-        return jnp.einsum("...d,dv->...v", h.astype(dt), w, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("td,vd->tv", flat, w, preferred_element_type=jnp.float32)
+        else:
+            w = self.lm_head.kernel[...].astype(dt)
+            logits = jnp.einsum("td,dv->tv", flat, w, preferred_element_type=jnp.float32)
+        return logits.reshape(*h.shape[:-1], logits.shape[-1])
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """input_ids, attention_mask [B, T] -> logits [B, T, V] float32."""
