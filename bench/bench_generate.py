@@ -25,16 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import EOS_ID, PAD_ID, SIZES, VOCAB  # noqa: E402 -- the model shapes of every bench
 
 from rloo_jax import sampling  # noqa: E402
-
-VOCAB, PAD_ID, EOS_ID = 836, 0, 1
-SIZES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128),
-    "small": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
-                  intermediate_size=2048),
-}
 
 
 def build_checkpoint(size: str, out_dir: Path) -> Path:
