@@ -21,6 +21,7 @@ import yaml
 
 from rloo_jax.errors import ConfigError
 from rloo_jax.mesh import _resolve_mesh_shape
+from rloo_jax.tpu import parse_slice
 
 logger = logging.getLogger("rloo_jax")
 
@@ -69,8 +70,58 @@ class RLOOConfig:
     bf16: bool = _opt(
         False,
         "model",
-        "Compute in bfloat16 (parameters and optimizer stay float32). TRL defaults to True on GPUs; on CPU "
-        "bf16 is not faster at small sizes, so the default here is False.",
+        "Compute in bfloat16: matmuls in bfloat16 with float32 accumulation; master weights and optimizer stay in "
+        "param_dtype / mu_dtype, the frozen reference model's matrices are stored in bfloat16. TRL defaults to "
+        "True on GPUs; on CPU bf16 is not faster at small sizes, so the default here is False.",
+    )
+
+    # --- memory
+    gradient_checkpointing: bool = _opt(
+        True,
+        "memory",
+        "Rematerialise each transformer block in the backward pass (TRL's option and default): the update keeps "
+        "what remat_policy names of each block instead of every activation of every block, for up to one more "
+        "forward pass of compute.",
+    )
+    remat_policy: Literal["full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "full_offloaded"] = _opt(
+        "full",
+        "memory",
+        "With gradient_checkpointing, what each block keeps for the backward pass (MaxText's names): full (only "
+        "the block's input: the least memory), minimal (every projection output: q, k, v, o, gate, up, down), "
+        "save_dot_except_mlp (q, k, v, o), save_qkv_proj (q, k, v), full_offloaded (as full, with the block "
+        "inputs in host memory; TPU/GPU only).",
+    )
+    scan_layers: bool = _opt(
+        True,
+        "memory",
+        "Run the transformer blocks as one jax.lax.scan over their stacked parameters (compile time nearly flat "
+        "in depth). False unrolls them: the same numbers, longer compiles.",
+    )
+    param_dtype: Literal["float32", "bfloat16"] = _opt(
+        "float32",
+        "memory",
+        "Storage dtype of the policy's master weights and gradients. bfloat16 halves them (AdamW then updates "
+        "bfloat16 weights: small updates may round away).",
+    )
+    mu_dtype: Literal["float32", "bfloat16"] | None = _opt(
+        None,
+        "memory",
+        "Storage dtype of AdamW's first moment (optax's mu_dtype); None keeps param_dtype. The second moment "
+        "stays in param_dtype.",
+    )
+    compile_only: bool = _opt(
+        False,
+        "memory",
+        "Build the run as training would, compile its per-step programs for --topology with the TPU compiler "
+        "and report per-chip memory, FLOPs and compile time against the chip's HBM; write compile_report.json "
+        "to output_dir, then exit (0: fits, 1: does not). Reads config.json and the tokenizer, no weights and "
+        "no dataset; needs the `tpu` extra (libtpu), not a TPU.",
+    )
+    topology: str | None = _opt(
+        None,
+        "memory",
+        "The TPU slice --compile_only compiles for, as Google Cloud names it: v5e-8 (or v5litepod-8), v5p-8 "
+        "(4 chips), v4-8 (4 chips), v6e-8, any size. Mesh options and batch sizes apply to its chips.",
     )
 
     # --- rewards
@@ -682,6 +733,10 @@ class RLOOConfig:
         for sink in self.report_to:
             if sink not in REPORT_TO_CHOICES:
                 raise ConfigError(f"report_to: unknown sink {sink!r}; choose from {', '.join(REPORT_TO_CHOICES)}")
+        if self.compile_only and self.topology is None:
+            raise ConfigError("compile_only needs a TPU slice to compile for: pass --topology, e.g. v5e-8 or v5p-8")
+        if self.topology is not None:
+            parse_slice(self.topology)  # one line listing the slice names when it is not one
         if self.dataset_name.startswith("tfds:") and not self.dataset_name[5:].strip("/"):
             raise ConfigError("dataset_name: `tfds:` needs a dataset name, e.g. `tfds:gsm8k` or `tfds:glue/sst2`")
 
@@ -892,6 +947,16 @@ def load_config(
     """The validated config: `base` values, then the `--config` YAML file, then command-line overrides;
     batch sizes and mesh checked for `device_count` devices in `process_count` processes."""
     return config_from_dict(_raw_values(argv, base), device_count, process_count)
+
+
+def compile_only_slice(argv: Sequence[str]) -> str | None:
+    """The `--topology` of a `--compile_only` run (from `--config` and the command line), else None: read before
+    the rest of the config is validated, because the batch and mesh checks count the slice's chips."""
+    values = _raw_values(argv, None)
+    hints = _hints()
+    if not coerce(values.get("compile_only", False), hints["compile_only"], "compile_only"):
+        return None
+    return coerce(values.get("topology"), hints["topology"], "topology")
 
 
 def distributed_options(argv: Sequence[str]) -> tuple[str | None, int | None, int | None]:

@@ -14,6 +14,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from rloo_jax.mesh import constrain
+
 Array = jax.Array
 
 
@@ -101,7 +103,7 @@ def per_token_logps_from_hidden(
     @jax.checkpoint
     def one(args: tuple[Array, Array]) -> tuple[Array, Array]:
         hc, idc = args
-        logits = unembed(hc)
+        logits = constrain(unembed(hc), ("batch", None, "vocab"))  # rows over the data shards, vocab over tensor
         lp = per_token_logps(logits, idc, temperature)
         ent = entropy_from_logits(jax.lax.stop_gradient(logits), temperature) if with_entropy else jnp.zeros_like(lp)
         return lp, ent

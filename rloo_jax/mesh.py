@@ -35,6 +35,7 @@ __all__ = [
     "LOGICAL_RULES",
     "MESH_AXES",
     "batch_sharding",
+    "constrain",
     "constrain_batch",
     "detect_cluster",
     "fit_spec",
@@ -60,9 +61,11 @@ Rules = Mapping[str, str | tuple[str, ...] | None]
 # The one rule table. Why these: `embed` is in every weight, so FSDP along it splits all parameters (and Adam's
 # two moments) by the fsdp size; the Megatron pairs (gate/up split on `mlp`, down on `mlp`; q/k/v on heads/kv, o
 # on heads) keep one tensor all-reduce per block; `vocab` on tensor splits the largest matrices of small models
-# (embedding, lm head) and the [N, V] logits. Batches go over data x fsdp (every data-parallel device).
+# (embedding, lm head) and the [N, V] logits. Batches go over data x fsdp (every data-parallel device). The layer
+# axis of the stacked blocks is never split: a scan step needs its whole layer on every device of its shard.
 LOGICAL_RULES: Rules = {
     "batch": BATCH_AXES,
+    "layers": None,  # the stacked blocks' leading axis: every device holds its slice of every layer
     "embed": "fsdp",
     "mlp": "tensor",
     "heads": "tensor",
@@ -176,6 +179,17 @@ def constrain_batch(x: jax.Array, mesh: Mesh, axis: int = 0) -> jax.Array:
     logical = [None] * x.ndim
     logical[axis] = "batch"
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, fit_spec(logical, x.shape, mesh)))
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None], rules: Rules = LOGICAL_RULES) -> jax.Array:
+    """Inside a function traced under a mesh (``jax.sharding.use_abstract_mesh``, as ``RLOOStep`` traces on a
+    mesh): ``x`` laid out by the logical names of its dimensions, e.g. activations ``("batch", None, None)``; a
+    no-op without one. Without these the partitioner may keep a whole batch on every device (it saw only the
+    weights' layout) and compute it there, which the TPU compiler did for the training forward."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, fit_spec(logical, x.shape, mesh, rules))
 
 
 def kv_cache_sharding(mesh: Mesh, shape: Sequence[int], rules: Rules = LOGICAL_RULES) -> NamedSharding:

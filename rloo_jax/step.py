@@ -200,6 +200,8 @@ class RLOOStep:
             self.update = self._sharded_update
             self.score = self._sharded_score
             self.sync_reference = self._sharded_sync_reference
+            # traced under the mesh, so the model's activation constraints (`rloo_jax.mesh.constrain`) apply
+            self._rollout, self._update = self._on_mesh(self._rollout), self._on_mesh(self._update)
 
     def init_state(self, params: nnx.State, ref_params: nnx.State | None = None) -> TrainState:
         """A fresh state; ``ref_params`` is required when beta > 0 (usually a copy of the initial policy).
@@ -216,11 +218,7 @@ class RLOOStep:
                 ref_params=ref_params,
                 step=jnp.zeros((), jnp.int32),
             )
-        abstract = jax.eval_shape(
-            lambda p, r: TrainState(p, self.optimizer.init(p), r, jnp.zeros((), jnp.int32)), params, ref_params
-        )
-        shardings = state_shardings(abstract, self.mesh, self.rules)
-        self.state_shardings = shardings
+        shardings = self._fix_shardings(params, ref_params)
         params = shard_params(params, shardings.params)
         return TrainState(
             params=params,
@@ -228,6 +226,33 @@ class RLOOStep:
             ref_params=None if ref_params is None else shard_params(ref_params, shardings.ref_params),
             step=replicate(np.zeros((), np.int32), self.mesh),
         )
+
+    def _on_mesh(self, f: Callable) -> Callable:
+        def traced(*args: object) -> object:
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return f(*args)
+
+        return traced
+
+    def abstract_state(self, params: nnx.State, ref_params: nnx.State | None = None) -> TrainState:
+        """The state ``init_state`` would build, as ``ShapeDtypeStruct`` leaves (with their shardings on a mesh):
+        for ahead-of-time compilation (``lower_rollout``, ``lower_update``) without any parameter in memory.
+        ``params``/``ref_params`` may themselves be abstract (``nnx.eval_shape``)."""
+        ref_params = ref_params if self.cfg.rloo.beta != 0.0 else None
+        abstract = jax.eval_shape(self._new_state, params, ref_params)
+        if self.mesh is None:
+            return abstract
+        shardings = self._fix_shardings(params, ref_params)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    def _new_state(self, params: nnx.State, ref_params: nnx.State | None) -> TrainState:
+        return TrainState(params, self.optimizer.init(params), ref_params, jnp.zeros((), jnp.int32))
+
+    def _fix_shardings(self, params: nnx.State, ref_params: nnx.State | None) -> TrainState:
+        """The state's shardings by the rule table (``self.state_shardings``, which the sharded jits take)."""
+        abstract = jax.eval_shape(self._new_state, params, ref_params)
+        self.state_shardings = state_shardings(abstract, self.mesh, self.rules)
+        return self.state_shardings
 
     # -- sharded entry points (mesh given) ----------------------------------------------------------------------
     def _jit(self, name: str, key: tuple, make: Callable[[], Callable]) -> Callable:
@@ -248,12 +273,16 @@ class RLOOStep:
         )
         return b, n, ro
 
-    def _sharded_rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
-        b, _, ro = self._rollout_shardings(prompt_ids.shape[0])
-        fn = self._jit("rollout", (b,), lambda: jax.jit(
+    def _rollout_jit(self, num_prompts: int) -> Callable:
+        if self.mesh is None:
+            return self.rollout
+        b, _, ro = self._rollout_shardings(num_prompts)
+        return self._jit("rollout", (b,), lambda: jax.jit(
             self._rollout, in_shardings=(self.state_shardings, b, b, replicated(self.mesh)), out_shardings=ro
         ))
-        return fn(state, prompt_ids, prompt_mask, key)
+
+    def _sharded_rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
+        return self._rollout_jit(prompt_ids.shape[0])(state, prompt_ids, prompt_mask, key)
 
     def _sharded_score(
         self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
@@ -289,22 +318,36 @@ class RLOOStep:
         programs on two cores at once instead of one after the other (the first step's wall time). Rewards are
         ``[B*G, F]`` float32 with ``F = len(reward_weights)``.
         """
+        self.lower_update(state, prompt_shape, reward_weights).compile()
+
+    def _batch_sds(self, num_prompts: int) -> Callable[[tuple[int, ...], object], jax.ShapeDtypeStruct]:
+        """Abstract batch arrays with the shardings of the real arguments (or jit would compile again)."""
+        n = num_prompts * self.cfg.num_generations
+        pb, nb = self._rollout_shardings(num_prompts)[:2] if self.mesh is not None else (None, None)
+        return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=nb if shape[0] == n else pb)
+
+    def lower_rollout(self, state: TrainState, prompt_shape: tuple[int, int]) -> jax.stages.Lowered:
+        """``rollout`` lowered for prompts ``[B, P]`` (``state`` concrete or from ``abstract_state``)."""
+        b, p = prompt_shape
+        sds = self._batch_sds(b)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=None if self.mesh is None else replicated(self.mesh))
+        return self._rollout_jit(b).lower(state, sds((b, p), jnp.int32), sds((b, p), jnp.int32), key)
+
+    def lower_update(
+        self, state: TrainState, prompt_shape: tuple[int, int], reward_weights: Array | jax.ShapeDtypeStruct
+    ) -> jax.stages.Lowered:
+        """``update`` lowered for prompts ``[B, P]`` and ``len(reward_weights)`` reward functions."""
         b, p = prompt_shape
         n, c = b * self.cfg.num_generations, self.cfg.sampling.max_new_tokens
-        on_mesh = self.mesh is not None  # the same shardings as the real arguments, or jit compiles again
-        pb, nb = self._rollout_shardings(b)[:2] if on_mesh else (None, None)
-        i32, f32 = jnp.int32, jnp.float32
-
-        def sds(shape: tuple[int, ...], dtype: object) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=(nb if shape[0] == n else pb) if on_mesh else None)
-
+        sds, i32, f32 = self._batch_sds(b), jnp.int32, jnp.float32
         rollout = Rollout(
             prompt_ids=sds((b, p), i32), prompt_mask=sds((b, p), i32), completion_ids=sds((n, c), i32),
             completion_mask=sds((n, c), i32), is_truncated=sds((n,), jnp.bool_), old_logps=sds((n, c), f32),
             ref_logps=sds((n, c), f32) if self.cfg.rloo.beta != 0.0 else None,
         )
         rewards = sds((n, reward_weights.shape[0]), f32)
-        self._update_jit(b).lower(state, rollout, rewards, reward_weights).compile()
+        return self._update_jit(b).lower(state, rollout, rewards, reward_weights)
 
     def _sharded_sync_reference(self, state: TrainState, alpha: float) -> TrainState:
         fn = self._jit("sync_reference", (alpha,), lambda: jax.jit(
@@ -330,11 +373,17 @@ class RLOOStep:
             mask = mask * (~truncated)[:, None].astype(mask.dtype)
         ref_logps = None
         if cfg.rloo.beta != 0.0:
-            ref_logps = completion_logps(
-                self.graphdef, state.ref_params, prompt_ids, prompt_mask,
-                gen.completion_ids, mask, cfg.temperature, cfg.logprob_chunk,
-            )
-            ref_logps = ref_logps * mask
+            # in the update's micro-batches: the reference pass never holds more activations than a training step
+            micro = self._micro_batches(prompt_ids, prompt_mask, {"completion_ids": gen.completion_ids, "mask": mask})
+
+            def ref_pass(i: Array) -> Array:
+                mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
+                return completion_logps(
+                    self.graphdef, state.ref_params, mb["prompt_ids"], mb["prompt_mask"],
+                    mb["completion_ids"], mb["mask"], cfg.temperature, cfg.logprob_chunk,
+                )
+
+            ref_logps = _map(ref_pass, cfg.steps_per_generation).reshape(mask.shape) * mask
         return Rollout(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -390,17 +439,8 @@ class RLOOStep:
     ) -> tuple[TrainState, dict[str, Array]]:
         cfg = self.cfg
         adv, metrics = self._score(rollout, rewards_per_func, reward_weights)
-        g = cfg.num_generations
-        n = rollout.completion_ids.shape[0]
         spg, gas = cfg.steps_per_generation, cfg.gradient_accumulation_steps
-        if n % spg:
-            raise ValueError(f"{n} completions cannot be split into steps_per_generation={spg} micro-batches")
-        # Micro-batches of whole groups keep one prompt row per group (run once, shared by its G completions);
-        # otherwise each completion gets its own copy of its prompt.
-        share = (n // spg) % g == 0
         batch = {
-            "prompt_ids": rollout.prompt_ids if share else self._rows(jnp.repeat(rollout.prompt_ids, g, 0)),
-            "prompt_mask": rollout.prompt_mask if share else self._rows(jnp.repeat(rollout.prompt_mask, g, 0)),
             "completion_ids": rollout.completion_ids,
             "mask": rollout.completion_mask,
             "old_logps": rollout.old_logps,
@@ -408,8 +448,7 @@ class RLOOStep:
         }
         if cfg.rloo.beta != 0.0 and cfg.rloo.token_level_kl:
             batch["ref_logps"] = rollout.ref_logps
-        # [spg, N / spg, ...] (prompts [spg, B / spg, P] when shared): micro-batch i of the generation batch
-        micro = jax.tree.map(lambda x: self._rows(x.reshape(spg, x.shape[0] // spg, *x.shape[1:]), axis=1), batch)
+        micro = self._micro_batches(rollout.prompt_ids, rollout.prompt_mask, batch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def micro_grads(params: nnx.State, i: Array) -> tuple[nnx.State, dict[str, Array]]:
@@ -452,6 +491,22 @@ class RLOOStep:
         new_state = state.replace(params=params, opt_state=opt_state, step=state.step + cfg.updates_per_generation)
         return new_state, metrics
 
+    def _micro_batches(self, prompt_ids: Array, prompt_mask: Array, batch: dict[str, Array]) -> dict[str, Array]:
+        """Completion arrays ``[N, ...]`` -> ``[spg, N / spg, ...]``: micro-batch i of the generation batch, with
+        its prompts ``prompt_ids``/``prompt_mask`` ``[spg, B / spg, P]`` when every micro-batch holds whole groups
+        (each prompt runs once, shared by its G completions), else a copy per completion ``[spg, N / spg, P]``."""
+        g, spg = self.cfg.num_generations, self.cfg.steps_per_generation
+        n = batch["completion_ids"].shape[0]
+        if n % spg:
+            raise ValueError(f"{n} completions cannot be split into steps_per_generation={spg} micro-batches")
+        share = (n // spg) % g == 0
+        batch = dict(
+            batch,
+            prompt_ids=prompt_ids if share else self._rows(jnp.repeat(prompt_ids, g, 0)),
+            prompt_mask=prompt_mask if share else self._rows(jnp.repeat(prompt_mask, g, 0)),
+        )
+        return jax.tree.map(lambda x: self._rows(x.reshape(spg, x.shape[0] // spg, *x.shape[1:]), axis=1), batch)
+
     def _sync_reference(self, state: TrainState, alpha: float) -> TrainState:
         return state.replace(ref_params=sync_reference(state.params, state.ref_params, alpha))
 
@@ -463,6 +518,13 @@ def _scan(f: Callable, init: object, length: int) -> tuple[object, object]:
         carry, y = f(init, jnp.zeros((), jnp.int32))
         return carry, jax.tree.map(lambda v: v[None], y)
     return jax.lax.scan(f, init, jnp.arange(length))
+
+
+def _map(f: Callable[[Array], Array], length: int) -> Array:
+    """``lax.map(f, arange(length))`` stacked ``[length, ...]``; one direct call when ``length == 1``."""
+    if length == 1:
+        return f(jnp.zeros((), jnp.int32))[None]
+    return jax.lax.map(f, jnp.arange(length))
 
 
 def _left_align(prompt_ids: Array, prompt_mask: Array) -> tuple[Array, Array]:

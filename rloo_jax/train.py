@@ -1,9 +1,11 @@
 """`python -m rloo_jax.train [--config FILE.yaml] [--name value ...]`: the RLOO training loop.
 
-Top to bottom: multi-process start -> config -> tokenizer, policy, frozen reference -> optimizer -> `RLOOStep` ->
-resume -> for each generation: prompts, rollout (jitted), decode, rewards (host), update (jitted), metrics, records,
-checkpoint, eval, reference sync -> final Hugging Face export. Everything is validated and loaded before the first
-file is written, so a bad invocation leaves an existing output_dir untouched.
+Four phases, each a function: `setup` (multi-process start, config, everything built by `rloo_jax.build`, the
+step and its state; nothing written yet, so a bad invocation leaves an existing output_dir untouched) -> `resume`
+(the newest checkpoint, the records after it dropped, outputs opened) -> `loop` (for each generation: prompts,
+rollout (jitted), decode, rewards (host), update (jitted), metrics, records, evaluation, checkpoint, reference sync)
+-> `finish` (the final Hugging Face export). `--compile_only` stops after building and compiles instead
+(`rloo_jax.aot`).
 
 With more than one device the step runs on a (data, fsdp, tensor) mesh (`rloo_jax.mesh`). Every process runs this
 same loop on the same global batch indices; it encodes, decodes and rewards only its own rows (`Placement`), the
@@ -13,40 +15,48 @@ all processes together through orbax).
 
 import dataclasses
 import importlib.util
-import json
 import logging
-import math
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import datasets
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from rloo_jax import demo
-from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
-from rloo_jax.config import RLOOConfig, distributed_options, format_help, load_config, parse_argv
-from rloo_jax.data import (
-    PromptBatch,
-    PromptEncoder,
-    PromptIterator,
-    eval_batches,
-    is_conversational,
-    load_prompt_dataset,
+from rloo_jax import aot, demo
+from rloo_jax.build import (
+    CACHE_ROOT,
+    Run,
+    eos_token_ids,
+    lr_schedule,
+    make_optimizer,
+    prepare,
+    reference_params,
+    sampling_config,
+    step_config,
 )
+from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
+from rloo_jax.config import (
+    RLOOConfig,
+    compile_only_slice,
+    distributed_options,
+    format_help,
+    load_config,
+    parse_argv,
+)
+from rloo_jax.data import PromptBatch, PromptIterator, eval_batches, is_conversational
 from rloo_jax.errors import ConfigError, DataError, RewardError
 from rloo_jax.mesh import (
     host_local_batch_to_global,
@@ -60,7 +70,6 @@ from rloo_jax.metrics import (
     JsonlWriter,
     Sinks,
     WindowMean,
-    check_report_to,
     console_line,
     drop_records_after,
     json_safe,
@@ -68,75 +77,17 @@ from rloo_jax.metrics import (
     rollout_records,
     weighted_rewards,
 )
-from rloo_jax.models import ModelLoadError, load_causal_lm, load_tokenizer, save_pretrained
-from rloo_jax.models.hf import resolve_checkpoint
-from rloo_jax.rewards import (
-    RewardFunction,
-    builtin_rewards,
-    compute_rewards,
-    format_reward_error,
-    load_reward_model_scorer,
-    repeat_per_generation,
-    resolve_reward_funcs,
-)
+from rloo_jax.models import ModelLoadError, save_pretrained
+from rloo_jax.rewards import compute_rewards, format_reward_error, repeat_per_generation
 from rloo_jax.rloo import RLOOOptions
-from rloo_jax.sampling import SamplingConfig, generate
+from rloo_jax.sampling import generate
 from rloo_jax.step import RLOOStep, StepConfig
 
 logger = logging.getLogger("rloo_jax")
-CACHE_ROOT = os.environ.get("RLOO_JAX_CACHE", os.path.join("~", ".cache", "rloo_jax"))
+__all__ = ["CACHE_ROOT", "eos_token_ids", "lr_schedule", "main", "make_optimizer", "train"]  # re-exported: old paths
 
 
 # ------------------------------------------------------------------------------------------------ pure helpers
-def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps: int) -> Callable[[Any], Any]:
-    """transformers' schedules, counted in optimizer steps (step 0 = the first update).
-
-    Warmup: lr * s / W for s < W. Then linear: lr * (T - s) / (T - W); cosine: lr * (1 + cos(pi * progress)) / 2;
-    constant(_with_warmup): lr. E.g. linear, lr 1, W 2, T 6: [0, 0.5, 1, 0.75, 0.5, 0.25].
-    """
-
-    def schedule(step: Any) -> Any:
-        s = jnp.asarray(step, jnp.float32)
-        warm = s / max(1, warmup_steps)
-        progress = (s - warmup_steps) / max(1, total_steps - warmup_steps)
-        if kind == "linear":
-            after = jnp.maximum(0.0, 1.0 - progress)
-        elif kind == "cosine":
-            after = jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.clip(progress, 0.0, 1.0))))
-        elif kind in ("constant", "constant_with_warmup"):
-            after = jnp.ones_like(s)
-        else:
-            raise ConfigError(f"lr_scheduler_type {kind!r} is not supported")
-        if kind == "constant":
-            return learning_rate * after
-        return learning_rate * jnp.where(s < warmup_steps, warm, after)
-
-    return schedule
-
-
-def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-    """clip_by_global_norm -> AdamW (decay on matrices only, as transformers skips biases and norms)."""
-    schedule = lr_schedule(
-        cfg.lr_scheduler_type, cfg.learning_rate, math.ceil(cfg.warmup_ratio * total_steps), total_steps
-    )
-    adamw = optax.adamw(
-        schedule,
-        b1=cfg.adam_beta1,
-        b2=cfg.adam_beta2,
-        eps=cfg.adam_epsilon,
-        weight_decay=cfg.weight_decay,
-        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-    )
-    chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    # Non-finite gradients skip the whole update (params and AdamW moments kept). The consecutive-skip limit is
-    # enforced on the host (`skipped_updates`), so apply_if_finite itself must never fall through and apply one.
-    guarded = optax.apply_if_finite(optax.chain(*chain, adamw), max_consecutive_errors=NEVER)
-    return guarded, schedule
-
-
-NEVER = int(np.iinfo(np.int32).max)  # optax's counters saturate there: `count > NEVER` is never true
-
-
 fold_in = jax.jit(jax.random.fold_in)  # the per-step key: one dispatch instead of eager ops (~1 ms a step)
 
 
@@ -183,36 +134,6 @@ def crossed(previous: int, current: int, every: int | None) -> bool:
     return bool(every) and current // every > previous // every
 
 
-def eos_token_ids(model_dir: str, tokenizer: Any) -> tuple[int, ...]:
-    """The tokenizer's EOS plus every id in the model's generation_config.json (Qwen/Llama-3 have several)."""
-    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            extra = json.load(f).get("eos_token_id")
-        ids += [int(e) for e in (extra if isinstance(extra, list) else [extra]) if e is not None]
-    return tuple(dict.fromkeys(ids))
-
-
-def refuse_custom_code(model_dir: str) -> None:
-    """A tokenizer that only loads through code shipped with the model (`auto_map` in tokenizer_config.json
-    and no tokenizer.json) is refused before transformers could offer to run that code."""
-    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        return  # loaded as a plain PreTrainedTokenizerFast: no custom code is consulted
-    path = os.path.join(model_dir, "tokenizer_config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            auto_map = json.load(f).get("auto_map")
-    except (OSError, ValueError, AttributeError):
-        return  # missing or unreadable: the loader reports it
-    if auto_map:
-        raise ModelLoadError(
-            f"the tokenizer in {model_dir} needs code shipped with the model (auto_map in tokenizer_config.json); "
-            "rloo_jax never runs such code, whatever trust_remote_code says: save a fast tokenizer "
-            "(tokenizer.json) in that folder"
-        )
-
-
 # ------------------------------------------------------------------------------------------------ setup
 def build_config(argv: Sequence[str], device_count: int = 1, process_count: int = 1) -> RLOOConfig:
     """The run config, checked for `device_count` devices in `process_count` processes; with neither --config nor
@@ -248,91 +169,8 @@ def enable_compilation_cache(cfg: RLOOConfig) -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-@dataclasses.dataclass
-class Run:
-    """What the loop needs, all loaded and validated before anything is written."""
-
-    cfg: RLOOConfig
-    tokenizer: Any
-    model: Any
-    train_ds: Any
-    eval_ds: Any
-    encoder: PromptEncoder
-    reward_funcs: list[RewardFunction]
-    eos_ids: tuple[int, ...]
 
 
-def prepare(cfg: RLOOConfig) -> Run:
-    """Resolve the demo, load tokenizer, policy, data and reward functions; check the first batch encodes."""
-    model_path, dataset = cfg.model_name_or_path, cfg.dataset_name
-    if model_path == "demo":
-        model_path = demo.prepare_model(
-            os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/model-{cfg.seed}")), cfg.seed
-        )
-    if dataset == "demo":
-        dataset = demo.prepare_dataset(os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/data-{cfg.seed}")), cfg.seed)
-    if cfg.trust_remote_code:
-        logger.warning("note: trust_remote_code has no effect; rloo_jax never runs code shipped with a model")
-    model_dir = str(resolve_checkpoint(model_path))
-    refuse_custom_code(model_dir)
-    for reward_model in cfg.reward_model_name_or_path or []:
-        refuse_custom_code(str(resolve_checkpoint(reward_model)))
-    tokenizer = load_tokenizer(model_dir, padding_side="left")
-    model = load_causal_lm(model_dir, dtype="bfloat16" if cfg.bf16 else "float32", param_dtype="float32")
-    train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, cfg.dataset_config)
-    eval_ds = load_prompt_dataset(dataset, cfg.dataset_test_split, cfg.dataset_config) if cfg.eval_steps else None
-    encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
-    encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
-    builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
-    reward_funcs = resolve_reward_funcs(
-        cfg.reward_sources,
-        builtins,
-        lambda path: load_reward_model_scorer(
-            path, "bfloat16" if cfg.bf16 else "float32", cfg.prompt_bucket, cfg.chat_template_kwargs
-        ),
-    )
-    check_report_to(cfg.report_to)
-    eos = eos_token_ids(model_dir, tokenizer)
-    if not eos:
-        raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
-    return Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, eos)
-
-
-def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> SamplingConfig:
-    return SamplingConfig(
-        max_new_tokens=cfg.max_completion_length,
-        num_generations=num_generations,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        min_p=cfg.min_p or 0.0,
-        repetition_penalty=cfg.repetition_penalty,
-        eos_token_ids=run.eos_ids,
-        pad_token_id=int(run.tokenizer.pad_token_id),
-    )
-
-
-def step_config(cfg: RLOOConfig, run: Run) -> StepConfig:
-    return StepConfig(
-        sampling=sampling_config(cfg, run, cfg.num_generations),
-        rloo=RLOOOptions(
-            beta=cfg.beta,
-            epsilon=cfg.epsilon,
-            epsilon_high=cfg.epsilon_high,
-            normalize_advantages=cfg.normalize_advantages,
-            reward_clip_range=cfg.reward_clip_range,
-            mask_truncated_completions=cfg.mask_truncated_completions,
-            missing_eos_penalty=cfg.missing_eos_penalty,
-            kl_estimator=cfg.kl_estimator,
-            token_level_kl=cfg.token_level_kl,
-        ),
-        num_iterations=cfg.num_iterations,
-        steps_per_generation=cfg.resolved_steps_per_generation,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-    )
-
-
-# ------------------------------------------------------------------------------------------------ placement
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where batches live: the default device (`mesh` None, one device) or a mesh over every process's devices.
@@ -532,31 +370,59 @@ class StopRequest:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def train(cfg: RLOOConfig) -> dict[str, str]:
-    """Run training; returns the output paths (also after a SIGTERM, once the checkpoint is saved)."""
-    with StopRequest() as stop:
-        return _train(cfg, stop)
+
+# ------------------------------------------------------------------------------------------------ the phases
+@dataclasses.dataclass
+class Session:
+    """A run between its phases: what was built (fixed) and where the loop stands (changes every step)."""
+
+    cfg: RLOOConfig
+    run: Run
+    place: Placement
+    step_fn: RLOOStep
+    graphdef: Any
+    iterator: PromptIterator
+    total_steps: int
+    lr_at: Any  # jitted learning-rate schedule
+    weights: jax.Array  # [F] reward weights (replicated on a mesh)
+    names: list[str]  # reward function names, for metrics
+    eval_key: jax.Array
+    eval_sampler: RLOOStep | None
+    paths: dict[str, str]
+    state: Any  # TrainState
+    base_key: jax.Array
+    step: int = 0  # optimizer updates done
+    num_tokens: int = 0  # host counters, carried in the checkpoint's meta
+    truncated_prompts: int = 0
+    saved: int | None = None  # the step of the newest checkpoint
+    stopped_by: str | None = None  # the signal that stopped the loop
+    window: WindowMean = dataclasses.field(default_factory=WindowMean)
+    ckpt: Checkpointer | None = None
+    sinks: Sinks | None = None
+    rollouts: JsonlWriter | None = None
 
 
-def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
+def setup(cfg: RLOOConfig) -> Session:
+    """Build the run, its step and its fresh state; nothing is written."""
     start_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     cfg = for_this_machine(cfg)
     enable_compilation_cache(cfg)
+    if cfg.remat_policy == "full_offloaded" and cfg.gradient_checkpointing and jax.default_backend() == "cpu":
+        raise ConfigError("remat_policy full_offloaded moves block inputs to host memory, which needs a TPU or GPU; "
+                          "on CPU use --remat_policy full")
     run = prepare(cfg)
     place = Placement(make_mesh(*cfg.mesh_shape) if cfg.device_count > 1 else None)
-    main_process = place.is_main
     iterator = PromptIterator(len(run.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
     scfg = step_config(cfg, run)
-    per_gen = scfg.updates_per_generation
     if cfg.max_steps > 0:
-        total_steps = cfg.max_steps
+        total = cfg.max_steps
     else:
-        total_steps = math.ceil(cfg.num_train_epochs * iterator.batches_per_epoch) * per_gen
-    optimizer, schedule = make_optimizer(cfg, total_steps)
+        total = int(np.ceil(cfg.num_train_epochs * iterator.batches_per_epoch)) * scfg.updates_per_generation
+    optimizer, schedule = make_optimizer(cfg, total)
     lr_at = jax.jit(schedule)  # one dispatch, not a handful of eager ops, per logged step
     lr_at(0)  # compiled here, not at the first logged step (no compile after step 1)
     graphdef, params = nnx.split(run.model)
-    ref = jax.tree.map(jnp.copy, params) if cfg.beta > 0 else None  # a copy: update() donates the policy buffers
+    ref = reference_params(graphdef, params) if cfg.beta > 0 else None
     step_fn = RLOOStep(graphdef, optimizer, scfg, mesh=place.mesh)
     state = step_fn.init_state(params, ref)  # with a mesh: placed on its shardings (FSDP / tensor parallel)
     eval_sampler = None
@@ -567,14 +433,7 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
                                rloo=RLOOOptions(beta=0.0))
         eval_sampler = RLOOStep(graphdef, optimizer, eval_scfg, mesh=place.mesh)
         eval_sampler.state_shardings = step_fn.state_shardings
-    base_key = jax.random.key(cfg.seed)
-    eval_key = jax.random.key(cfg.seed + 1)  # evaluation never consumes training randomness
-    weights = place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32))
-    names = [f.name for f in run.reward_funcs]
-
-    # everything is loaded and valid: from here on, files are written
     out = os.path.abspath(cfg.output_dir)
-    os.makedirs(out, exist_ok=True)
     paths = {
         "metrics": os.path.join(out, "metrics.jsonl"),
         "rollouts": os.path.join(out, "rollouts.jsonl"),
@@ -582,175 +441,215 @@ def _train(cfg: RLOOConfig, stop: StopRequest) -> dict[str, str]:
         "final": os.path.join(out, "final"),
         "config": os.path.join(out, "config.yaml"),
     }
-    ckpt = Checkpointer(paths["checkpoints"], max_to_keep=cfg.save_total_limit)  # every process: orbax is collective
-    window = WindowMean()
-    step, num_tokens, truncated_prompts = 0, 0, 0  # the host counters travel in the checkpoint's meta
-    latest = ckpt.latest_step()
-    if latest is not None:
-        state, key, meta = ckpt.restore(latest, state, place.replicate(base_key))  # onto the state's shardings
-        base_key = place.host_key(key)
-        iterator.load_state_dict(meta["data"])
-        step = int(meta["step"])
-        counters = meta.get("counters", {})
-        num_tokens = int(counters.get("num_tokens", 0))
-        truncated_prompts = int(counters.get("num_truncated_prompts", 0))
-        window.load_state_dict(meta.get("window", {}))
-        if place.mesh is not None and window.total is not None:  # onto the mesh, like the metrics added to it
-            window.total = place.replicate(window.total)
-    sinks = rollouts = None
-    if main_process:
-        # records logged after the checkpoint (or, with none, by a run killed before its first one) are redone
-        dropped = drop_records_after(paths["metrics"], step) + drop_records_after(paths["rollouts"], step)
-        if latest is not None:
-            print(
-                f"Resuming from checkpoint {os.path.join(paths['checkpoints'], str(latest))} (step {step}"
-                + (f"; dropped {dropped} records logged after it)" if dropped else ")")
-            )
-        elif dropped:
-            print(
-                f"No checkpoint in {paths['checkpoints']}: starting over (dropped {dropped} records of an earlier run)"
-            )
-        with open(paths["config"], "w", encoding="utf-8") as f:
-            f.write(cfg.to_yaml())
-        sinks = Sinks(out, cfg.report_to, json_safe(cfg.to_dict()))
-        rollouts = JsonlWriter(paths["rollouts"])
-    saved = step if latest is not None else None
+    return Session(
+        cfg=cfg, run=run, place=place, step_fn=step_fn, graphdef=graphdef, iterator=iterator, total_steps=total,
+        lr_at=lr_at, weights=place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32)),
+        names=[f.name for f in run.reward_funcs], eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
+        eval_sampler=eval_sampler, paths=paths, state=state, base_key=jax.random.key(cfg.seed),
+    )
 
-    def save() -> None:
-        meta = {
-            "data": iterator.state_dict(),
-            "step": step,
-            "counters": {"num_tokens": num_tokens, "num_truncated_prompts": truncated_prompts},
-            "window": window.state_dict(),
-        }
-        ckpt.save(step, state, place.replicate(base_key), meta)
+
+def resume(s: Session) -> None:
+    """Open the outputs; restore the newest checkpoint if there is one and drop the records logged after it."""
+    os.makedirs(os.path.abspath(s.cfg.output_dir), exist_ok=True)
+    s.ckpt = Checkpointer(s.paths["checkpoints"], max_to_keep=s.cfg.save_total_limit)  # every process: collective
+    latest = s.ckpt.latest_step()
+    if latest is not None:
+        s.state, key, meta = s.ckpt.restore(latest, s.state, s.place.replicate(s.base_key))  # onto its shardings
+        s.base_key = s.place.host_key(key)
+        s.iterator.load_state_dict(meta["data"])
+        s.step = s.saved = int(meta["step"])
+        counters = meta.get("counters", {})
+        s.num_tokens = int(counters.get("num_tokens", 0))
+        s.truncated_prompts = int(counters.get("num_truncated_prompts", 0))
+        s.window.load_state_dict(meta.get("window", {}))
+        if s.place.mesh is not None and s.window.total is not None:  # onto the mesh, like the metrics added to it
+            s.window.total = s.place.replicate(s.window.total)
+    if not s.place.is_main:
+        return
+    # records logged after the checkpoint (or, with none, by a run killed before its first one) are redone
+    dropped = drop_records_after(s.paths["metrics"], s.step) + drop_records_after(s.paths["rollouts"],
+                                                                                        s.step)
+    if latest is not None:
+        print(
+            f"Resuming from checkpoint {os.path.join(s.paths['checkpoints'], str(latest))} (step {s.step}"
+            + (f"; dropped {dropped} records logged after it)" if dropped else ")")
+        )
+    elif dropped:
+        print(f"No checkpoint in {s.paths['checkpoints']}: starting over (dropped {dropped} records of an earlier run)")
+    with open(s.paths["config"], "w", encoding="utf-8") as f:
+        f.write(s.cfg.to_yaml())
+    s.sinks = Sinks(os.path.abspath(s.cfg.output_dir), s.cfg.report_to, json_safe(s.cfg.to_dict()))
+    s.rollouts = JsonlWriter(s.paths["rollouts"])
+
+
+def save(s: Session) -> None:
+    meta = {
+        "data": s.iterator.state_dict(),
+        "step": s.step,
+        "counters": {"num_tokens": s.num_tokens, "num_truncated_prompts": s.truncated_prompts},
+        "window": s.window.state_dict(),
+    }
+    s.ckpt.save(s.step, s.state, s.place.replicate(s.base_key), meta)
+    s.saved = s.step
+
+
+def loop(s: Session, stop: "StopRequest") -> bool:
+    """Train until total_steps or a stop request; returns whether it stopped early (a checkpoint is then saved)."""
 
     def stop_requested() -> bool:
         """A SIGTERM seen by any process (every process calls this at the same points, so all stop together)."""
-        return place.any(stop.signal is not None) if place.multi_process else stop.signal is not None
+        return s.place.any(stop.signal is not None) if s.place.multi_process else stop.signal is not None
 
     progress = Progress(
-        TextColumn("training"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        transient=True,
-        disable=not main_process,
+        TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True,
+        disable=not s.place.is_main,
     )
-    start, compiling = step, None
-    try:
-        with progress:
-            task = progress.add_task("train", total=total_steps, completed=step)
-            while step < total_steps and not stop_requested():
-                t0 = time.perf_counter()
-                prev = step
-                idx = next(iterator)  # the same global batch on every process; each one handles its rows
-                rows = place.rows(len(idx))
-                batch = encode_rows(run, place, run.train_ds[idx[rows]])
-                truncated_prompts += batch.num_truncated
-                key = place.replicate(fold_in(base_key, step))
-                ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
-                if compiling is None and step == start:  # first step: compile update while the rollout runs
-                    compiling = threading.Thread(
-                        target=compile_quietly, args=(step_fn, state, ids.shape, weights), daemon=True
+    start = s.step
+    with progress:
+        task = progress.add_task("train", total=s.total_steps, completed=s.step)
+        while s.step < s.total_steps and not stop_requested():
+            t0, prev = time.perf_counter(), s.step
+            idx, batch, rollout, scored, rewards, metrics = train_step(s, first=s.step == start)
+            consecutive, skipped = skipped_updates(s.state.opt_state)  # skipped params/moments: unchanged
+            diverged = consecutive >= s.cfg.max_consecutive_nonfinite
+            if s.cfg.sync_ref_model and crossed(prev, s.step, s.cfg.ref_model_sync_steps):
+                s.state = s.step_fn.sync_reference(s.state, s.cfg.ref_model_mixup_alpha)
+            last = s.step >= s.total_steps
+            # every record of a step is written before its checkpoint is started: a resume drops the records
+            # after the checkpoint and redoes them, so none is lost or doubled
+            if crossed(prev, s.step, s.cfg.logging_steps) or last or diverged:
+                log_step(s, progress, prev, t0, skipped)
+                if s.cfg.log_completions or last:
+                    record_rollouts(s, progress, idx, rollout, scored, rewards)
+            if diverged:  # logged above; nothing is evaluated or saved
+                raise NonFiniteError(
+                    f"{consecutive} consecutive optimizer updates had a non-finite loss or gradients "
+                    f"(step {s.step}, {skipped} skipped in all; max_consecutive_nonfinite = "
+                    f"{s.cfg.max_consecutive_nonfinite}); lower --learning_rate or --max_grad_norm, check the "
+                    "rewards for extreme values, or resume from an earlier checkpoint"
+                )
+            if s.run.eval_ds is not None and (crossed(prev, s.step, s.cfg.eval_steps) or last):
+                eval_metrics = evaluate(s.run, s.place, s.graphdef, s.state, jax.random.fold_in(s.eval_key, s.step),
+                                        s.names, s.eval_sampler)
+                if s.place.is_main:
+                    s.sinks.log(s.step, eval_metrics)
+                    progress.console.print(
+                        f"eval step {s.step}: reward {eval_metrics['eval_reward']:.3f} "
+                        f"(len {eval_metrics['eval_completions/mean_length']:.1f})"
                     )
-                    compiling.start()
-                rollout = step_fn.rollout(state, ids, mask, key)
-                completion_ids = place.local(rollout.completion_ids)  # this process's completions
-                scored = decode_and_score(run, batch, completion_ids, cfg.num_generations)
-                local_tokens = int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
-                num_tokens += int(place.per_process([local_tokens]).sum())
-                rewards = place.to_global(scored.rewards_per_func)
-                if compiling is not None and compiling.is_alive():
-                    compiling.join()  # before update donates the state it reads
-                state, metrics = step_fn.update(state, rollout, rewards, weights)
-                step += per_gen
-                window.add(metrics)
-                consecutive, skipped = skipped_updates(state.opt_state)  # skipped params/moments: unchanged
-                diverged = consecutive >= cfg.max_consecutive_nonfinite
-                if cfg.sync_ref_model and crossed(prev, step, cfg.ref_model_sync_steps):
-                    state = step_fn.sync_reference(state, cfg.ref_model_mixup_alpha)
-                last = step >= total_steps
-                # every record of a step is written before its checkpoint is started: a resume drops the
-                # records after the checkpoint and redoes them, so none is lost or doubled
-                if crossed(prev, step, cfg.logging_steps) or last or diverged:
-                    logged = rename_reward_metrics(window.read(), names)
-                    logged.update(
-                        num_tokens=float(num_tokens),
-                        skipped_steps=skipped,
-                        step_time=time.perf_counter() - t0,
-                        learning_rate=float(lr_at(prev + per_gen - 1)),
-                        epoch=iterator.epoch + iterator.index / (iterator.batches_per_epoch * iterator.batch_size),
-                        num_truncated_prompts=truncated_prompts,
-                    )
-                    if main_process:
-                        sinks.log(step, logged)
-                        progress.console.print(console_line(step, total_steps, logged), soft_wrap=True)
-                    if cfg.log_completions or last:
-                        adv, _ = step_fn.score(rollout, rewards, weights)
-                        adv = place.gather(adv)
-                        if place.multi_process:  # every process takes part in the gathers; process 0 decodes
-                            all_ids = place.gather(rollout.completion_ids)
-                            all_rewards = place.gather(scored.rewards_per_func)
-                            if main_process:
-                                prompts = list(run.train_ds[idx]["prompt"])
-                                scored = decode(run, prompts, all_ids, cfg.num_generations, all_rewards)
-                        if main_process:
-                            records = rollout_records(
-                                step, scored.prompts, scored.completions, names, scored.rewards_per_func,
-                                weighted_rewards(scored.rewards_per_func, cfg.resolved_reward_weights),
-                                adv, scored.lengths, scored.truncated,
-                            )  # fmt: skip
-                            rollouts.write(records)
-                            print_completions(progress.console, records, cfg.num_completions_to_print)
-                if diverged:  # logged above; nothing is evaluated or saved
-                    raise NonFiniteError(
-                        f"{consecutive} consecutive optimizer updates had a non-finite loss or gradients "
-                        f"(step {step}, {skipped} skipped in all; max_consecutive_nonfinite = "
-                        f"{cfg.max_consecutive_nonfinite}); lower --learning_rate or --max_grad_norm, check the "
-                        "rewards for extreme values, or resume from an earlier checkpoint"
-                    )
-                if run.eval_ds is not None and (crossed(prev, step, cfg.eval_steps) or last):
-                    eval_metrics = evaluate(
-                        run, place, graphdef, state, jax.random.fold_in(eval_key, step), names, eval_sampler
-                    )
-                    if main_process:
-                        sinks.log(step, eval_metrics)
-                        progress.console.print(
-                            f"eval step {step}: reward {eval_metrics['eval_reward']:.3f} "
-                            f"(len {eval_metrics['eval_completions/mean_length']:.1f})"
-                        )
-                if crossed(prev, step, cfg.save_steps) or last or stop_requested():
-                    save()
-                    saved = step
-                progress.update(task, completed=step)
-            stopped = stop_requested()
-            if stopped and step > 0 and saved != step:
-                save()  # the signal came after this step's save decision
-    finally:
-        ckpt.close()  # waits for an in-flight save; a failed step never starts a new one
-        if sinks is not None:
-            sinks.close()
-            rollouts.close()
-    if stopped and step < total_steps:
-        if main_process:
-            where = f"checkpoint {os.path.join(paths['checkpoints'], str(step))}" if step else "no step done"
+            if crossed(prev, s.step, s.cfg.save_steps) or last or stop_requested():
+                save(s)
+            progress.update(task, completed=s.step)
+    stopped = stop_requested()
+    if stopped and s.step > 0 and s.saved != s.step:
+        save(s)  # the signal came after this step's save decision
+    return stopped
+
+
+def train_step(s: Session, first: bool) -> tuple:
+    """One generation batch: prompts -> rollout -> decode and rewards (host) -> update(s)."""
+    cfg, place = s.cfg, s.place
+    idx = next(s.iterator)  # the same global batch on every process; each one handles its rows
+    batch = encode_rows(s.run, place, s.run.train_ds[idx[place.rows(len(idx))]])
+    s.truncated_prompts += batch.num_truncated
+    key = place.replicate(fold_in(s.base_key, s.step))
+    ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
+    compiling = None
+    if first:  # compile update in a thread while the first rollout compiles and runs
+        compiling = threading.Thread(target=compile_quietly, args=(s.step_fn, s.state, ids.shape, s.weights),
+                                     daemon=True)
+        compiling.start()
+    rollout = s.step_fn.rollout(s.state, ids, mask, key)
+    scored = decode_and_score(s.run, batch, place.local(rollout.completion_ids), cfg.num_generations)
+    local_tokens = int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
+    s.num_tokens += int(place.per_process([local_tokens]).sum())
+    rewards = place.to_global(scored.rewards_per_func)
+    if compiling is not None:
+        compiling.join()  # before update donates the state it reads
+    s.state, metrics = s.step_fn.update(s.state, rollout, rewards, s.weights)
+    s.step += s.step_fn.cfg.updates_per_generation
+    s.window.add(metrics)
+    return idx, batch, rollout, scored, rewards, metrics
+
+
+def log_step(s: Session, progress: Progress, prev: int, t0: float, skipped: int) -> None:
+    """The logging window's means, with the host counters, to every sink (process 0) and the console."""
+    logged = rename_reward_metrics(s.window.read(), s.names)
+    per_gen = s.step_fn.cfg.updates_per_generation
+    it = s.iterator
+    logged.update(
+        num_tokens=float(s.num_tokens),
+        skipped_steps=skipped,
+        step_time=time.perf_counter() - t0,
+        learning_rate=float(s.lr_at(prev + per_gen - 1)),
+        epoch=it.epoch + it.index / (it.batches_per_epoch * it.batch_size),
+        num_truncated_prompts=s.truncated_prompts,
+    )
+    if s.place.is_main:
+        s.sinks.log(s.step, logged)
+        progress.console.print(console_line(s.step, s.total_steps, logged), soft_wrap=True)
+
+
+def record_rollouts(s: Session, progress: Progress, idx: np.ndarray, rollout: Any, scored: "Scored",
+                    rewards: jax.Array) -> None:
+    """Every completion of this step to rollouts.jsonl (process 0 gathers every process's rows) and a sample."""
+    adv, _ = s.step_fn.score(rollout, rewards, s.weights)
+    adv = s.place.gather(adv)
+    if s.place.multi_process:  # every process takes part in the gathers; process 0 decodes
+        all_ids = s.place.gather(rollout.completion_ids)
+        all_rewards = s.place.gather(scored.rewards_per_func)
+        if s.place.is_main:
+            prompts = list(s.run.train_ds[idx]["prompt"])
+            scored = decode(s.run, prompts, all_ids, s.cfg.num_generations, all_rewards)
+    if s.place.is_main:
+        records = rollout_records(
+            s.step, scored.prompts, scored.completions, s.names, scored.rewards_per_func,
+            weighted_rewards(scored.rewards_per_func, s.cfg.resolved_reward_weights),
+            adv, scored.lengths, scored.truncated,
+        )  # fmt: skip
+        s.rollouts.write(records)
+        print_completions(progress.console, records, s.cfg.num_completions_to_print)
+
+
+def finish(s: Session, stopped: bool) -> None:
+    """The trained policy as a Hugging Face folder (process 0), or, after a stop request, where to resume."""
+    if stopped and s.step < s.total_steps:
+        if s.place.is_main:
+            where = f"checkpoint {os.path.join(s.paths['checkpoints'], str(s.step))}" if s.step else "no step done"
             print(
-                f"Stopped by {stop.signal or 'SIGTERM'} at step {step}/{total_steps} ({where}); "
+                f"Stopped by {s.stopped_by or 'SIGTERM'} at step {s.step}/{s.total_steps} ({where}); "
                 "run the same command to resume"
             )
-        return paths
-    bad = nonfinite_leaves(state.params)
+        return
+    bad = nonfinite_leaves(s.state.params)
     if bad:
-        raise NonFiniteError(f"refusing to export {paths['final']}: non-finite values in {', '.join(bad[:3])}")
+        raise NonFiniteError(f"refusing to export {s.paths['final']}: non-finite values in {', '.join(bad[:3])}")
     # the export needs the whole parameters on the host: gathered from every process's shards (all take part)
-    host_params = state.params if place.mesh is None else place.gather_tree(state.params)
-    if main_process:
-        save_pretrained(nnx.merge(graphdef, host_params), paths["final"], tokenizer=run.tokenizer)
-        print(f"Done: {step} optimizer steps. Outputs in {out}:")
+    host_params = s.state.params if s.place.mesh is None else s.place.gather_tree(s.state.params)
+    if s.place.is_main:
+        save_pretrained(nnx.merge(s.graphdef, host_params), s.paths["final"], tokenizer=s.run.tokenizer)
+        print(f"Done: {s.step} optimizer steps. Outputs in {os.path.abspath(s.cfg.output_dir)}:")
         for name in ("metrics", "rollouts", "checkpoints", "final", "config"):
-            print(f"  {name:12s} {paths[name]}")
-    return paths
+            print(f"  {name:12s} {s.paths[name]}")
+
+
+def train(cfg: RLOOConfig) -> dict[str, str]:
+    """Run training; returns the output paths (also after a SIGTERM, once the checkpoint is saved)."""
+    with StopRequest() as stop:
+        s = setup(cfg)
+        try:
+            resume(s)
+            stopped = loop(s, stop)
+        finally:
+            if s.ckpt is not None:
+                s.ckpt.close()  # waits for an in-flight save; a failed step never starts a new one
+            if s.sinks is not None:
+                s.sinks.close()
+                s.rollouts.close()
+        s.stopped_by = stop.signal
+        finish(s, stopped)
+    return s.paths
 
 
 def print_completions(console: Any, records: list[dict[str, Any]], limit: int | None) -> None:
@@ -762,10 +661,28 @@ def print_completions(console: Any, records: list[dict[str, Any]], limit: int | 
 
 
 # ------------------------------------------------------------------------------------------------ CLI
+def compile_only(argv: Sequence[str], topology: str) -> int:
+    """`--compile_only`: build the run for the slice's chips, compile its programs, print and write the report;
+    0 when every program fits, 1 when one does not."""
+    jax.config.update("jax_platforms", "cpu")  # this host only traces shapes; libtpu compiles for the slice
+    from rloo_jax.tpu import parse_slice
+
+    slc = parse_slice(topology)
+    cfg = build_config(argv, slc.chips, 1)
+    report = aot.compile_run(cfg, slc)
+    print(f"{slc.name}: {slc.chips} chips ({slc.topology_name}), {aot.gib(slc.chip.hbm_bytes)} HBM per chip")
+    for line in aot.table_lines(report):
+        print(line)
+    print(aot.verdict(report, lambda name: aot.advice(cfg, name)))
+    print(f"report: {report.write(os.path.abspath(cfg.output_dir))}")
+    return 0 if report.fits else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point. Exit codes: 0 on success or after a SIGTERM (checkpoint saved); 2 on a configuration,
     data or model error (one line, nothing written); 1 when training stops on a reward-function error or on
-    `max_consecutive_nonfinite` non-finite updates (the last checkpoint is left as it was)."""
+    `max_consecutive_nonfinite` non-finite updates (the last checkpoint is left as it was), or when a
+    `--compile_only` program does not fit its slice."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print(format_help())
@@ -776,6 +693,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     datasets.disable_progress_bars()  # one clean console: our progress bar and lines only
     debug = any(a in ("--debug", "--debug=true", "--debug=1") for a in argv)
     try:
+        topology = compile_only_slice(argv)
+        if topology is not None:
+            return compile_only(argv, topology)
         # the multi-process runtime starts before anything else touches JAX; the config is then checked against
         # the devices of all processes (the mesh sizes and the global batch depend on them)
         start_distributed(*distributed_options(argv))

@@ -138,7 +138,7 @@ def test_bf16_safetensors_are_read(tiny_checkpoint, tmp_path):
         assert b'"BF16"' in f.read(4096)  # the file really holds bf16 tensors
     model = load_causal_lm(tmp_path / "bf16", param_dtype="float32")
     w = hf.state_dict()["model.layers.0.self_attn.q_proj.weight"].float().numpy()
-    np.testing.assert_array_equal(np.asarray(_params(model)["model"]["layers"][0]["attn"]["q"]["kernel"]), w.T)
+    np.testing.assert_array_equal(np.asarray(_params(model)["model"]["layers"]["attn"]["q"]["kernel"][0]), w.T)
     ids, mask = _batch(3)
     # fresh float32 load of the bf16 file (hf.float() would keep the bf16-rounded rotary inv_freq buffer)
     hf = _hf_load(transformers.AutoModelForCausalLM, tmp_path / "bf16").float()

@@ -271,11 +271,12 @@ def test_param_shardings_of_tiny_model():
     model = init_causal_lm(cfg, seed=0)  # q: 24 (3 heads x 8), k: 8, mlp 36, vocab 40
     mesh = AbstractMesh((1, 2, 8), rmesh.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     specs = jax.tree.map(lambda s: s.spec, rmesh.param_shardings(model, mesh))
-    layer = specs["model"]["layers"][0]
-    assert layer["mlp"]["gate"]["kernel"] == PartitionSpec("fsdp")  # 36 % 8 != 0 -> mlp replicated
-    assert layer["attn"]["q"]["kernel"] == PartitionSpec("fsdp", "tensor")  # 24 % 8 == 0
-    assert layer["attn"]["k"]["kernel"] == PartitionSpec("fsdp", "tensor")  # 8 % 8 == 0
-    assert layer["attn"]["o"]["kernel"] == PartitionSpec("tensor", "fsdp")
+    layer = specs["model"]["layers"]  # stacked blocks: the leading layer axis is never split
+    assert layer["mlp"]["gate"]["kernel"] == PartitionSpec(None, "fsdp")  # 36 % 8 != 0 -> mlp replicated
+    assert layer["attn"]["q"]["kernel"] == PartitionSpec(None, "fsdp", "tensor")  # 24 % 8 == 0
+    assert layer["attn"]["k"]["kernel"] == PartitionSpec(None, "fsdp", "tensor")  # 8 % 8 == 0
+    assert layer["attn"]["o"]["kernel"] == PartitionSpec(None, "tensor", "fsdp")
+    assert layer["attn_norm"]["scale"] == PartitionSpec(None, "fsdp")
     assert specs["lm_head"]["kernel"] == PartitionSpec("fsdp", "tensor")  # 40 % 8 == 0
     assert specs["model"]["final_norm"]["scale"] == PartitionSpec("fsdp")
 
@@ -293,7 +294,7 @@ def test_state_shardings_mirror_params_in_optimizer_state():
     adam = shard.opt_state[1][0]
     for tree in (shard.params, shard.ref_params, adam.mu, adam.nu):
         assert tree["lm_head"]["kernel"].spec == PartitionSpec("fsdp", "tensor")
-        assert tree["model"]["layers"][1]["mlp"]["down"]["kernel"].spec == PartitionSpec("tensor", "fsdp")
+        assert tree["model"]["layers"]["mlp"]["down"]["kernel"].spec == PartitionSpec(None, "tensor", "fsdp")
     assert adam.count.spec == PartitionSpec() and shard.step.spec == PartitionSpec()
     # a same-structure subtree whose leaves have other shapes (factored second moments) is replicated
     fake = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,), x.dtype), params)

@@ -253,18 +253,19 @@ def test_logical_axes_name_every_parameter(tiny_checkpoint):
         assert flat_axes.keys() == flat_params.keys()
         for k, ax in flat_axes.items():
             assert len(ax) == flat_params[k].ndim, k
-            assert set(ax) <= {"embed", "mlp", "heads", "kv", "vocab", None}
+            assert set(ax) <= {"layers", "embed", "mlp", "heads", "kv", "vocab", None}
+            assert ("layers" in ax) == (".layers" in jax.tree_util.keystr(k, simple=True, separator=".")), k
         pa = nnx.to_pure_dict(axes)
-        layer = pa["model"]["layers"][0]
-        assert layer["attn"]["q"]["kernel"] == ("embed", "heads")
-        assert layer["attn"]["k"]["kernel"] == ("embed", "kv")
-        assert layer["attn"]["o"]["kernel"] == ("heads", "embed")
-        assert layer["mlp"]["up"]["kernel"] == ("embed", "mlp")
-        assert layer["mlp"]["down"]["kernel"] == ("mlp", "embed")
-        assert layer["attn_norm"]["scale"] == ("embed",)
+        layer = pa["model"]["layers"]  # one stacked block: a leading "layers" axis on every parameter
+        assert layer["attn"]["q"]["kernel"] == ("layers", "embed", "heads")
+        assert layer["attn"]["k"]["kernel"] == ("layers", "embed", "kv")
+        assert layer["attn"]["o"]["kernel"] == ("layers", "heads", "embed")
+        assert layer["mlp"]["up"]["kernel"] == ("layers", "embed", "mlp")
+        assert layer["mlp"]["down"]["kernel"] == ("layers", "mlp", "embed")
+        assert layer["attn_norm"]["scale"] == ("layers", "embed")
         assert pa["model"]["embed"]["embedding"] == ("vocab", "embed")
         if kind == "lm":
             assert pa["lm_head"]["kernel"] == ("embed", "vocab")
-            assert layer["mlp"]["gate"]["kernel"] == ("embed", "mlp")
+            assert layer["mlp"]["gate"]["kernel"] == ("layers", "embed", "mlp")
         else:
             assert pa["score"]["kernel"] == ("embed", None)

@@ -2,6 +2,7 @@
 
 from rloo_jax.models.config import ModelConfig, ModelLoadError, config_from_hf, config_to_hf, rope_inv_freq
 from rloo_jax.models.hf import (
+    abstract_model,
     export_tensors,
     init_causal_lm,
     init_reward_model,
@@ -28,6 +29,7 @@ __all__ = [
     "ModelLoadError",
     "PromptCache",
     "RewardModel",
+    "abstract_model",
     "config_from_hf",
     "config_to_hf",
     "export_tensors",

@@ -33,6 +33,18 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "gpt_neox": "gpt_neox"}
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16")
+# What the backward pass keeps of each transformer block (MaxText's `remat_policy` names); the rest is recomputed.
+# Named block outputs (`checkpoint_name` in transformer.py): query_proj, key_proj, value_proj, out_proj,
+# mlpwi (gate and up), mlpwo (down), decoder_layer_input.
+REMAT_POLICIES: dict[str, str] = {
+    "none": "no rematerialisation: every intermediate of every block lives until the backward pass",
+    "minimal": "keep every projection output (q, k, v, o, gate, up, down); recompute norms, RoPE, softmax, "
+    "activations",
+    "save_dot_except_mlp": "keep the attention projections (q, k, v, o); recompute the MLP",
+    "save_qkv_proj": "keep q, k, v only",
+    "full": "keep only each block's input; recompute the whole block in the backward pass",
+    "full_offloaded": "as full, with the block inputs offloaded to host memory (TPU/GPU; not on CPU)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +78,17 @@ class ModelConfig:
     initializer_range: float = 0.02
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
+    # execution choices (never exported to config.json): how the L blocks run and what their backward keeps
+    scan_layers: bool = True  # jax.lax.scan over the stacked blocks (False: unrolled; the same numbers)
+    remat_policy: str = "none"  # a key of REMAT_POLICIES
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ModelLoadError(f"{name}={getattr(self, name)!r}; supported: {', '.join(DTYPES)}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ModelLoadError(f"remat_policy={self.remat_policy!r}; supported: {', '.join(REMAT_POLICIES)}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.rope_type not in ROPE_TYPES:

@@ -80,62 +80,55 @@ def fused_qkv(num_heads: int, is_bias: bool) -> Transform:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One HF tensor name <-> our parameter paths (dot-joined, e.g. "model.layers.0.attn.q.kernel")."""
+    """One HF tensor name <-> our parameter paths (dot-joined, e.g. "model.layers.attn.q.kernel"); `layer` is the
+    index on the leading layer axis of a stacked block parameter (None for the others)."""
 
     hf: str
     ours: tuple[str, ...]
     transform: Transform
+    layer: int | None = None
 
 
-def _linear(hf: str, ours: str, bias: bool) -> list[Row]:
-    rows = [Row(f"{hf}.weight", (f"{ours}.kernel",), TRANSPOSE)]
-    return rows + ([Row(f"{hf}.bias", (f"{ours}.bias",), IDENTITY)] if bias else [])
+def _linear(hf: str, ours: str, bias: bool, layer: int | None = None) -> list[Row]:
+    rows = [Row(f"{hf}.weight", (f"{ours}.kernel",), TRANSPOSE, layer)]
+    return rows + ([Row(f"{hf}.bias", (f"{ours}.bias",), IDENTITY, layer)] if bias else [])
 
 
-def _norm(hf: str, ours: str, bias: bool) -> list[Row]:
-    rows = [Row(f"{hf}.weight", (f"{ours}.scale",), IDENTITY)]
-    return rows + ([Row(f"{hf}.bias", (f"{ours}.bias",), IDENTITY)] if bias else [])
+def _norm(hf: str, ours: str, bias: bool, layer: int | None = None) -> list[Row]:
+    rows = [Row(f"{hf}.weight", (f"{ours}.scale",), IDENTITY, layer)]
+    return rows + ([Row(f"{hf}.bias", (f"{ours}.bias",), IDENTITY, layer)] if bias else [])
 
 
 def _llama_rows(cfg: ModelConfig) -> list[Row]:
     rows = [Row("model.embed_tokens.weight", ("model.embed.embedding",), IDENTITY)]
+    us = "model.layers"
     for i in range(cfg.num_layers):
-        hf, us = f"model.layers.{i}", f"model.layers.{i}"
-        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", False)
+        hf = f"model.layers.{i}"
+        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", False, i)
         for n in "qkv":
-            rows += _linear(f"{hf}.self_attn.{n}_proj", f"{us}.attn.{n}", cfg.qkv_bias)
-        rows += _linear(f"{hf}.self_attn.o_proj", f"{us}.attn.o", cfg.o_bias)
-        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", False)
+            rows += _linear(f"{hf}.self_attn.{n}_proj", f"{us}.attn.{n}", cfg.qkv_bias, i)
+        rows += _linear(f"{hf}.self_attn.o_proj", f"{us}.attn.o", cfg.o_bias, i)
+        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", False, i)
         for n in ("gate", "up", "down"):
-            rows += _linear(f"{hf}.mlp.{n}_proj", f"{us}.mlp.{n}", cfg.mlp_bias)
+            rows += _linear(f"{hf}.mlp.{n}_proj", f"{us}.mlp.{n}", cfg.mlp_bias, i)
     return rows + _norm("model.norm", "model.final_norm", False)
 
 
 def _gpt_neox_rows(cfg: ModelConfig) -> list[Row]:
     rows = [Row("gpt_neox.embed_in.weight", ("model.embed.embedding",), IDENTITY)]
+    us = "model.layers"
+    qkv = tuple(f"{us}.attn.{n}" for n in "qkv")
     for i in range(cfg.num_layers):
-        hf, us = f"gpt_neox.layers.{i}", f"model.layers.{i}"
-        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", True)
-        qkv = tuple(f"{us}.attn.{n}" for n in "qkv")
-        rows.append(
-            Row(
-                f"{hf}.attention.query_key_value.weight",
-                tuple(f"{p}.kernel" for p in qkv),
-                fused_qkv(cfg.num_heads, False),
-            )
-        )
+        hf = f"gpt_neox.layers.{i}"
+        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", True, i)
+        fused = f"{hf}.attention.query_key_value"
+        rows.append(Row(f"{fused}.weight", tuple(f"{p}.kernel" for p in qkv), fused_qkv(cfg.num_heads, False), i))
         if cfg.qkv_bias:
-            rows.append(
-                Row(
-                    f"{hf}.attention.query_key_value.bias",
-                    tuple(f"{p}.bias" for p in qkv),
-                    fused_qkv(cfg.num_heads, True),
-                )
-            )
-        rows += _linear(f"{hf}.attention.dense", f"{us}.attn.o", cfg.o_bias)
-        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", True)
-        rows += _linear(f"{hf}.mlp.dense_h_to_4h", f"{us}.mlp.up", True)
-        rows += _linear(f"{hf}.mlp.dense_4h_to_h", f"{us}.mlp.down", True)
+            rows.append(Row(f"{fused}.bias", tuple(f"{p}.bias" for p in qkv), fused_qkv(cfg.num_heads, True), i))
+        rows += _linear(f"{hf}.attention.dense", f"{us}.attn.o", cfg.o_bias, i)
+        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", True, i)
+        rows += _linear(f"{hf}.mlp.dense_h_to_4h", f"{us}.mlp.up", True, i)
+        rows += _linear(f"{hf}.mlp.dense_4h_to_h", f"{us}.mlp.down", True, i)
     return rows + _norm("gpt_neox.final_layer_norm", "model.final_norm", True)
 
 
@@ -159,8 +152,9 @@ def architecture_name(cfg: ModelConfig, task: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- reading
-def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
-    """A local checkpoint directory, or a hub snapshot (config, safetensors, tokenizer files only)."""
+def resolve_checkpoint(path_or_hub_id: str | Path, weights: bool = True) -> Path:
+    """A local checkpoint directory, or a hub snapshot (config, safetensors, tokenizer files only; without the
+    safetensors when `weights` is False)."""
     p = Path(path_or_hub_id).expanduser()
     if p.is_dir():
         return p
@@ -172,7 +166,8 @@ def resolve_checkpoint(path_or_hub_id: str | Path) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(s, allow_patterns=HUB_PATTERNS))
+        patterns = HUB_PATTERNS if weights else [x for x in HUB_PATTERNS if x != "*.safetensors"]
+        return Path(snapshot_download(s, allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo, auth: one clear error
         raise ModelLoadError(f"checkpoint {s!r}: no such local directory and hub download failed: {e}") from e
 
@@ -274,22 +269,41 @@ def _fill(model_cls: type, cfg: ModelConfig, task: str, reader: TensorReader) ->
     if covered != set(ours):
         raise AssertionError(f"weight table and module disagree: {sorted(covered ^ set(ours))}")
     for r in rows:
-        want = r.transform.hf_shape(tuple(tuple(ours[p].shape) for p in r.ours))
+        want = r.transform.hf_shape(tuple(_row_shape(ours[p].shape, r) for p in r.ours))
         if reader.shape(r.hf) != want:
             raise ModelLoadError(f"tensor {r.hf}: checkpoint shape {reader.shape(r.hf)}, expected {want}")
     pdt = jnp.dtype(cfg.param_dtype)
+    # One parameter at a time (all layers of a stacked one), cast to the param dtype as each tensor is read:
+    # the host holds at most one stacked parameter, never a second full-precision copy of the checkpoint.
+    groups: dict[tuple[str, ...], list[Row]] = {}
     for r in rows:
-        src = reader.get(r.hf)
-        # one tensor at a time, cast to the param dtype: never a second full-precision copy of the checkpoint
-        for path, part in zip(r.ours, r.transform.to_ours(src), strict=True):
-            _set_path(pure, path, jnp.asarray(part.astype(pdt, order="C", copy=False)))
-        del src
+        groups.setdefault(r.ours, []).append(r)
+    for paths, group in groups.items():
+        host = {p: np.empty(ours[p].shape, pdt) for p in paths} if group[0].layer is not None else {}
+        for r in group:
+            src = reader.get(r.hf)
+            for path, part in zip(paths, r.transform.to_ours(src), strict=True):
+                if r.layer is None:
+                    _set_path(pure, path, jnp.asarray(part.astype(pdt, order="C", copy=False)))
+                else:
+                    host[path][r.layer] = part
+            del src
+        for path, value in host.items():
+            _set_path(pure, path, jnp.asarray(value))
+        del host
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 
 
-def _load(path_or_hub_id: str | Path, want_task: str, dtype: str, param_dtype: str | None) -> tuple[Any, ...]:
-    directory = resolve_checkpoint(path_or_hub_id)
+def _row_shape(shape: tuple[int, ...], row: Row) -> tuple[int, ...]:
+    """Our parameter's shape as one HF tensor sees it: without the layer axis for a stacked parameter."""
+    return tuple(shape) if row.layer is None else tuple(shape[1:])
+
+
+def _config(
+    path_or_hub_id: str | Path, want_task: str, dtype: str, param_dtype: str | None, weights: bool, options: dict
+) -> tuple[ModelConfig, Path]:
+    directory = resolve_checkpoint(path_or_hub_id, weights)
     hf = read_hf_config(directory)
     _, task = family_and_task(hf)
     if task is not None and task != want_task:
@@ -297,8 +311,10 @@ def _load(path_or_hub_id: str | Path, want_task: str, dtype: str, param_dtype: s
         raise ModelLoadError(f"{directory} holds {hf['architectures'][0]}, not {kind}")
     if want_task == "reward" and int(hf.get("num_labels", len(hf.get("id2label") or {0: 0}))) != 1:
         raise ModelLoadError(f"{directory}: a reward model needs num_labels=1")
-    cfg = config_from_hf(hf, dtype, param_dtype)
-    return cfg, TensorReader(directory)
+    try:
+        return config_from_hf(hf, dtype, param_dtype).replace(**options), directory
+    except TypeError as e:  # an unknown execution option
+        raise ModelLoadError(f"model options {sorted(options)}: {e}") from None
 
 
 def load_causal_lm(
@@ -306,15 +322,17 @@ def load_causal_lm(
     dtype: str = "float32",
     param_dtype: str | None = None,
     rngs: nnx.Rngs | None = None,
+    **options: Any,
 ) -> CausalLM:
     """Load a HF causal LM (Llama/Qwen2/Mistral/GPT-NeoX, safetensors) as a `CausalLM`.
 
-    dtype: compute dtype ("float32" | "bfloat16"); param_dtype: storage dtype (default: dtype).
-    `rngs` is accepted for interface symmetry with random init; loading draws no randomness.
+    dtype: compute dtype ("float32" | "bfloat16"); param_dtype: storage dtype (default: dtype); `options`:
+    execution fields of `ModelConfig` (`scan_layers`, `remat_policy`). `rngs` is accepted for interface symmetry
+    with random init; loading draws no randomness.
     """
     del rngs
-    cfg, reader = _load(path_or_hub_id, "causal_lm", dtype, param_dtype)
-    return _fill(CausalLM, cfg, "causal_lm", reader)
+    cfg, directory = _config(path_or_hub_id, "causal_lm", dtype, param_dtype, True, options)
+    return _fill(CausalLM, cfg, "causal_lm", TensorReader(directory))
 
 
 def load_reward_model(
@@ -322,11 +340,23 @@ def load_reward_model(
     dtype: str = "float32",
     param_dtype: str | None = None,
     rngs: nnx.Rngs | None = None,
+    **options: Any,
 ) -> RewardModel:
     """Load a HF `*ForSequenceClassification` checkpoint with num_labels=1 as a `RewardModel`."""
     del rngs
-    cfg, reader = _load(path_or_hub_id, "reward", dtype, param_dtype)
-    return _fill(RewardModel, cfg, "reward", reader)
+    cfg, directory = _config(path_or_hub_id, "reward", dtype, param_dtype, True, options)
+    return _fill(RewardModel, cfg, "reward", TensorReader(directory))
+
+
+def abstract_model(
+    path_or_hub_id: str | Path, task: str = "causal_lm", dtype: str = "float32", param_dtype: str | None = None,
+    **options: Any,
+) -> CausalLM | RewardModel:
+    """The model of a checkpoint folder with every parameter a `ShapeDtypeStruct`, from its `config.json` alone
+    (no weights read or needed): for ahead-of-time compilation (`rloo_jax.aot`). task: "causal_lm" | "reward"."""
+    cfg, _ = _config(path_or_hub_id, task, dtype, param_dtype, False, options)
+    cls = CausalLM if task == "causal_lm" else RewardModel
+    return nnx.eval_shape(lambda: cls(cfg, nnx.Rngs(0)))
 
 
 def init_causal_lm(
@@ -348,9 +378,13 @@ def export_tensors(model: CausalLM | RewardModel) -> dict[str, np.ndarray]:
     """HF tensor name -> float32 numpy array, through the same table as loading."""
     task = "reward" if isinstance(model, RewardModel) else "causal_lm"
     ours = dict(_flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    host: dict[str, np.ndarray] = {}  # each parameter fetched once (a stacked one serves all its layers)
     out = {}
     for r in weight_table(model.config, task):
-        parts = tuple(np.asarray(jax.device_get(ours[p]), dtype=np.float32) for p in r.ours)
+        for p in r.ours:
+            if p not in host:
+                host[p] = np.asarray(jax.device_get(ours[p]), dtype=np.float32)
+        parts = tuple(host[p] if r.layer is None else host[p][r.layer] for p in r.ours)
         out[r.hf] = np.ascontiguousarray(r.transform.to_hf(parts))
     return out
 

@@ -4,14 +4,19 @@ One module tree for both families: the differences are a few static `ModelConfig
 biases, rotary fraction, parallel residual), which keeps the weight tables in `hf.py` and the KV-cache code
 single. Parameters are named (our path -> HF name in `hf.py`):
 
-    model.embed.embedding [V, D]            ("vocab", "embed")
-    model.layers[i].attn_norm.scale/bias    ("embed",)
-    model.layers[i].attn.{q,k,v,o}.kernel   q: ("embed", "heads"), k/v: ("embed", "kv"), o: ("heads", "embed")
-    model.layers[i].mlp_norm.scale/bias     ("embed",)
-    model.layers[i].mlp.{gate,up,down}      gate/up: ("embed", "mlp"), down: ("mlp", "embed")
-    model.final_norm.scale/bias             ("embed",)
-    lm_head.kernel [D, V]                   ("embed", "vocab")    (absent when embeddings are tied)
-    score.kernel [D, 1]                     ("embed", None)       (RewardModel)
+    model.embed.embedding [V, D]          ("vocab", "embed")
+    model.layers.attn_norm.scale/bias     ("layers", "embed")
+    model.layers.attn.{q,k,v,o}.kernel    q: ("layers", "embed", "heads"), k/v: (.., "embed", "kv"),
+                                          o: ("layers", "heads", "embed")
+    model.layers.mlp_norm.scale/bias      ("layers", "embed")
+    model.layers.mlp.{gate,up,down}       gate/up: ("layers", "embed", "mlp"), down: ("layers", "mlp", "embed")
+    model.final_norm.scale/bias           ("embed",)
+    lm_head.kernel [D, V]                 ("embed", "vocab")    (absent when embeddings are tied)
+    score.kernel [D, 1]                   ("embed", None)       (RewardModel)
+
+The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...] (`stacked_blocks`): the forward
+runs them with `jax.lax.scan` (`scan_layers`, compile time flat in depth) or unrolled, each block under
+`jax.checkpoint` with a named `remat_policy` (see `config.REMAT_POLICIES`); both give the same numbers.
 
 Shapes: B batch, T tokens, D hidden, H heads, K kv heads, Dh head dim, L layers, P prompt, C completion, G samples.
 """
@@ -26,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from rloo_jax.mesh import constrain
 from rloo_jax.models.config import ModelConfig, ModelLoadError, rope_inv_freq
 
 _NEG = -1e30  # finite "minus infinity": a fully masked (padding) query row gives a uniform softmax, not NaN
@@ -172,12 +179,14 @@ class Dense(nnx.Module):
         bias: bool,
         cfg: ModelConfig,
         rngs: nnx.Rngs,
+        name: str | None = None,
     ) -> None:
         pdt = jnp.dtype(cfg.param_dtype)
         w = jax.random.normal(rngs.params(), (din, dout), jnp.float32) * cfg.initializer_range
         self.kernel = _param(w.astype(pdt), axes)
         self.bias = _param(jnp.zeros((dout,), pdt), (axes[1],)) if bias else None
         self.dtype = jnp.dtype(cfg.dtype)
+        self.name = name  # the output's `checkpoint_name`, which remat policies select by
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # f32 accumulation, rounded once to the compute dtype (a no-op for f32). XLA:CPU runs a bf16 x bf16 -> f32
@@ -187,7 +196,8 @@ class Dense(nnx.Module):
         w = self.kernel[...].astype(self.dtype)
         y = jnp.dot(x.reshape(-1, x.shape[-1]).astype(self.dtype), w, preferred_element_type=jnp.float32)
         y = (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(self.dtype)
-        return y.reshape(*x.shape[:-1], w.shape[-1])
+        y = y.reshape(*x.shape[:-1], w.shape[-1])
+        return y if self.name is None else checkpoint_name(y, self.name)
 
 
 class Embedding(nnx.Module):
@@ -230,10 +240,10 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q = Dense(d, h * dh, ("embed", "heads"), cfg.qkv_bias, cfg, rngs)
-        self.k = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs)
-        self.v = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs)
-        self.o = Dense(h * dh, d, ("heads", "embed"), cfg.o_bias, cfg, rngs)
+        self.q = Dense(d, h * dh, ("embed", "heads"), cfg.qkv_bias, cfg, rngs, "query_proj")
+        self.k = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "key_proj")
+        self.v = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "value_proj")
+        self.o = Dense(h * dh, d, ("heads", "embed"), cfg.o_bias, cfg, rngs, "out_proj")
         self.shape = (h, k, dh)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable) -> tuple[jax.Array, Any]:
@@ -252,9 +262,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs) if cfg.family == "llama" else None
-        self.up = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs)
-        self.down = Dense(f, d, ("mlp", "embed"), bias, cfg, rngs)
+        self.gate = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi") if cfg.family == "llama" else None
+        self.up = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi")
+        self.down = Dense(f, d, ("mlp", "embed"), bias, cfg, rngs, "mlpwo")
         self.act = cfg.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -284,17 +294,55 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), aux
 
 
+def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """L blocks as ONE `Block` whose parameters have a leading layer axis: kernel [L, din, dout], logical axes
+    ("layers", ...). Initialised block by block in order, so the values equal L separately built blocks'."""
+    blocks = [Block(cfg, rngs) for _ in range(cfg.num_layers)]
+    graphdef, _ = nnx.split(blocks[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.split(b)[1] for b in blocks))
+    block = nnx.merge(graphdef, stacked)
+    for _, v in nnx.iter_graph(block):
+        if isinstance(v, nnx.Param):
+            v.set_metadata(out_sharding=("layers", *v.get_metadata()["out_sharding"]))
+    return block
+
+
+def remat_policy(name: str) -> Callable | None:
+    """`REMAT_POLICIES` name -> a `jax.checkpoint` policy over the block's named values (None: no remat)."""
+    cp = jax.checkpoint_policies
+    saved = {
+        "minimal": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi", "mlpwo"),
+        "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
+        "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+    }
+    if name == "none":
+        return None
+    if name == "full":
+        return cp.nothing_saveable
+    if name == "full_offloaded":
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=["decoder_layer_input"],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    return cp.save_only_these_names(*saved[name])
+
+
 class Transformer(nnx.Module):
-    """Embedding, L blocks, final norm: the backbone shared by `CausalLM` and `RewardModel`."""
+    """Embedding, L blocks (stacked: `stacked_blocks`), final norm: the backbone of `CausalLM` and `RewardModel`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         self.embed = Embedding(cfg, rngs)
-        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = stacked_blocks(cfg, rngs)
         self.final_norm = Norm(cfg)
         # a tuple of floats (exact float32 values) keeps it static graph data, not an array attribute
         inv = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_factors)
         self.inv_freq = tuple(float(f) for f in inv)
         self.sliding_window = cfg.sliding_window
+        self.num_layers = cfg.num_layers
+        self.scan_layers = cfg.scan_layers
+        self.remat_policy = cfg.remat_policy
 
     def _visible(self, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
         """Sliding-window part of the mask: q_pos - k_pos < window (all True without a window)."""
@@ -302,23 +350,61 @@ class Transformer(nnx.Module):
             return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
         return q_pos - k_pos < self.sliding_window
 
-    def forward(self, ids: jax.Array, mask: jax.Array) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
-        """ids, mask [B, T] -> (hidden after final norm [B, T, D], per-layer post-RoPE (k, v) [B, T, K, Dh])."""
+    def run_layers(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, attention: Callable, xs: Any = None, carry: Any = None
+    ) -> tuple[jax.Array, Any, Any]:
+        """x [B, T, D] through the L blocks -> (x, carry, ys stacked on a leading [L] axis).
+
+        attention(q [B,T,H,Dh], k, v [B,T,K,Dh], layer, xs_l, carry) -> (o [B,T,H,Dh], carry, ys_l): the block's
+        attention, given the layer index (traced under scan), this layer's slice of `xs` (e.g. its prompt KV
+        cache) and the loop `carry` (e.g. the decode caches, updated in place). Each block runs under
+        `jax.checkpoint` with `remat_policy`; with `scan_layers` the blocks are one `lax.scan`, else unrolled.
+        """
+        graphdef, params = nnx.split(self.layers)
+        policy = remat_policy(self.remat_policy)
+
+        def body(state: tuple[jax.Array, Any], inputs: tuple[Any, Any, Any]) -> tuple[tuple[jax.Array, Any], Any]:
+            h, c = state
+            layer_params, layer, xs_l = inputs
+
+            def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
+                o, new_c, ys_l = attention(q, k, v, layer, xs_l, c)
+                return o, (new_c, ys_l)
+
+            h = checkpoint_name(constrain(h, ("batch", None, None)), "decoder_layer_input")
+            h, (c, ys_l) = nnx.merge(graphdef, layer_params)(h, cos, sin, fn)
+            return (h, c), ys_l
+
+        if policy is not None:
+            # prevent_cse guards remat against XLA CSE in straight-line code; a scan body needs no guard
+            body = jax.checkpoint(body, policy=policy, prevent_cse=not self.scan_layers)
+        if self.scan_layers:
+            (x, carry), ys = jax.lax.scan(body, (x, carry), (params, jnp.arange(self.num_layers), xs))
+            return x, carry, ys
+        outs = []
+        for layer in range(self.num_layers):
+            inputs = jax.tree.map(lambda a, i=layer: a[i], (params, xs))
+            (x, carry), ys_l = body((x, carry), (inputs[0], layer, inputs[1]))
+            outs.append(ys_l)
+        return x, carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+    def forward(
+        self, ids: jax.Array, mask: jax.Array, return_kv: bool = False
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """ids, mask [B, T] -> (hidden after final norm [B, T, D], with `return_kv` the post-RoPE keys and
+        values of every layer, kv-head-major [L, B, K, T, Dh] each, else None)."""
         t = ids.shape[1]
         pos = positions_from_mask(mask)
         idx = jnp.arange(t)
         allowed = (idx[:, None] >= idx[None, :])[None] & (mask[:, None, :] > 0)
         allowed = allowed & self._visible(pos[:, :, None], pos[:, None, :])
         cos, sin = rope_cos_sin(pos, np.asarray(self.inv_freq, np.float32))
-        x = self.embed(ids)
-        kvs = []
 
-        def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            return attend(q, k, v, allowed), (k, v)
+        def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
+            kv = (k.swapaxes(1, 2), v.swapaxes(1, 2)) if return_kv else None
+            return attend(q, k, v, allowed), carry, kv
 
-        for layer in self.layers:
-            x, kv = layer(x, cos, sin, fn)
-            kvs.append(kv)
+        x, _, kvs = self.run_layers(self.embed(ids), cos, sin, attention)
         return self.final_norm(x), kvs
 
     def forward_shared_prompt(
@@ -356,7 +442,7 @@ class Transformer(nnx.Module):
         # of the wrong shape) when the table is sharded over vocab x embed
         x = jnp.concatenate([self.embed(prompt_ids), self.embed(completion_ids).reshape(b, g * c, -1)], axis=1)
 
-        def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, None]:
+        def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
             # q [B, P + G*C, H, Dh], k/v [B, P + G*C, K, Dh]
             kh, dh = k.shape[2:]
             pk, pv = k[:, :p], v[:, :p]
@@ -371,10 +457,9 @@ class Transformer(nnx.Module):
                 v[:, p:].reshape(own).swapaxes(2, 3),
                 cc_allowed,
             )
-            return jnp.concatenate([o_prompt, o_comp.reshape(b, g * c, *q.shape[2:])], axis=1), None
+            return jnp.concatenate([o_prompt, o_comp.reshape(b, g * c, *q.shape[2:])], axis=1), carry, None
 
-        for layer in self.layers:
-            x, _ = layer(x, cos, sin, fn)
+        x, _, _ = self.run_layers(x, cos, sin, attention)
         x = self.final_norm(x)
         return x[:, :p], x[:, p:].reshape(n, c, x.shape[-1])
 
@@ -391,29 +476,27 @@ class Transformer(nnx.Module):
         c = jnp.arange(cache.k.shape[3])
         g_allowed = jnp.broadcast_to((c <= step) & self._visible(step, c), (b, g, 1, c.shape[0]))  # [B, G, 1, C]
         p_allowed = p_allowed[:, :, None]  # [B, G, 1, P]
+
+        def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
+            (pk, pv), (gk, gv) = xs_l, carry
+            # k, v [B*G, 1, K, Dh] -> slot `step` of layer `layer` of the [L, B*G, K, C, Dh] caches, in place
+            start = (layer, 0, 0, step, 0)
+            gk = jax.lax.dynamic_update_slice(gk, k.swapaxes(1, 2)[None].astype(gk.dtype), start)
+            gv = jax.lax.dynamic_update_slice(gv, v.swapaxes(1, 2)[None].astype(gv.dtype), start)
+            kshape = (b, g, *gk.shape[2:])
+            o = attend_shared_prompt(
+                q.reshape(b, g, 1, *q.shape[2:]),
+                pk,
+                pv,
+                p_allowed,
+                gk[layer].reshape(kshape),
+                gv[layer].reshape(kshape),
+                g_allowed,
+            )
+            return o.reshape(bg, 1, *q.shape[2:]), (gk, gv), None
+
         x = self.embed(tokens)[:, None]
-        gk, gv = cache.k, cache.v
-        for li, layer in enumerate(self.layers):
-
-            def fn(q: jax.Array, k: jax.Array, v: jax.Array, li: int = li) -> tuple[jax.Array, None]:
-                nonlocal gk, gv
-                start = (li, 0, 0, step, 0)
-                # k, v [B*G, 1, K, Dh] -> slot `step` of [L, B*G, K, C, Dh]
-                gk = jax.lax.dynamic_update_slice(gk, k.swapaxes(1, 2)[None].astype(gk.dtype), start)
-                gv = jax.lax.dynamic_update_slice(gv, v.swapaxes(1, 2)[None].astype(gv.dtype), start)
-                kshape = (b, g, *gk.shape[2:])
-                o = attend_shared_prompt(
-                    q.reshape(b, g, 1, *q.shape[2:]),
-                    p.k[li],
-                    p.v[li],
-                    p_allowed,
-                    gk[li].reshape(kshape),
-                    gv[li].reshape(kshape),
-                    g_allowed,
-                )
-                return o.reshape(bg, 1, *q.shape[2:]), None
-
-            x, _ = layer(x, cos, sin, fn)
+        x, (gk, gv), _ = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v))
         return self.final_norm(x)[:, 0], DecodeCache(prompt=p, k=gk, v=gv)
 
 
@@ -470,13 +553,13 @@ class CausalLM(nnx.Module):
 
     def prefill(self, prompt_ids: jax.Array, prompt_mask: jax.Array) -> tuple[jax.Array, PromptCache]:
         """Run the prompts once: -> (logits at each prompt's last real token [B, V] f32, PromptCache)."""
-        h, kvs = self.model.forward(prompt_ids, prompt_mask)
+        h, (k, v) = self.model.forward(prompt_ids, prompt_mask, return_kv=True)
         last = last_token_index(prompt_mask)
         logits = self.unembed(h[jnp.arange(h.shape[0]), last])
         mask = prompt_mask.astype(jnp.int32)
         cache = PromptCache(
-            k=jnp.stack([k.swapaxes(1, 2) for k, _ in kvs]),  # [L, B, K, P, Dh]
-            v=jnp.stack([v.swapaxes(1, 2) for _, v in kvs]),
+            k=k,  # [L, B, K, P, Dh]
+            v=v,
             mask=mask,
             lengths=mask.sum(-1).astype(jnp.int32),
         )

@@ -1,0 +1,53 @@
+"""Config-only model folders for compile-only runs (`--compile_only` reads config.json and a tokenizer, no weights).
+
+The `config.json` values are those of the public Hugging Face checkpoints; the tokenizer is a tiny offline one
+(compile-only needs only its EOS and pad ids), so these folders build with no network:
+
+    python bench/fit_models.py DIR            # writes DIR/<name>/ for every model of MODELS
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+_QWEN = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", rms_norm_eps=1e-6,
+             rope_theta=1000000.0, max_position_embeddings=32768, use_sliding_window=False, bos_token_id=151643,
+             eos_token_id=151645)
+MODELS: dict[str, dict] = {
+    "Qwen2.5-0.5B": dict(_QWEN, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen2.5-1.5B": dict(_QWEN, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(_QWEN, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Llama-3.1-8B": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
+                         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                         max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
+}
+
+
+def write_model(root: Path, name: str) -> Path:
+    """DIR/<name>/ with config.json and a tiny word-level tokenizer (EOS = the config's first eos id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = MODELS[name]
+    out = root / name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    eos = cfg["eos_token_id"][0] if isinstance(cfg["eos_token_id"], list) else cfg["eos_token_id"]
+    vocab = {f"w{i}": i for i in range(64)} | {"<eos>": eos}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>").save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    for model in MODELS:
+        print(write_model(Path(sys.argv[1]), model))

@@ -1,0 +1,241 @@
+"""Everything a run is built from its config: tokenizer, policy (and its memory options), frozen reference, data,
+reward functions, optimizer and the step's static options.
+
+`prepare(cfg)` loads a real run; `prepare(cfg, abstract=True)` builds the same run from `config.json` and the
+tokenizer alone (parameters as shapes, no dataset), which is what `--compile_only` compiles (`rloo_jax.aot`).
+Both go through the same functions, so the compiled programs are the ones training runs.
+"""
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from rloo_jax import demo
+from rloo_jax.config import RLOOConfig
+from rloo_jax.data import PromptEncoder, load_prompt_dataset
+from rloo_jax.errors import ConfigError
+from rloo_jax.metrics import check_report_to
+from rloo_jax.models import ModelLoadError, abstract_model, load_causal_lm, load_tokenizer
+from rloo_jax.models.hf import resolve_checkpoint
+from rloo_jax.rewards import (
+    RewardFunction,
+    builtin_rewards,
+    load_reward_model_scorer,
+    resolve_reward_funcs,
+)
+from rloo_jax.rloo import RLOOOptions
+from rloo_jax.sampling import SamplingConfig, compute_dtype_weights
+from rloo_jax.step import StepConfig
+
+logger = logging.getLogger("rloo_jax")
+CACHE_ROOT = os.environ.get("RLOO_JAX_CACHE", os.path.join("~", ".cache", "rloo_jax"))
+NEVER = int(np.iinfo(np.int32).max)  # optax's counters saturate there: `count > NEVER` is never true
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
+    """transformers' schedules from optax's, counted in optimizer steps (step 0 = the first update).
+
+    Warmup: lr * s / W for s < W. Then linear: lr * (T - s) / (T - W); cosine: lr * (1 + cos(pi * progress)) / 2;
+    constant(_with_warmup): lr. E.g. linear, lr 1, W 2, T 6: [0, 0.5, 1, 0.75, 0.5, 0.25].
+    """
+    decay_steps = max(1, total_steps - warmup_steps)
+    if kind == "constant":
+        return optax.constant_schedule(learning_rate)
+    if kind == "linear":
+        after = optax.linear_schedule(learning_rate, 0.0, decay_steps)
+    elif kind == "cosine":
+        after = optax.cosine_decay_schedule(learning_rate, decay_steps)
+    elif kind == "constant_with_warmup":
+        after = optax.constant_schedule(learning_rate)
+    else:
+        raise ConfigError(f"lr_scheduler_type {kind!r} is not supported")
+    if warmup_steps == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), after], [warmup_steps])
+
+
+def decay_mask(params: Any) -> Any:
+    """Weight decay on matrices only (as transformers skips biases and norms): `kernel` and `embedding` leaves.
+    By name, not by rank: a stacked block's norm scale [L, D] is 2-D but no matrix."""
+
+    def is_matrix(path: tuple, _: Any) -> bool:
+        return bool({getattr(k, "key", getattr(k, "name", None)) for k in path} & {"kernel", "embedding"})
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
+
+
+def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+    """clip_by_global_norm -> AdamW (first moment in `mu_dtype`; decay on matrices only)."""
+    schedule = lr_schedule(
+        cfg.lr_scheduler_type, cfg.learning_rate, math.ceil(cfg.warmup_ratio * total_steps), total_steps
+    )
+    adamw = optax.adamw(
+        schedule,
+        b1=cfg.adam_beta1,
+        b2=cfg.adam_beta2,
+        eps=cfg.adam_epsilon,
+        mu_dtype=cfg.mu_dtype,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask,
+    )
+    chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    # Non-finite gradients skip the whole update (params and AdamW moments kept). The consecutive-skip limit is
+    # enforced on the host (`skipped_updates`), so apply_if_finite itself must never fall through and apply one.
+    guarded = optax.apply_if_finite(optax.chain(*chain, adamw), max_consecutive_errors=NEVER)
+    return guarded, schedule
+
+
+# ------------------------------------------------------------------------------------------------ models
+def model_options(cfg: RLOOConfig) -> dict[str, Any]:
+    """The policy's dtypes and execution options (`ModelConfig` fields) from the run config."""
+    return {
+        "dtype": "bfloat16" if cfg.bf16 else "float32",
+        "param_dtype": cfg.param_dtype,
+        "scan_layers": cfg.scan_layers,
+        "remat_policy": cfg.remat_policy if cfg.gradient_checkpointing else "none",
+    }
+
+
+def reference_params(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
+    """The frozen reference: a copy of the initial policy with its matrices in the compute dtype (bf16 runs store
+    half); norms and biases keep their dtype. The policy casts its matrices to the compute dtype on every use, so
+    at step 0 both compute with the same numbers."""
+    return jax.tree.map(jnp.copy, compute_dtype_weights(graphdef, params))  # a copy: update() donates the policy
+
+
+def eos_token_ids(model_dir: str, tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's EOS plus every id in the model's generation_config.json (Qwen/Llama-3 have several)."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            extra = json.load(f).get("eos_token_id")
+        ids += [int(e) for e in (extra if isinstance(extra, list) else [extra]) if e is not None]
+    return tuple(dict.fromkeys(ids))
+
+
+def refuse_custom_code(model_dir: str) -> None:
+    """A tokenizer that only loads through code shipped with the model (`auto_map` in tokenizer_config.json
+    and no tokenizer.json) is refused before transformers could offer to run that code."""
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return  # loaded as a plain PreTrainedTokenizerFast: no custom code is consulted
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            auto_map = json.load(f).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return  # missing or unreadable: the loader reports it
+    if auto_map:
+        raise ModelLoadError(
+            f"the tokenizer in {model_dir} needs code shipped with the model (auto_map in tokenizer_config.json); "
+            "rloo_jax never runs such code, whatever trust_remote_code says: save a fast tokenizer "
+            "(tokenizer.json) in that folder"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ the run
+@dataclasses.dataclass
+class Run:
+    """What the loop needs, all loaded and validated before anything is written (`abstract`: shapes only)."""
+
+    cfg: RLOOConfig
+    tokenizer: Any
+    model: Any
+    train_ds: Any
+    eval_ds: Any
+    encoder: PromptEncoder
+    reward_funcs: list[RewardFunction]
+    eos_ids: tuple[int, ...]
+    reward_models: list[str] = dataclasses.field(default_factory=list)  # their folders (compile-only)
+
+
+def prepare(cfg: RLOOConfig, abstract: bool = False) -> Run:
+    """Resolve the demo, load tokenizer, policy, data and reward functions; check the first batch encodes.
+
+    `abstract`: the policy and reward models as shapes from their `config.json` (no weights read), no dataset;
+    Python reward functions are still imported (a wrong name fails here, as in training).
+    """
+    model_path, dataset = cfg.model_name_or_path, cfg.dataset_name
+    if model_path == "demo":
+        model_path = demo.prepare_model(
+            os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/model-{cfg.seed}")), cfg.seed
+        )
+    if dataset == "demo" and not abstract:
+        dataset = demo.prepare_dataset(os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/data-{cfg.seed}")), cfg.seed)
+    if cfg.trust_remote_code:
+        logger.warning("note: trust_remote_code has no effect; rloo_jax never runs code shipped with a model")
+    model_dir = str(resolve_checkpoint(model_path, weights=not abstract))
+    refuse_custom_code(model_dir)
+    reward_models = [str(resolve_checkpoint(p, weights=not abstract)) for p in cfg.reward_model_name_or_path or []]
+    for reward_model in reward_models:
+        refuse_custom_code(reward_model)
+    tokenizer = load_tokenizer(model_dir, padding_side="left")
+    options = model_options(cfg)
+    model = abstract_model(model_dir, **options) if abstract else load_causal_lm(model_dir, **options)
+    encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
+    train_ds = eval_ds = None
+    if not abstract:
+        train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, cfg.dataset_config)
+        if cfg.eval_steps:
+            eval_ds = load_prompt_dataset(dataset, cfg.dataset_test_split, cfg.dataset_config)
+        encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
+    builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
+    reward_funcs = resolve_reward_funcs(
+        cfg.reward_sources,
+        builtins,
+        lambda path: load_reward_model_scorer(
+            path, "bfloat16" if cfg.bf16 else "float32", cfg.prompt_bucket, cfg.chat_template_kwargs
+        )
+        if not abstract
+        else (lambda **kwargs: None),  # compiled, never called, in compile-only mode
+    )
+    check_report_to(cfg.report_to)
+    eos = eos_token_ids(model_dir, tokenizer)
+    if not eos:
+        raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
+    return Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, eos, reward_models)
+
+
+def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> SamplingConfig:
+    return SamplingConfig(
+        max_new_tokens=cfg.max_completion_length,
+        num_generations=num_generations,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        min_p=cfg.min_p or 0.0,
+        repetition_penalty=cfg.repetition_penalty,
+        eos_token_ids=run.eos_ids,
+        pad_token_id=int(run.tokenizer.pad_token_id),
+    )
+
+
+def step_config(cfg: RLOOConfig, run: Run) -> StepConfig:
+    return StepConfig(
+        sampling=sampling_config(cfg, run, cfg.num_generations),
+        rloo=RLOOOptions(
+            beta=cfg.beta,
+            epsilon=cfg.epsilon,
+            epsilon_high=cfg.epsilon_high,
+            normalize_advantages=cfg.normalize_advantages,
+            reward_clip_range=cfg.reward_clip_range,
+            mask_truncated_completions=cfg.mask_truncated_completions,
+            missing_eos_penalty=cfg.missing_eos_penalty,
+            kl_estimator=cfg.kl_estimator,
+            token_level_kl=cfg.token_level_kl,
+        ),
+        num_iterations=cfg.num_iterations,
+        steps_per_generation=cfg.resolved_steps_per_generation,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+    )
