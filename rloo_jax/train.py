@@ -279,8 +279,9 @@ def prepare(cfg: RLOOConfig) -> Run:
         refuse_custom_code(str(resolve_checkpoint(reward_model)))
     tokenizer = load_tokenizer(model_dir, padding_side="left")
     model = load_causal_lm(model_dir, dtype="bfloat16" if cfg.bf16 else "float32", param_dtype="float32")
-    train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, cfg.dataset_config)
-    eval_ds = load_prompt_dataset(dataset, cfg.dataset_test_split, cfg.dataset_config) if cfg.eval_steps else None
+    sources = {"config": cfg.dataset_config, "tfds_data_dir": cfg.tfds_data_dir}
+    train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, **sources)
+    eval_ds = load_prompt_dataset(dataset, cfg.dataset_test_split, **sources) if cfg.eval_steps else None
     encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
     encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
     builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
