@@ -258,7 +258,7 @@ def _tfds_builder(tfds: Any, ref: TfdsName, data_dir: str) -> Any:
             raise DataError(f"tfds dataset {ref}: {_first_line(e)}") from e
         if type(e).__name__ == "DatasetNotFoundError":
             raise DataError(not_prepared) from e
-        raise DataError(f"{not_prepared} ({_first_line(e)})") from e
+        raise DataError(f"cannot open tfds dataset {ref} in {data_dir}: {_first_line(e)}") from e
     if not builder.is_prepared():
         raise DataError(not_prepared)
     return builder

@@ -152,6 +152,8 @@ def test_registered_builders_read_from_their_code_path_once_prepared_as_the_erro
     exec(command, {})  # what the message tells a user to run (offline here: this builder downloads nothing)
     ds = load_tfds("rloo_prompts_registered/chat", "test", None, str(tmp_path))
     assert ds.to_list() == tfds_data.rows("chat", "test")
+    with pytest.raises(DataError, match=r"cannot open tfds dataset rloo_prompts_registered/nope in .*: .*nope"):
+        load_tfds("rloo_prompts_registered/nope", "test", None, str(tmp_path))  # its code has no such config
     assert "rloo_prompts_registered-test.array_record-00000-of-00001" in os.listdir(
         tmp_path / "rloo_prompts_registered" / "chat" / "1.0.0"
     )
