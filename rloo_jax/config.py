@@ -133,7 +133,7 @@ class RLOOConfig:
         "Where `tfds:` datasets are prepared: a local folder or a bucket URL (gs://bucket/tensorflow_datasets), "
         "holding <name>/[<config>/]<version>/ as `tfds build --data_dir` writes it. None: $TFDS_DATA_DIR, else "
         "~/tensorflow_datasets. Nothing is ever downloaded; prepared as array_record, the data is read without "
-        "TensorFlow.",
+        "TensorFlow. The splits take TFDS slicing: train[:90%], train[90%:], train[:10%]+test.",
     )
     dataset_train_split: str = _opt(
         "train",
