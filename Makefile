@@ -1,34 +1,44 @@
 # Two entry points, both self-installing into .venv on first use:
-#   make run    -> python -m rloo_jax.train on the built-in default (no network)
-#   make test   -> ruff + the whole pytest suite
+#   make run    -> python -m rloo_jax.train on the built-in default (no network); installs the package only
+#                  (EXTRAS=tpu on a TPU VM, EXTRAS=cuda on a GPU node)
+#   make test   -> ruff + the whole pytest suite; adds the test extra (CPU torch, TRL, peft, libtpu, ...)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
+EXTRAS ?=
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: run test lint install bench clean
+.PHONY: run test lint install install-test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".$(if $(EXTRAS),[$(EXTRAS)])"
 	touch $@
 
+# CPU torch first, from the wheel on disk: a bare `torch` requirement would pull GBs of CUDA packages
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@ $(VENV)/.installed
+
 install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
 
 run: $(VENV)/.installed
 	$(BIN)/python -m rloo_jax.train $(ARGS)
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-test
 	$(BIN)/ruff check rloo_jax tests bench notebooks scripts
 
+# JAX_PLATFORMS=cpu: libtpu (test extra) is installed, but tests run on the CPU and compile for TPUs ahead of time
 test: lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -186,9 +186,10 @@ def prepare(cfg: RLOOConfig, abstract: bool = False) -> Run:
     encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
     train_ds = eval_ds = None
     if not abstract:
-        train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, cfg.dataset_config)
+        sources = {"config": cfg.dataset_config, "tfds_data_dir": cfg.tfds_data_dir}
+        train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, **sources)
         if cfg.eval_steps:
-            eval_ds = load_prompt_dataset(dataset, cfg.dataset_test_split, cfg.dataset_config)
+            eval_ds = load_prompt_dataset(dataset, cfg.dataset_test_split, **sources)
         encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
     builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
     reward_funcs = resolve_reward_funcs(

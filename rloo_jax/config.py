@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
-from rloo_jax.errors import ConfigError
+from rloo_jax.data import parse_tfds_name
+from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.mesh import _resolve_mesh_shape
 from rloo_jax.tpu import parse_slice
 
@@ -168,14 +169,22 @@ class RLOOConfig:
         None,
         "data",
         "Prompt dataset: a hub id, a local `save_to_disk` folder, a local .json/.jsonl/.parquet/.csv file, "
-        "or `tfds:<name>[/<config>]` (needs the `tfds` extra). Needs a `prompt` column (text, or a list of "
-        "chat messages); other columns are passed to reward functions as keyword arguments. `demo` writes "
-        "the built-in task.",
+        "or `tfds:<name>[/<config>][:<version>]`, a tensorflow-datasets dataset prepared in tfds_data_dir "
+        "(needs the `tfds` extra). Needs a `prompt` column (text, or a list of chat messages); other columns "
+        "are passed to reward functions as keyword arguments. `demo` writes the built-in task.",
     )
     dataset_config: str | None = _opt(
         None,
         "data",
-        "Dataset configuration name (hub datasets).",
+        "Dataset configuration name (hub datasets; for `tfds:` the same as tfds:<name>/<config>).",
+    )
+    tfds_data_dir: str | None = _opt(
+        None,
+        "data",
+        "Where `tfds:` datasets are prepared: a local folder or a bucket URL (gs://bucket/tensorflow_datasets), "
+        "holding <name>/[<config>/]<version>/ as `tfds build --data_dir` writes it. None: $TFDS_DATA_DIR, else "
+        "~/tensorflow_datasets. Nothing is ever downloaded; prepared as array_record, the data is read without "
+        "TensorFlow. The splits take TFDS slicing: train[:90%], train[90%:], train[:10%]+test.",
     )
     dataset_train_split: str = _opt(
         "train",
@@ -737,8 +746,16 @@ class RLOOConfig:
             raise ConfigError("compile_only needs a TPU slice to compile for: pass --topology, e.g. v5e-8 or v5p-8")
         if self.topology is not None:
             parse_slice(self.topology)  # one line listing the slice names when it is not one
-        if self.dataset_name.startswith("tfds:") and not self.dataset_name[5:].strip("/"):
-            raise ConfigError("dataset_name: `tfds:` needs a dataset name, e.g. `tfds:gsm8k` or `tfds:glue/sst2`")
+        if self.dataset_name.startswith("tfds:"):
+            try:
+                parse_tfds_name(self.dataset_name[len("tfds:") :], self.dataset_config)
+            except DataError as e:
+                raise ConfigError(f"dataset_name: {e}") from None
+        elif self.tfds_data_dir is not None:
+            raise ConfigError(
+                f"tfds_data_dir is only read for `tfds:` datasets (dataset_name is {self.dataset_name!r}); drop "
+                "--tfds_data_dir or pass --dataset_name tfds:<name>"
+            )
 
     def _validate_distributed(self) -> None:
         """Mesh sizes fit the devices (raises through `mesh_shape`); explicit process options are consistent."""

@@ -1,14 +1,18 @@
 """Prompt data: load a dataset, turn prompts into left-padded, bucketed token batches, iterate resumably.
 
 Sources (`load_prompt_dataset`): a hub id, a local `save_to_disk` folder, a local .json/.jsonl/.parquet/.csv
-file, or `tfds:<name>[/<config>]` (tensorflow-datasets, the `tfds` extra). Rows need a `prompt` column: text
-(standard) or a list of `{"role", "content"}` messages (conversational, rendered with the tokenizer's chat
-template and `add_generation_prompt=True`). Other columns travel with the batch for the reward functions.
+file, or `tfds:<name>[/<config>][:<version>]` (a tensorflow-datasets dataset already prepared in a data
+directory, the `tfds` extra). Rows need a `prompt` column: text (standard) or a list of `{"role", "content"}`
+messages (conversational, rendered with the tokenizer's chat template and `add_generation_prompt=True`). Other
+columns travel with the batch for the reward functions.
 """
 
+import contextlib
 import dataclasses
+import importlib.util
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,16 +27,19 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 
 
 # ------------------------------------------------------------------------------------------------- loading
-def load_prompt_dataset(name: str, split: str, config: str | None = None) -> datasets.Dataset:
+def load_prompt_dataset(
+    name: str, split: str, config: str | None = None, tfds_data_dir: str | None = None
+) -> datasets.Dataset:
     """Load one split of a prompt dataset and check it has a non-empty `prompt` column.
 
     `split` may itself be a local file path (e.g. a held-out .jsonl for evaluation). A single local file has
-    only the `train` split. Raises `DataError` with the source, the split and what to fix.
+    only the `train` split. `tfds_data_dir` is where `tfds:` datasets are prepared (None: `$TFDS_DATA_DIR`, else
+    `~/tensorflow_datasets`). Raises `DataError` with the source, the split and what to fix.
     """
     if _is_local_file(split):
         ds = _load_file(split)
     elif name.startswith("tfds:"):
-        ds = _load_tfds(name[len("tfds:") :], split)
+        ds = load_tfds(name[len("tfds:") :], split, config, tfds_data_dir)
     elif os.path.isfile(name):
         if split != "train":
             raise DataError(
@@ -112,35 +119,233 @@ def _load_hub(name: str, config: str | None, split: str) -> datasets.Dataset:
         ) from e
 
 
-def _load_tfds(spec: str, split: str) -> datasets.Dataset:
+# ---------------------------------------------------------------------------------------- tensorflow-datasets
+_TFDS_NAME = re.compile(r"(?P<name>[A-Za-z]\w*)(?:/(?P<config>[^/:\s]+))?(?::(?P<version>\d+\.\d+\.\d+))?")
+TFDS_RANDOM_ACCESS = "array_record"  # the prepared format read without TensorFlow (tfds.data_source)
+
+
+@dataclasses.dataclass(frozen=True)
+class TfdsName:
+    """A prepared TFDS dataset: `glue/sst2:2.0.0` -> name `glue`, config `sst2`, version `2.0.0`."""
+
+    name: str
+    config: str | None = None
+    version: str | None = None
+
+    def __str__(self) -> str:
+        config = f"/{self.config}" if self.config else ""
+        version = f":{self.version}" if self.version else ""
+        return f"{self.name}{config}{version}"
+
+
+def parse_tfds_name(spec: str, config: str | None = None) -> TfdsName:
+    """`<name>[/<config>][:<version>]` (what follows `tfds:`) -> `TfdsName`; `config` (the dataset_config option)
+    may give the config instead.
+
+    `parse_tfds_name("glue/sst2:2.0.0")` -> TfdsName("glue", "sst2", "2.0.0"); `parse_tfds_name("glue", "sst2")`
+    -> TfdsName("glue", "sst2", None). Raises `DataError` on anything else, or on two different configs.
+    """
+    if not spec.strip():
+        raise DataError("`tfds:` needs a dataset name: tfds:<name>[/<config>][:<version>], e.g. tfds:glue/sst2")
+    match = _TFDS_NAME.fullmatch(spec.strip())
+    if match is None:
+        raise DataError(
+            f"`tfds:{spec}` is not a TFDS dataset name; write tfds:<name>[/<config>][:<version>], e.g. "
+            "tfds:mnist, tfds:glue/sst2 or tfds:glue/sst2:2.0.0"
+        )
+    if config and match["config"] and config != match["config"]:
+        raise DataError(
+            f"`tfds:{spec}` names config {match['config']!r} but dataset_config is {config!r}; give the config once"
+        )
+    return TfdsName(match["name"], match["config"] or config or None, match["version"])
+
+
+def resolve_tfds_data_dir(data_dir: str | None, environ: dict[str, str] | None = None) -> str:
+    """The data directory TFDS reads: `data_dir`, else `$TFDS_DATA_DIR`, else `~/tensorflow_datasets` (TFDS's
+    own default). Local paths get `~` expanded; URLs (`gs://bucket/tfds`) pass through unchanged."""
+    env = os.environ if environ is None else environ
+    path = data_dir or env.get("TFDS_DATA_DIR") or os.path.join("~", "tensorflow_datasets")
+    return path if "://" in path else os.path.expanduser(path)
+
+
+def tfds_split_names(split: str) -> list[str]:
+    """The split names in a TFDS split expression: `"train[:10%]+test"` -> `["train", "test"]`."""
+    return [part.split("[", 1)[0].strip() for part in split.split("+")]
+
+
+def tfds_prepare_hint(ref: TfdsName, data_dir: str) -> str:
+    """The command that prepares `ref` in `data_dir` as array_record (read without TensorFlow). It is TFDS's Python
+    API: the `tfds build` command of tensorflow-datasets 4.9.10 also imports TensorFlow and apache-beam."""
+    code = (
+        f"import tensorflow_datasets as tfds; tfds.builder('{ref}', data_dir='{data_dir}', "
+        f"file_format='{TFDS_RANDOM_ACCESS}').download_and_prepare()"
+    )
+    return f'python -c "{code}"'
+
+
+def load_tfds(spec: str, split: str, config: str | None = None, data_dir: str | None = None) -> datasets.Dataset:
+    """One split (TFDS slicing: `train`, `train[:10%]`, `train[10:20]+test`) of a TFDS dataset prepared in
+    `data_dir`, as a `datasets.Dataset` with the same row shapes as every other source.
+
+    Never downloads or prepares anything, and never asks the public TFDS bucket: a dataset that is not prepared
+    there fails at once with the command that prepares it. Prepared as array_record, the split is read without
+    TensorFlow (`as_data_source`); in any other format through `tfds.load` (which needs TensorFlow).
+    """
     try:
         import tensorflow_datasets as tfds
     except ImportError:
         raise DataError(
             "dataset `tfds:` sources need tensorflow-datasets, the `tfds` extra: pip install 'rloo_jax[tfds]'"
         ) from None
+    ref = parse_tfds_name(spec, config)
+    data_dir = resolve_tfds_data_dir(data_dir)
+    if data_dir.startswith("gs://") and not _importable("tensorflow") and not _importable("gcsfs"):
+        raise DataError(
+            f"tfds data directory {data_dir}: reading a gs:// bucket needs gcsfs (in the `tfds` extra: pip install "
+            "'rloo_jax[tfds]') or TensorFlow"
+        )
+    builder = _tfds_builder(tfds, ref, data_dir)
+    info = builder.info
+    missing = [name for name in tfds_split_names(split) if name not in info.splits]
+    if missing:
+        raise DataError(
+            f"tfds dataset {ref} in {data_dir} has no split {missing[0]!r} (splits: {', '.join(info.splits)}); set "
+            "--dataset_train_split / --dataset_test_split"
+        )
     try:
-        rows = list(tfds.as_numpy(tfds.load(spec.strip("/"), split=split)))
+        num_rows = info.splits[split].num_examples
+    except (KeyError, ValueError) as e:
+        raise DataError(
+            f"tfds dataset {ref}: cannot read split {split!r} ({_first_line(e)}); slice as TFDS does: train, "
+            "train[:10%], train[10:20], train[:50%]+test"
+        ) from None
+    if num_rows == 0:
+        return datasets.Dataset.from_dict({key: [] for key in info.features.keys()})
+    formats = {f.value for f in info.available_file_formats()}
+    if TFDS_RANDOM_ACCESS not in formats and not _importable("tensorflow"):
+        raise DataError(
+            f"tfds dataset {ref} in {data_dir} is prepared as {', '.join(sorted(formats)) or 'an unknown format'}, "
+            "which is read through TensorFlow: pip install 'rloo_jax[tfds-tfrecord]' (or prepare it again as "
+            "array_record, which is read without TensorFlow)"
+        )
+    with _tfds_read_errors(ref, split, data_dir):
+        if TFDS_RANDOM_ACCESS in formats:
+            source = builder.as_data_source(split=split, file_format=TFDS_RANDOM_ACCESS)
+            rows = source.__getitems__(list(range(len(source))))
+        else:
+            loaded = tfds.load(str(ref), split=split, data_dir=data_dir, download=False, try_gcs=False)
+            rows = list(tfds.as_numpy(loaded))
+    if len(rows) != num_rows:
+        raise DataError(
+            f"tfds dataset {ref} in {data_dir}: TFDS returned {len(rows)} rows for split {split!r}, whose "
+            f"dataset_info.json counts {num_rows}; check the installed tensorflow-datasets version"
+        )
+    return tfds_rows_to_dataset(rows, tfds_layout(info.features))
+
+
+def _tfds_builder(tfds: Any, ref: TfdsName, data_dir: str) -> Any:
+    """The builder of a dataset prepared in `data_dir`, or a `DataError` naming the dataset, the directory and the
+    command that prepares it (never a download, never the public GCS bucket)."""
+    not_prepared = (
+        f"tfds dataset {ref} is not prepared in {data_dir}{_tfds_found(data_dir, ref.name)}; `tfds:` datasets "
+        f"are never downloaded: prepare it on a machine with network ({tfds_prepare_hint(ref, data_dir)}) or "
+        "point --tfds_data_dir at the folder that holds it"
+    )
+    try:
+        builder = tfds.builder(str(ref), data_dir=data_dir, try_gcs=False)
+    except Exception as e:  # noqa: BLE001 - DatasetNotFoundError, an unknown config or version, an unreadable dir
+        if isinstance(e, ImportError):
+            raise DataError(f"tfds dataset {ref}: {_first_line(e)}") from e
+        if type(e).__name__ == "DatasetNotFoundError":
+            raise DataError(not_prepared) from e
+        raise DataError(f"cannot open tfds dataset {ref} in {data_dir}: {_first_line(e)}") from e
+    if not builder.is_prepared():
+        raise DataError(not_prepared)
+    return builder
+
+
+def _tfds_found(data_dir: str, name: str) -> str:
+    """`" (found there: glue/sst2/1.0.0, ...)"`: the prepared variants of `name` under `data_dir` (for messages)."""
+    try:
+        from etils import epath
+
+        root = epath.Path(data_dir)
+        found = sorted(
+            str(p.parent.relative_to(root))
+            for pattern in (f"{name}/*/dataset_info.json", f"{name}/*/*/dataset_info.json")
+            for p in root.glob(pattern)
+        )
+    except Exception:  # noqa: BLE001 - only a hint; the main message stands without it
+        return ""
+    return f" (found there: {', '.join(found)})" if found else ""
+
+
+@contextlib.contextmanager
+def _tfds_read_errors(ref: TfdsName, split: str, data_dir: str) -> Iterator[None]:
+    """Any failure while TFDS reads becomes one `DataError` line naming the dataset, the split and the directory."""
+    try:
+        yield
     except Exception as e:  # noqa: BLE001
-        raise DataError(f"cannot load tfds dataset {spec!r} split {split!r}: {_first_line(e)}") from e
-    return tfds_rows_to_dataset(rows)
+        raise DataError(f"cannot read tfds dataset {ref} split {split!r} from {data_dir}: {_first_line(e)}") from e
 
 
-def tfds_rows_to_dataset(rows: Sequence[dict[str, Any]]) -> datasets.Dataset:
-    """tfds numpy rows -> a `datasets.Dataset`: bytes decoded as UTF-8, numpy scalars to Python values."""
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
-    def plain(v: Any) -> Any:
-        if isinstance(v, bytes):
-            return v.decode("utf-8")
-        if isinstance(v, np.ndarray):
-            return [plain(x) for x in v.tolist()] if v.ndim else plain(v.item())
-        if isinstance(v, np.generic):
-            return v.item()
-        if isinstance(v, list):
-            return [plain(x) for x in v]
-        return v
 
-    return datasets.Dataset.from_list([{k: plain(v) for k, v in row.items()} for row in rows])
+def tfds_layout(features: Any) -> Any:
+    """Where TFDS stacks a sequence of dicts into a dict of lists, read from a dataset's features.
+
+    A `FeaturesDict` gives `{key: layout}`; a `Sequence` of dicts gives `[layout of one element]` (its values come
+    as `{"role": [r0, r1], "content": [c0, c1]}` and are turned back into `[{"role": r0, "content": c0}, ...]`);
+    anything else gives None. `{"prompt": Sequence({"role": Text(), "content": Text()}), "answer": Text()}`
+    -> `{"prompt": [{"role": None, "content": None}], "answer": None}`.
+    """
+    import tensorflow_datasets as tfds
+
+    if isinstance(features, tfds.features.FeaturesDict):
+        return {key: tfds_layout(feature) for key, feature in features.items()}
+    if isinstance(features, tfds.features.Sequence):
+        inner = tfds_layout(features.feature)
+        return None if inner is None else [inner]
+    return None
+
+
+def tfds_to_python(value: Any, layout: Any = None) -> Any:
+    """One TFDS (numpy) value -> plain Python, as the other sources give it: text bytes decoded as UTF-8 (other
+    bytes kept), numpy scalars and arrays to Python values and lists, sequences of dicts restacked (`layout`, from
+    `tfds_layout`).
+
+    `tfds_to_python({"role": [b"user"], "content": np.array([b"hi"])}, [{"role": None, "content": None}])`
+    -> `[{"role": "user", "content": "hi"}]`; `tfds_to_python(np.int64(7))` -> `7`.
+    """
+    if isinstance(layout, list):
+        if isinstance(value, dict):
+            length = len(next(iter(value.values()))) if value else 0
+            value = [{key: column[i] for key, column in value.items()} for i in range(length)]
+        return [tfds_to_python(item, layout[0]) for item in value]
+    if isinstance(value, dict):
+        layout = layout if isinstance(layout, dict) else {}
+        return {key: tfds_to_python(item, layout.get(key)) for key, item in value.items()}
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return value
+    if isinstance(value, np.ndarray):
+        return [tfds_to_python(x) for x in value.tolist()] if value.ndim else tfds_to_python(value.item())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list | tuple):
+        return [tfds_to_python(x) for x in value]
+    return value
+
+
+def tfds_rows_to_dataset(rows: Sequence[dict[str, Any]], layout: dict[str, Any] | None = None) -> datasets.Dataset:
+    """TFDS numpy rows -> a `datasets.Dataset` (each value through `tfds_to_python`, with `layout` from
+    `tfds_layout(info.features)` so that sequences of dicts, e.g. chat messages, arrive as lists of dicts)."""
+    layout = layout or {}
+    return datasets.Dataset.from_list([{k: tfds_to_python(v, layout.get(k)) for k, v in row.items()} for row in rows])
 
 
 def _first_line(e: BaseException) -> str:

@@ -154,6 +154,9 @@ def test_derived_values():
         ({"lr_scheduler_type": "cosin"}, "did you mean 'cosine'"),
         ({"kl_estimator": "k4"}, "not one of k1, k2, k3"),
         ({"dataset_name": "tfds:"}, "needs a dataset name"),
+        ({"dataset_name": "tfds:glue/sst2/x"}, r"dataset_name: `tfds:glue/sst2/x` is not a TFDS dataset name"),
+        ({"dataset_name": "tfds:glue/cola", "dataset_config": "sst2"}, "names config 'cola' but dataset_config"),
+        ({"tfds_data_dir": "gs://b/tfds"}, "tfds_data_dir is only read for `tfds:` datasets .dataset_name is 'd'"),
         ({"logging_steps": 0}, "logging_steps must be >= 1"),
         ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
     ],
@@ -161,6 +164,12 @@ def test_derived_values():
 def test_validation_messages(overrides, message):
     with pytest.raises(ConfigError, match=message):
         make(**overrides)
+
+
+def test_tfds_name_and_data_dir_pass_validation_unchanged():
+    cfg = make(dataset_name="tfds:glue/sst2:2.0.0", tfds_data_dir="gs://bucket/tensorflow_datasets")
+    assert (cfg.dataset_name, cfg.tfds_data_dir) == ("tfds:glue/sst2:2.0.0", "gs://bucket/tensorflow_datasets")
+    assert make(dataset_name="tfds:glue", dataset_config="sst2").tfds_data_dir is None
 
 
 def test_validation_reruns_on_replace():

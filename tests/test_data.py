@@ -2,7 +2,6 @@
 
 import json
 import sys
-import types
 
 import datasets
 import numpy as np
@@ -89,20 +88,13 @@ def test_data_errors(tmp_path):
         load_prompt_dataset("nobody/nothing", "train")  # the hub is offline in tests
 
 
-def test_tfds_needs_the_extra_or_uses_it(monkeypatch):
+def test_tfds_needs_the_extra_and_rows_become_plain_values(monkeypatch):
+    """The real tensorflow-datasets paths are tested in test_tfds.py."""
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
     with pytest.raises(DataError, match=r"the `tfds` extra: pip install 'rloo_jax\[tfds\]'"):
-        load_prompt_dataset("tfds:gsm8k", "train")
-    calls = []
-    fake = types.SimpleNamespace(
-        load=lambda name, split: calls.append((name, split)) or "ds",
-        as_numpy=lambda ds: [{"prompt": b"1+1?", "answer": np.bytes_(b"2"), "id": np.int64(7)}],
-    )
-    monkeypatch.setitem(sys.modules, "tensorflow_datasets", fake)
-    ds = load_prompt_dataset("tfds:glue/sst2", "train[:10]")
-    assert calls == [("glue/sst2", "train[:10]")]
-    assert ds[0] == {"prompt": "1+1?", "answer": "2", "id": 7}
-    assert tfds_rows_to_dataset([{"prompt": np.array([b"a", b"b"])}])[0] == {"prompt": ["a", "b"]}
+        load_prompt_dataset("tfds:glue/sst2", "train")
+    rows = [{"prompt": b"1+1?", "answer": np.bytes_(b"2"), "id": np.int64(7), "tags": np.array([b"a", b"b"])}]
+    assert tfds_rows_to_dataset(rows)[0] == {"prompt": "1+1?", "answer": "2", "id": 7, "tags": ["a", "b"]}
 
 
 def test_standard_and_conversational_encoding(tok):
