@@ -140,12 +140,15 @@ class Report:
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, "compile_report.json")
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_json(), f, indent=1, allow_nan=False, default=_finite_or_none)
+            json.dump(_nan_to_none(self.to_json()), f, indent=1, allow_nan=False)
         return path
 
 
-def _finite_or_none(x: Any) -> Any:
-    raise TypeError(f"not JSON: {x!r}")
+def _nan_to_none(x: Any) -> Any:
+    """JSON has no NaN: a figure the compiler could not give (a program that did not compile) is null."""
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 def gib(n: float) -> str:
@@ -153,15 +156,17 @@ def gib(n: float) -> str:
 
 
 def table_lines(report: Report) -> list[str]:
-    """The per-program table as text lines (the console prints them; tests read them)."""
+    """The per-program table as text lines: what stays resident (train state + inputs), the program's
+    temporaries, the peak against the chip's HBM, compiler FLOPs per call, compile seconds."""
     hbm = report.topology.chip.hbm_bytes
-    head = f"{'program':10s} {'arguments':>11s} {'temporaries':>12s} {'peak/chip':>11s} {'of HBM':>7s} " \
-           f"{'TFLOP/step':>10s} {'compile':>8s}"
+    head = (f"{'program':13s} {'resident':>10s} {'temporaries':>12s} {'peak/chip':>10s} {'of HBM':>7s} "
+            f"{'TFLOP/call':>10s} {'compile':>8s}")
     lines = [head]
     for p in report.programs:
         flops = "-" if math.isnan(p.flops) else f"{p.flops / 1e12:.2f}"
+        resident = max(p.resident_bytes, p.argument_bytes)
         lines.append(
-            f"{p.name:10s} {gib(p.argument_bytes):>11s} {gib(p.temp_bytes):>12s} {gib(p.peak_bytes_per_chip):>11s} "
+            f"{p.name:13s} {gib(resident):>10s} {gib(p.temp_bytes):>12s} {gib(p.peak_bytes_per_chip):>10s} "
             f"{100 * p.peak_bytes_per_chip / hbm:6.0f}% {flops:>10s} {p.compile_seconds:7.1f}s"
         )
     return lines
@@ -173,7 +178,8 @@ def verdict(report: Report, advice: Callable[[str], Sequence[str]]) -> str:
     worst = max(report.programs, key=lambda p: p.peak_bytes_per_chip)
     if report.fits:
         return (
-            f"FITS: every program fits {slc.name} ({slc.chips} chips, {gib(hbm)} HBM each); the largest, "
+            f"FITS: every program fits {slc.name} ({slc.chips} chip{'s' * (slc.chips > 1)}, {gib(hbm)} HBM each); "
+            "the largest, "
             f"{worst.name}, peaks at {gib(worst.peak_bytes_per_chip)} per chip ({gib(hbm - worst.peak_bytes_per_chip)}"
             " headroom)"
         )
@@ -214,12 +220,10 @@ def advice(cfg: Any, program: str) -> list[str]:
             )
     if program.startswith(("rollout", "eval")):
         tips.append("a smaller generation batch (--per_device_train_batch_size or --steps_per_generation)")
-        if not cfg.bf16:
-            tips.append("--bf16 true (a bfloat16 KV cache and weights for sampling)")
     if program.startswith("reward_model"):
         return ["a smaller reward model or generation batch: reward models run on one chip, unsharded"]
     if not cfg.bf16:
-        tips.append("--bf16 true")
+        tips.append("--bf16 true (bfloat16 activations, KV cache and reference model)")
     if cfg.mu_dtype != "bfloat16":
         tips.append("--mu_dtype bfloat16")
     if cfg.param_dtype != "bfloat16":

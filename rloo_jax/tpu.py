@@ -123,6 +123,10 @@ def topology_devices(slc: Slice) -> list[Any]:
         ) from None
     from jax.experimental import topologies
 
+    # A compile-only client never opens a TPU: let it load beside another process holding libtpu's lock file
+    # (a training run on this TPU VM, or a second compile-only run).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
     with quiet_stderr():  # libtpu warns about TPU_ACCELERATOR_TYPE / worker hostnames of a TPU VM it is not on
         topo = topologies.get_topology_desc(
             platform="tpu",

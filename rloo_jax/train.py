@@ -670,7 +670,8 @@ def compile_only(argv: Sequence[str], topology: str) -> int:
     slc = parse_slice(topology)
     cfg = build_config(argv, slc.chips, 1)
     report = aot.compile_run(cfg, slc)
-    print(f"{slc.name}: {slc.chips} chips ({slc.topology_name}), {aot.gib(slc.chip.hbm_bytes)} HBM per chip")
+    chips = f"{slc.chips} chip{'s' * (slc.chips > 1)}"
+    print(f"{slc.name}: {chips} ({slc.topology_name}), {aot.gib(slc.chip.hbm_bytes)} HBM per chip")
     for line in aot.table_lines(report):
         print(line)
     print(aot.verdict(report, lambda name: aot.advice(cfg, name)))

@@ -1,0 +1,84 @@
+"""Will it fit? `--compile_only` for public model configs on named TPU slices: the table of README "Will it fit?".
+
+For each (model, slice) pair this runs `python -m rloo_jax.train --compile_only --topology SLICE` in a fresh
+process (config-only model folders from `fit_models.py`: no weights, no network), reads its compile_report.json
+and prints one markdown row: per-chip peak of the rollout and the update against the chip's HBM, the verdict and
+the compile seconds of each program. Settings (the Scale issue's): G=8, per_device_train_batch_size 8,
+steps_per_generation 4, prompt 256, completion 1024, beta 0.04, bf16 compute, fsdp over all chips.
+
+    .venv/bin/python bench/bench_fit.py [--models Qwen2.5-1.5B ...] [--slices v5e-8 ...] [--args "--remat_policy minimal"]
+"""
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from fit_models import MODELS, write_model  # noqa: E402
+
+SETTINGS = ["--num_generations", "8", "--per_device_train_batch_size", "8", "--steps_per_generation", "4",
+            "--max_prompt_length", "256", "--prompt_bucket", "64", "--max_completion_length", "1024",
+            "--beta", "0.04", "--bf16", "true", "--reward_funcs", "format"]
+
+
+def run(model_dir: Path, data: Path, slice_name: str, out: Path, extra: list[str]) -> tuple[dict, float, int]:
+    cmd = [sys.executable, "-m", "rloo_jax.train", "--compile_only", "--topology", slice_name,
+           "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--output_dir", str(out),
+           *SETTINGS, *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    wall = time.perf_counter() - t0
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"{model_dir.name} on {slice_name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return json.loads((out / "compile_report.json").read_text()), wall, proc.returncode
+
+
+def row(model: str, slice_name: str, report: dict, extra: list[str]) -> str:
+    gib = 2**30
+    hbm = report["hbm_bytes_per_chip"] / gib
+    progs = report["programs"]
+    cells = []
+    for name in ("rollout", "update"):
+        p = progs[name]
+        mark = "" if p["fits"] else " ✗"
+        cells.append(f"{p['peak_bytes_per_chip'] / gib:.1f}{mark}")
+    verdict = "**fits**" if report["fits"] else "does not fit"
+    secs = " / ".join(f"{progs[n]['compile_seconds']:.0f}" for n in ("rollout", "update"))
+    return (f"| {model} | {slice_name} ({report['chips']} chips, {hbm:.2f} GiB) | {' '.join(extra) or 'defaults'} | "
+            f"{cells[0]} | {cells[1]} | {verdict} | {secs} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--slices", nargs="+", default=["v5e-8", "v5p-8", "v6e-8"])
+    ap.add_argument("--args", default="", help="extra trainer options, e.g. '--remat_policy minimal'")
+    ap.add_argument("--json", help="also write every report to this JSON file")
+    args = ap.parse_args()
+    extra = shlex.split(args.args)
+    reports = {}
+    print("| model | slice | options | rollout peak GiB/chip | update peak GiB/chip | verdict | compile s (rollout / update) |")
+    print("|---|---|---|---:|---:|---|---|")
+    with tempfile.TemporaryDirectory() as root:
+        data = Path(root) / "prompts.jsonl"
+        data.write_text('{"prompt": "w1 w2 w3"}\n')
+        for model in args.models:
+            model_dir = write_model(Path(root), model)
+            for slice_name in args.slices:
+                report, wall, _ = run(model_dir, data, slice_name, Path(root) / "out", extra)
+                reports[f"{model} {slice_name}"] = report
+                print(row(model, slice_name, report, extra), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(reports, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Compile-only mode: slice names, and the real TPU compiler (libtpu, the test extra) on tiny config-only models."""
+
+import json
+import sys
+
+import pytest
+
+from rloo_jax.errors import ConfigError
+from rloo_jax.tpu import CHIPS, parse_slice, torus_shape
+from rloo_jax.train import main
+from tests.fixtures_models import tiny_checkpoint  # noqa: F401
+
+
+@pytest.mark.parametrize(
+    "name, chips, topology",
+    [
+        ("v5e-8", 8, "v5e:2x4"),
+        ("v5litepod-16", 16, "v5e:4x4"),
+        ("V5E-1", 1, "v5e:1x1"),
+        ("v5e-256", 256, "v5e:16x16"),
+        ("v6e-8", 8, "v6e:2x4"),
+        ("v6e-64", 64, "v6e:8x8"),
+        ("v5p-8", 4, "v5:2x2x1"),  # v5p and v4 names count TensorCores, 2 per chip
+        ("v5p-16", 8, "v5:2x2x2"),
+        ("v5p-128", 64, "v5:4x4x4"),
+        ("v5p-384", 192, "v5:4x4x12"),  # the shapes Google lists: every side a multiple of 4, most cube-like
+        ("v5p-768", 384, "v5:4x8x12"),
+        ("v5p-1152", 576, "v5:4x12x12"),
+        ("v4-8", 4, "v4:2x2x1"),
+        ("v4-32", 16, "v4:2x2x4"),
+        ("v4-64", 32, "v4:2x4x4"),
+        ("v4-4096", 2048, "v4:8x16x16"),
+    ],
+)
+def test_slice_names(name, chips, topology):
+    slc = parse_slice(name)
+    assert (slc.chips, slc.topology_name) == (chips, topology)
+
+
+def test_slice_facts_and_bad_names():
+    assert parse_slice("v5e-8").chip.hbm_bytes == int(15.75 * 2**30)  # what the compiler makes available
+    assert parse_slice("v5p-8").chip.chip_config == "megacore" and CHIPS["v6e"].peak_bf16_flops == 918e12
+    assert torus_shape(8, 2) == (2, 4) and torus_shape(64, 3) == (4, 4, 4)
+    for bad, msg in [("v9-8", "not a TPU slice name"), ("v5e-3", "sizes 1, 4, 8"), ("tpu", "not a TPU slice"),
+                     ("v5p-24", "no standard v5p slice has 12 chips"), ("v4-7", "sizes")]:
+        with pytest.raises(ConfigError, match=msg):
+            parse_slice(bad)
+
+
+def config_only_model(root, hf_config, tokenizer_dir):
+    """A folder with config.json and a tokenizer only: no weights."""
+    import shutil
+
+    folder = root / "config_only"
+    shutil.copytree(tokenizer_dir, folder)
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    return folder
+
+
+TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=160, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def run_main(capsys, argv):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def common(tmp_path, model):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "hello"}\n')
+    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--reward_funcs", "format",
+            "--output_dir", str(tmp_path / "out"), "--num_generations", "4", "--per_device_train_batch_size", "4",
+            "--max_prompt_length", "16", "--prompt_bucket", "16", "--max_completion_length", "32", "--beta", "0.04",
+            "--compile_only", "--compilation_cache", "false"]
+
+
+def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
+    model = config_only_model(tmp_path, TINY_LLAMA, tiny_checkpoint("tokenizer"))
+    assert not list(model.glob("*.safetensors"))
+    code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", "--eval_steps", "5",
+                                                                "--steps_per_generation", "2"])
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
+    assert report["topology"] == "v5e-4" and report["chips"] == 4 and report["fits"] is True
+    assert report["hbm_bytes_per_chip"] == int(15.75 * 2**30)
+    assert set(report["programs"]) == {"rollout", "update", "eval_rollout"}
+    for p in report["programs"].values():
+        assert p["fits"] and 0 < p["peak_bytes_per_chip"] < 2**30 and p["compile_seconds"] > 0
+        assert p["peak_bytes_per_chip"] >= p["temp_bytes"] + p["resident_bytes"] - p["alias_bytes"]
+        assert set(p) >= {"argument_bytes", "temp_bytes", "flops", "bytes_accessed", "output_bytes"}
+    assert report["programs"]["update"]["flops"] > report["programs"]["rollout"]["flops"] > 0
+    # the mesh is the slice's: fsdp over its 4 chips; the batch validated for them (4 x 4 x 2 completions)
+    assert report["settings"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert report["settings"]["completions_per_generation"] == 32 and report["settings"]["remat_policy"] == "full"
+    assert "FITS: every program fits v5e-4" in out and "update" in out
+    assert not (tmp_path / "out" / "checkpoints").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_compile_only_says_what_does_not_fit(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
+    big = dict(TINY_LLAMA, vocab_size=64000, hidden_size=8192, intermediate_size=22016, num_hidden_layers=1,
+               num_attention_heads=64, num_key_value_heads=8)  # ~1.9B parameters: f32 + AdamW > 16 GiB on one chip
+    model = config_only_model(tmp_path, big, tiny_checkpoint("tokenizer"))
+    code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-1"])
+    assert code == 1, err
+    verdict = [line for line in out.splitlines() if line.startswith("DOES NOT FIT")]
+    assert len(verdict) == 1
+    assert "over the 15.75 GiB of a v5e chip" in verdict[0] and "--mu_dtype bfloat16" in verdict[0]
+    report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
+    assert report["fits"] is False and not report["programs"]["rollout"]["fits"]
+
+
+def test_compile_only_input_errors_exit_2(tmp_path, tiny_checkpoint, capsys, monkeypatch):  # noqa: F811
+    model = config_only_model(tmp_path, TINY_LLAMA, tiny_checkpoint("tokenizer"))
+    code, _, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5x-8"])
+    assert code == 2 and "not a TPU slice name" in err and "v5p-8" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_main(capsys, common(tmp_path, model))
+    assert code == 2 and "--topology" in err
+    # per_device_train_batch_size 4 on 8 chips x 1 step = 32 completions: not whole groups of 3
+    code, _, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-8", "--num_generations", "3"])
+    assert code == 2 and "divisible by num_generations" in err
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # as if the tpu extra were not installed
+    code, _, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4"])
+    assert code == 2 and "pip install 'rloo_jax[tpu]'" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_compiler_sees_the_memory_plan(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
+    """What the options are for, measured by the TPU compiler: remat shrinks the update's temporaries; bf16
+    first moments shrink what stays resident."""
+    model = config_only_model(tmp_path, dict(TINY_LLAMA, hidden_size=128, intermediate_size=512, num_hidden_layers=4),
+                              tiny_checkpoint("tokenizer"))
+    update = {}
+    for name, extra in [("none", ["--gradient_checkpointing", "false"]), ("full", []),
+                        ("mu_bf16", ["--mu_dtype", "bfloat16"])]:
+        code, _, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-1", "--max_completion_length",
+                                                                    "256", *extra])
+        assert code == 0, err
+        update[name] = json.loads((tmp_path / "out" / "compile_report.json").read_text())["programs"]["update"]
+    assert update["full"]["temp_bytes"] < 0.5 * update["none"]["temp_bytes"]
+    assert update["mu_bf16"]["resident_bytes"] < update["full"]["resident_bytes"]
