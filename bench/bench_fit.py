@@ -6,7 +6,8 @@ and prints one markdown row: per-chip peak of the rollout and the update against
 the compile seconds of each program. Settings (the Scale issue's): G=8, per_device_train_batch_size 8,
 steps_per_generation 4, prompt 256, completion 1024, beta 0.04, bf16 compute, fsdp over all chips.
 
-    .venv/bin/python bench/bench_fit.py [--models Qwen2.5-1.5B ...] [--slices v5e-8 ...] [--args "--remat_policy minimal"]
+    .venv/bin/python bench/bench_fit.py [--models Qwen2.5-1.5B ...] [--slices v5e-8 ...]
+        [--args "--remat_policy minimal"] [--json out.json]
 """
 
 import argparse
@@ -65,7 +66,8 @@ def main() -> None:
     args = ap.parse_args()
     extra = shlex.split(args.args)
     reports = {}
-    print("| model | slice | options | rollout peak GiB/chip | update peak GiB/chip | verdict | compile s (rollout / update) |")
+    print("| model | slice | options | rollout peak GiB/chip | update peak GiB/chip | verdict "
+          "| compile s (rollout / update) |")
     print("|---|---|---|---:|---:|---|---|")
     with tempfile.TemporaryDirectory() as root:
         data = Path(root) / "prompts.jsonl"
