@@ -53,8 +53,10 @@ def row(model: str, slice_name: str, report: dict, extra: list[str]) -> str:
         cells.append(f"{p['peak_bytes_per_chip'] / gib:.1f}{mark}")
     verdict = "**fits**" if report["fits"] else "does not fit"
     secs = " / ".join(f"{progs[n]['compile_seconds']:.0f}" for n in ("rollout", "update"))
+    flops = progs["update"]["flops"]
+    tflops = "-" if flops is None else f"{flops / 1e12:.0f}"
     return (f"| {model} | {slice_name} ({report['chips']} chips, {hbm:.2f} GiB) | {' '.join(extra) or 'defaults'} | "
-            f"{cells[0]} | {cells[1]} | {verdict} | {secs} |")
+            f"{cells[0]} | {cells[1]} | {tflops} | {verdict} | {secs} |")
 
 
 def main() -> None:
@@ -66,9 +68,9 @@ def main() -> None:
     args = ap.parse_args()
     extra = shlex.split(args.args)
     reports = {}
-    print("| model | slice | options | rollout peak GiB/chip | update peak GiB/chip | verdict "
+    print("| model | slice | options | rollout peak GiB/chip | update peak GiB/chip | update TFLOP/chip | verdict "
           "| compile s (rollout / update) |")
-    print("|---|---|---|---:|---:|---|---|")
+    print("|---|---|---|---:|---:|---:|---|---|")
     with tempfile.TemporaryDirectory() as root:
         data = Path(root) / "prompts.jsonl"
         data.write_text('{"prompt": "w1 w2 w3"}\n')

@@ -69,7 +69,7 @@ def reward(prompts, completions, **kwargs):
     return out
 
 
-def run_ours(model_dir: str, data: str, steps: int, bf16: bool, cache: bool) -> dict:
+def run_ours(model_dir: str, data: str, steps: int, bf16: bool, cache: bool, extra: list[str] = ()) -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "rloo_jax.train", "--model_name_or_path", model_dir, "--dataset_name", data,
                "--reward_funcs", "bench_rloo_step:reward", "--output_dir", out, "--max_steps", str(steps),
@@ -78,6 +78,7 @@ def run_ours(model_dir: str, data: str, steps: int, bf16: bool, cache: bool) -> 
                "--max_prompt_length", "32", "--prompt_bucket", "32"]
         for k, v in SETTINGS.items():
             cmd += [f"--{k}", str(v)]
+        cmd += list(extra)
         env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -134,6 +135,7 @@ def main() -> None:
     ap.add_argument("--cache", action="store_true", help="use our persistent compilation cache")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--ours-args", default="", help="extra options for rloo_jax, e.g. '--gradient_checkpointing false'")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -141,7 +143,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for size in args.sizes:
             model_dir, data = build_assets(os.path.join(root, size), size)
-            ours = run_ours(model_dir, data, args.steps, args.bf16, args.cache)
+            ours = run_ours(model_dir, data, args.steps, args.bf16, args.cache, args.ours_args.split())
             theirs = None if args.skip_trl else run_trl(model_dir, data, args.steps, args.bf16, args.threads)
             results[size] = {"rloo_jax": ours, "trl": theirs}
             line = f"{size:6s} rloo_jax {ours['step_s']:.4f} s/step (first {ours['first_step_s']:.2f} s)"

@@ -4,7 +4,8 @@
 (`rloo_jax.build.prepare(abstract=True)`: the model from its `config.json` alone, no weights read; the tokenizer;
 the optimizer; the mesh over the slice's chips, `rloo_jax.tpu`), then compiles every per-step program for that
 slice with the real TPU compiler (libtpu; no TPU needed) and reads the compiler's own figures: per-chip argument /
-output / temporary bytes (`memory_analysis`) and FLOPs / bytes accessed (`cost_analysis`). A program larger than
+output / temporary bytes (`memory_analysis`) and the matmul FLOPs of the compiled program (`rloo_jax.hlo`: XLA's
+`cost_analysis` counts a loop body once, so a scan over layers would report one layer). A program larger than
 the chip's HBM fails to compile with RESOURCE_EXHAUSTED; that is reported as "does not fit", with how far over it
 is and the options that bring it down.
 """
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rloo_jax import hlo
 from rloo_jax.tpu import GIB, Slice, quiet_stderr
 
 
@@ -36,8 +38,7 @@ class ProgramReport:
     alias_bytes: int
     temp_bytes: int
     host_temp_bytes: int
-    flops: float
-    bytes_accessed: float
+    flops: float  # matmul FLOPs per call, every loop at its trip count (`rloo_jax.hlo`)
     compile_seconds: float
 
     @property
@@ -57,7 +58,6 @@ class ProgramReport:
             "temp_bytes": self.temp_bytes,
             "host_temp_bytes": self.host_temp_bytes,
             "flops": self.flops,
-            "bytes_accessed": self.bytes_accessed,
             "compile_seconds": self.compile_seconds,
         }
 
@@ -81,11 +81,9 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
         scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]
         temp = int(float(m.group(1)) * scale)
         seconds = time.perf_counter() - t0
-        return ProgramReport(name, False, resident_bytes, 0, 0, 0, temp, 0, math.nan, math.nan, seconds)
+        return ProgramReport(name, False, resident_bytes, 0, 0, 0, temp, 0, math.nan, seconds)
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, list) else cost
     report = ProgramReport(
         name=name,
         fits=True,
@@ -95,8 +93,7 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
         alias_bytes=int(mem.alias_size_in_bytes),
         temp_bytes=int(mem.temp_size_in_bytes),
         host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0)),
-        flops=float(cost.get("flops", math.nan)),
-        bytes_accessed=float(cost.get("bytes accessed", math.nan)),
+        flops=hlo.flops(compiled.as_text()),
         compile_seconds=seconds,
     )
     report.fits = report.peak_bytes_per_chip <= hbm_bytes
@@ -281,10 +278,10 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         sampler = RLOOStep(graphdef, optimizer, eval_cfg, mesh=mesh)
         sampler.state_shardings = step.state_shardings
         add("eval_rollout", lambda: sampler.lower_rollout(state, (cfg.eval_batch_size // g, p)), state_bytes)
-    dtype = model_options(cfg)["dtype"]
+    options = model_options(cfg, "tpu")
     one = SingleDeviceSharding(devices[0])
     for i, folder in enumerate(run.reward_models):
-        rm = abstract_model(folder, "reward", dtype)
+        rm = abstract_model(folder, "reward", options["dtype"])
         rm_graphdef, rm_params = nnx.split(rm)
         rm_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), rm_params)
         width = -(-(p + cfg.max_completion_length) // cfg.prompt_bucket) * cfg.prompt_bucket
@@ -295,7 +292,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     settings = {
         "model": cfg.model_name_or_path, "mesh": dict(zip(("data", "fsdp", "tensor"), cfg.mesh_shape, strict=True)),
         "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
-        "max_completion_length": cfg.max_completion_length, **model_options(cfg), "mu_dtype": cfg.mu_dtype,
+        "max_completion_length": cfg.max_completion_length, **options, "mu_dtype": cfg.mu_dtype,
         "gradient_checkpointing": cfg.gradient_checkpointing, "beta": cfg.beta,
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,

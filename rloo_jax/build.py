@@ -97,12 +97,13 @@ def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTra
 
 
 # ------------------------------------------------------------------------------------------------ models
-def model_options(cfg: RLOOConfig) -> dict[str, Any]:
-    """The policy's dtypes and execution options (`ModelConfig` fields) from the run config."""
+def model_options(cfg: RLOOConfig, platform: str) -> dict[str, Any]:
+    """The policy's dtypes and execution options (`ModelConfig` fields) from the run config, for the platform
+    the programs run on ("cpu", "gpu", "tpu"): `scan_layers` None scans everywhere but on the CPU."""
     return {
         "dtype": "bfloat16" if cfg.bf16 else "float32",
         "param_dtype": cfg.param_dtype,
-        "scan_layers": cfg.scan_layers,
+        "scan_layers": platform != "cpu" if cfg.scan_layers is None else cfg.scan_layers,
         "remat_policy": cfg.remat_policy if cfg.gradient_checkpointing else "none",
     }
 
@@ -181,7 +182,7 @@ def prepare(cfg: RLOOConfig, abstract: bool = False) -> Run:
     for reward_model in reward_models:
         refuse_custom_code(reward_model)
     tokenizer = load_tokenizer(model_dir, padding_side="left")
-    options = model_options(cfg)
+    options = model_options(cfg, "tpu" if abstract else jax.default_backend())
     model = abstract_model(model_dir, **options) if abstract else load_causal_lm(model_dir, **options)
     encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
     train_ds = eval_ds = None

@@ -84,6 +84,10 @@ class Checkpointer:
         key = jax.random.wrap_key_data(restored.state["key"], impl=impl)
         return restored.state["train"], key, dict(restored.meta)
 
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """Checkpoint `step`'s JSON meta alone (e.g. to check the run's layout before restoring the state)."""
+        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
     def wait(self) -> None:
         self._manager.wait_until_finished()
 

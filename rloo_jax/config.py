@@ -92,11 +92,13 @@ class RLOOConfig:
         "save_dot_except_mlp (q, k, v, o), save_qkv_proj (q, k, v), full_offloaded (as full, with the block "
         "inputs in host memory; TPU/GPU only).",
     )
-    scan_layers: bool = _opt(
-        True,
+    scan_layers: bool | None = _opt(
+        None,
         "memory",
         "Run the transformer blocks as one jax.lax.scan over their stacked parameters (compile time nearly flat "
-        "in depth). False unrolls them: the same numbers, longer compiles.",
+        "in depth), or unrolled over a list of blocks: the same numbers, and the same Hugging Face export; "
+        "checkpoints keep the layout they were written with. None: scan on TPU and GPU (and for --compile_only), "
+        "unrolled on CPU, where XLA copies a layer's slice of stacked weights at every use (BENCHMARKS.md).",
     )
     param_dtype: Literal["float32", "bfloat16"] = _opt(
         "float32",

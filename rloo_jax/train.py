@@ -455,6 +455,7 @@ def resume(s: Session) -> None:
     s.ckpt = Checkpointer(s.paths["checkpoints"], max_to_keep=s.cfg.save_total_limit)  # every process: collective
     latest = s.ckpt.latest_step()
     if latest is not None:
+        check_layout(s.ckpt.read_meta(latest), s.run.model.config.scan_layers, latest)
         s.state, key, meta = s.ckpt.restore(latest, s.state, s.place.replicate(s.base_key))  # onto its shardings
         s.base_key = s.place.host_key(key)
         s.iterator.load_state_dict(meta["data"])
@@ -483,8 +484,20 @@ def resume(s: Session) -> None:
     s.rollouts = JsonlWriter(s.paths["rollouts"])
 
 
+def check_layout(meta: dict[str, Any], scan_layers: bool, step: int) -> None:
+    """A checkpoint restores onto the parameter layout it was written with (stacked blocks or a list of them);
+    checkpoints from before the layout was recorded hold a list."""
+    saved = meta.get("layout", {}).get("scan_layers", False)
+    if saved != scan_layers:
+        raise ConfigError(
+            f"checkpoint {step} holds the {'stacked' if saved else 'per-layer'} parameter layout of scan_layers="
+            f"{str(saved).lower()}; resume with --scan_layers {str(saved).lower()} (the numbers are the same)"
+        )
+
+
 def save(s: Session) -> None:
     meta = {
+        "layout": {"scan_layers": s.run.model.config.scan_layers},
         "data": s.iterator.state_dict(),
         "step": s.step,
         "counters": {"num_tokens": s.num_tokens, "num_truncated_prompts": s.truncated_prompts},

@@ -90,7 +90,7 @@ def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys): 
     for p in report["programs"].values():
         assert p["fits"] and 0 < p["peak_bytes_per_chip"] < 2**30 and p["compile_seconds"] > 0
         assert p["peak_bytes_per_chip"] >= p["temp_bytes"] + p["resident_bytes"] - p["alias_bytes"]
-        assert set(p) >= {"argument_bytes", "temp_bytes", "flops", "bytes_accessed", "output_bytes"}
+        assert set(p) >= {"argument_bytes", "temp_bytes", "flops", "output_bytes"}
     assert report["programs"]["update"]["flops"] > report["programs"]["rollout"]["flops"] > 0
     # the mesh is the slice's: fsdp over its 4 chips; the batch validated for them (4 x 4 x 2 completions)
     assert report["settings"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
@@ -141,3 +141,38 @@ def test_the_compiler_sees_the_memory_plan(tmp_path, tiny_checkpoint, capsys):  
         update[name] = json.loads((tmp_path / "out" / "compile_report.json").read_text())["programs"]["update"]
     assert update["full"]["temp_bytes"] < 0.5 * update["none"]["temp_bytes"]
     assert update["mu_bf16"]["resident_bytes"] < update["full"]["resident_bytes"]
+
+
+def test_hlo_flops_count_every_loop_iteration():
+    """XLA's cost_analysis counts a loop body once; rloo_jax.hlo.flops counts it at its trip count."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rloo_jax import hlo
+    from rloo_jax.tpu import topology_devices
+
+    mesh = Mesh(np.array(topology_devices(parse_slice("v5e-1"))), ("x",))
+    one = NamedSharding(mesh, PartitionSpec())
+    w = jax.ShapeDtypeStruct((8, 256, 256), jnp.bfloat16, sharding=one)
+    x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16, sharding=one)
+
+    def scanned(w, x):
+        return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]
+
+    def unrolled(w, x):
+        for i in range(8):
+            x = x @ w[i]
+        return x
+
+    def nested(w, x):  # 3 x 8 matmuls, and a data-dependent loop bounded by 5 around one more
+        h = jax.lax.scan(lambda h, _: (scanned(w, h), None), x, None, length=3)[0]
+        return jax.lax.while_loop(lambda c: (c[0] < 5) & (jnp.sum(c[1]) < 1e30), lambda c: (c[0] + 1, c[1] @ w[0]),
+                                  (0, h))[1]
+
+    one_matmul = 2 * 128 * 256 * 256
+    counted = {f.__name__: hlo.flops(jax.jit(f).lower(w, x).compile().as_text()) for f in (scanned, unrolled, nested)}
+    assert counted == {"scanned": 8 * one_matmul, "unrolled": 8 * one_matmul, "nested": (3 * 8 + 5) * one_matmul}
+    xla = jax.jit(scanned).lower(w, x).compile().cost_analysis()["flops"]
+    assert xla == one_matmul  # what XLA itself reports for the scan: one iteration

@@ -12,7 +12,7 @@ from flax import nnx
 import rloo_jax as rj
 from rloo_jax.build import decay_mask, make_optimizer, reference_params
 from rloo_jax.config import RLOOConfig, load_config
-from rloo_jax.models import ModelLoadError, init_causal_lm, load_causal_lm
+from rloo_jax.models import ModelLoadError, export_tensors, init_causal_lm, load_causal_lm
 from rloo_jax.models.config import REMAT_POLICIES
 from rloo_jax.models.transformer import remat_policy
 from rloo_jax.sampling import SamplingConfig
@@ -30,11 +30,9 @@ VARIANTS = [(True, "none"), (True, "full"), (False, "full"), (True, "minimal"), 
             (True, "save_dot_except_mlp"), (True, "save_qkv_proj")]
 
 
-def with_options(model: nnx.Module, **options) -> tuple[nnx.GraphDef, nnx.State]:
-    """The same parameters under other execution options (a new graphdef, the params unchanged)."""
-    cfg = model.config.replace(**options)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, nnx.Rngs(0))))
-    return graphdef, nnx.state(model)
+def tiny(scan: bool, policy: str) -> tuple[nnx.GraphDef, nnx.State]:
+    """The TINY policy (seed 0: the same numbers in both layouts) under the given execution options."""
+    return nnx.split(init_causal_lm(TINY, seed=0, scan_layers=scan, remat_policy=policy))
 
 
 def test_config_policy_names_match_the_model():
@@ -49,7 +47,7 @@ def test_config_policy_names_match_the_model():
 
 @pytest.mark.parametrize("name", ["qwen2_untied", "neox_parallel_r025"])
 def test_logits_and_gradients_equal_the_unrolled_model(tiny_checkpoint, name):  # noqa: F811
-    model = load_causal_lm(tiny_checkpoint(name))
+    path = tiny_checkpoint(name)
     ids = jnp.asarray(np.random.default_rng(0).integers(1, 60, (2, 9)), jnp.int32)
     mask = jnp.asarray(np.array([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9]), jnp.int32)
 
@@ -59,14 +57,24 @@ def test_logits_and_gradients_equal_the_unrolled_model(tiny_checkpoint, name):  
 
         return jax.jit(jax.value_and_grad(loss))(params)
 
-    (want, want_grads) = loss_and_grad(*with_options(model, scan_layers=False, remat_policy="none"))
+    graphdef, params = nnx.split(load_causal_lm(path, scan_layers=False, remat_policy="none"))
+    want, want_grads = loss_and_grad(graphdef, params)
+    want_grads = hf_view(graphdef, want_grads)
     for scan, policy in VARIANTS:
-        got, grads = loss_and_grad(*with_options(model, scan_layers=scan, remat_policy=policy))
+        graphdef, params = nnx.split(load_causal_lm(path, scan_layers=scan, remat_policy=policy))
+        got, grads = loss_and_grad(graphdef, params)
+        grads = hf_view(graphdef, grads)  # stacked [L, ...] or per-layer leaves, by Hugging Face tensor name
         np.testing.assert_allclose(got, want, rtol=1e-5)
-        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
-            # float reassociation only: relative to the leaf's scale (sums over B*T*V terms reach ~10)
-            rel = float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-12))
-            assert rel <= 1e-5, (scan, policy, rel)
+        assert grads.keys() == want_grads.keys()
+        for k, b in want_grads.items():
+            # float reassociation only: relative to the tensor's scale (sums over B*T*V terms reach ~10)
+            rel = float(np.max(np.abs(grads[k] - b)) / (np.max(np.abs(b)) + 1e-12))
+            assert rel <= 1e-5, (scan, policy, k, rel)
+
+
+def hf_view(graphdef: nnx.GraphDef, tree: nnx.State) -> dict[str, np.ndarray]:
+    """Parameters (or their gradients) by Hugging Face tensor name: the two layouts side by side."""
+    return export_tensors(nnx.merge(graphdef, tree))
 
 
 def _prompts():
@@ -98,17 +106,19 @@ def _step(graphdef, params, cfg, update=True):
 def test_step_equals_the_unrolled_step_without_remat():
     """A whole step (sampling, reference pass, 2 micro-batches, AdamW) under each variant vs unrolled, no remat:
     the same completions and, from the same rollout, parameters and metrics within 1e-5."""
-    model = init_causal_lm(TINY, seed=0)
     cfg = _step_cfg(steps_per_generation=2)
-    want_ro, want_params, want_m = _step(*with_options(model, scan_layers=False, remat_policy="none"), cfg)
+    graphdef, params = tiny(False, "none")
+    want_ro, want_params, want_m = _step(graphdef, params, cfg)
+    want_params = hf_view(graphdef, want_params)
     # the model-level test covers every policy; a step per kind of loop here keeps the suite fast
     for scan, policy in [(True, "full"), (False, "minimal"), (True, "save_qkv_proj")]:
-        graphdef, params = with_options(model, scan_layers=scan, remat_policy=policy)
+        graphdef, params = tiny(scan, policy)
         ro, new, m = _step(graphdef, params, cfg)
         np.testing.assert_array_equal(ro.completion_ids, want_ro.completion_ids)
         np.testing.assert_allclose(ro.ref_logps, want_ro.ref_logps, atol=1e-5)
-        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want_params), strict=True):
-            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"{scan}, {policy}")
+        new = hf_view(graphdef, new)
+        for k in want_params:
+            np.testing.assert_allclose(new[k], want_params[k], atol=1e-5, err_msg=f"{k}: {scan}, {policy}")
         for k in want_m:
             np.testing.assert_allclose(m[k], want_m[k], atol=1e-5, err_msg=f"{k}: {scan}, {policy}")
 
@@ -124,11 +134,14 @@ def test_reference_log_probs_in_micro_batches_equal_one_pass():
         np.testing.assert_allclose(got.ref_logps, want.ref_logps, atol=1e-5)
 
 
-def test_stacked_parameters_layout():
+def test_stacked_and_list_layouts():
     model = init_causal_lm(TINY, seed=0)
     q = model.model.layers.attn.q.kernel[...]
     assert q.shape == (3, 32, 32)  # [L, D, H*Dh]
-    # block-by-block initialisation: layer 1 of the stack is what a second separately built block would hold
+    unrolled = init_causal_lm(TINY, seed=0, scan_layers=False)
+    # block-by-block initialisation: layer i of the stack is the list's block i
+    for i in range(3):
+        np.testing.assert_array_equal(q[i], unrolled.model.layers[i].attn.q.kernel[...])
     assert not np.allclose(q[0], q[1])
     with pytest.raises(ModelLoadError, match="remat_policy"):
         model.config.replace(remat_policy="everything")
@@ -192,5 +205,9 @@ def test_memory_options_are_validated():
     cfg = _cfg(gradient_checkpointing="false", remat_policy="minimal")
     from rloo_jax.build import model_options
 
-    assert model_options(cfg)["remat_policy"] == "none"
-    assert model_options(dataclasses.replace(cfg, gradient_checkpointing=True))["remat_policy"] == "minimal"
+    assert model_options(cfg, "cpu")["remat_policy"] == "none"
+    assert model_options(dataclasses.replace(cfg, gradient_checkpointing=True), "cpu")["remat_policy"] == "minimal"
+    # scan_layers None: scanned on accelerators, unrolled on the CPU; an explicit value wins everywhere
+    assert [model_options(cfg, p)["scan_layers"] for p in ("cpu", "gpu", "tpu")] == [False, True, True]
+    assert model_options(_cfg(scan_layers="true"), "cpu")["scan_layers"] is True
+    assert model_options(_cfg(scan_layers="false"), "tpu")["scan_layers"] is False

@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 from rloo_jax import demo
+from rloo_jax.build import model_options
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
 from rloo_jax.config import load_config
 from rloo_jax.metrics import WindowMean, drop_records_after, read_jsonl
@@ -243,8 +244,9 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, capsys):
     ckpt = Checkpointer(out / "checkpoints")
     try:
         assert ckpt.all_steps() == [1, 2]  # the failing step 3 wrote nothing
-        initial = nnx.state(load_causal_lm(demo_model_dir(0)), nnx.Param)
-        like = make_like(load_config(args + SMALL, base=demo.DEFAULT_CONFIG), initial)
+        cfg = load_config(args + SMALL, base=demo.DEFAULT_CONFIG)
+        initial = nnx.state(load_causal_lm(demo_model_dir(0), **model_options(cfg, "cpu")), nnx.Param)
+        like = make_like(cfg, initial)
         state, _, meta = ckpt.restore(2, like, jax.random.key(0))
         assert not nonfinite_leaves(state) and skipped_updates(state.opt_state) == (2, 2)
         # every update was skipped: the checkpointed policy is still the initial one

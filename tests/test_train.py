@@ -126,7 +126,8 @@ def test_cli_default_run_writes_every_output(tmp_path):
 
 
 def test_resume_continues_at_the_right_step_and_matches_a_straight_run(tmp_path, capsys):
-    common = [*SMALL, "--logging_steps", "1", "--save_steps", "2"]
+    # scanned (stacked) layers: the CPU default unrolls, which the kill -9 test of test_reliability.py resumes
+    common = [*SMALL, "--logging_steps", "1", "--save_steps", "2", "--scan_layers", "true"]
     assert main(["--output_dir", str(tmp_path / "straight"), "--max_steps", "4", *common]) == 0
     assert main(["--output_dir", str(tmp_path / "resumed"), "--max_steps", "2", *common]) == 0
     capsys.readouterr()
@@ -138,6 +139,13 @@ def test_resume_continues_at_the_right_step_and_matches_a_straight_run(tmp_path,
     for a, b in zip(straight, resumed, strict=True):  # same data order, keys and updates after the resume
         assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # a checkpoint restores onto the layout it was written with: the other one is a one-line error, nothing lost
+    common[-1] = "false"
+    assert main(["--output_dir", str(tmp_path / "resumed"), "--max_steps", "6", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: checkpoint 4 holds the stacked parameter layout of scan_layers=true; resume with "
+                   "--scan_layers true (the numbers are the same)"]
+    assert [m["step"] for m in read_jsonl(tmp_path / "resumed" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def test_reward_error_stops_and_keeps_the_last_checkpoint(tmp_path, capsys):

@@ -99,36 +99,40 @@ def _norm(hf: str, ours: str, bias: bool, layer: int | None = None) -> list[Row]
     return rows + ([Row(f"{hf}.bias", (f"{ours}.bias",), IDENTITY, layer)] if bias else [])
 
 
+def _layer(cfg: ModelConfig, i: int) -> tuple[str, int | None]:
+    """Where block i's parameters live: ("model.layers", i) in the stacked layout, ("model.layers.i", None) in the
+    list layout (`scan_layers` False)."""
+    return ("model.layers", i) if cfg.scan_layers else (f"model.layers.{i}", None)
+
+
 def _llama_rows(cfg: ModelConfig) -> list[Row]:
     rows = [Row("model.embed_tokens.weight", ("model.embed.embedding",), IDENTITY)]
-    us = "model.layers"
     for i in range(cfg.num_layers):
-        hf = f"model.layers.{i}"
-        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", False, i)
+        hf, (us, layer) = f"model.layers.{i}", _layer(cfg, i)
+        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", False, layer)
         for n in "qkv":
-            rows += _linear(f"{hf}.self_attn.{n}_proj", f"{us}.attn.{n}", cfg.qkv_bias, i)
-        rows += _linear(f"{hf}.self_attn.o_proj", f"{us}.attn.o", cfg.o_bias, i)
-        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", False, i)
+            rows += _linear(f"{hf}.self_attn.{n}_proj", f"{us}.attn.{n}", cfg.qkv_bias, layer)
+        rows += _linear(f"{hf}.self_attn.o_proj", f"{us}.attn.o", cfg.o_bias, layer)
+        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", False, layer)
         for n in ("gate", "up", "down"):
-            rows += _linear(f"{hf}.mlp.{n}_proj", f"{us}.mlp.{n}", cfg.mlp_bias, i)
+            rows += _linear(f"{hf}.mlp.{n}_proj", f"{us}.mlp.{n}", cfg.mlp_bias, layer)
     return rows + _norm("model.norm", "model.final_norm", False)
 
 
 def _gpt_neox_rows(cfg: ModelConfig) -> list[Row]:
     rows = [Row("gpt_neox.embed_in.weight", ("model.embed.embedding",), IDENTITY)]
-    us = "model.layers"
-    qkv = tuple(f"{us}.attn.{n}" for n in "qkv")
     for i in range(cfg.num_layers):
-        hf = f"gpt_neox.layers.{i}"
-        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", True, i)
+        hf, (us, layer) = f"gpt_neox.layers.{i}", _layer(cfg, i)
+        qkv = tuple(f"{us}.attn.{n}" for n in "qkv")
+        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", True, layer)
         fused = f"{hf}.attention.query_key_value"
-        rows.append(Row(f"{fused}.weight", tuple(f"{p}.kernel" for p in qkv), fused_qkv(cfg.num_heads, False), i))
+        rows.append(Row(f"{fused}.weight", tuple(f"{p}.kernel" for p in qkv), fused_qkv(cfg.num_heads, False), layer))
         if cfg.qkv_bias:
-            rows.append(Row(f"{fused}.bias", tuple(f"{p}.bias" for p in qkv), fused_qkv(cfg.num_heads, True), i))
-        rows += _linear(f"{hf}.attention.dense", f"{us}.attn.o", cfg.o_bias, i)
-        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", True, i)
-        rows += _linear(f"{hf}.mlp.dense_h_to_4h", f"{us}.mlp.up", True, i)
-        rows += _linear(f"{hf}.mlp.dense_4h_to_h", f"{us}.mlp.down", True, i)
+            rows.append(Row(f"{fused}.bias", tuple(f"{p}.bias" for p in qkv), fused_qkv(cfg.num_heads, True), layer))
+        rows += _linear(f"{hf}.attention.dense", f"{us}.attn.o", cfg.o_bias, layer)
+        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", True, layer)
+        rows += _linear(f"{hf}.mlp.dense_h_to_4h", f"{us}.mlp.up", True, layer)
+        rows += _linear(f"{hf}.mlp.dense_4h_to_h", f"{us}.mlp.down", True, layer)
     return rows + _norm("gpt_neox.final_layer_norm", "model.final_norm", True)
 
 
@@ -360,17 +364,19 @@ def abstract_model(
 
 
 def init_causal_lm(
-    hf_config: dict[str, Any], seed: int = 0, dtype: str = "float32", param_dtype: str | None = None
+    hf_config: dict[str, Any], seed: int = 0, dtype: str = "float32", param_dtype: str | None = None, **options: Any
 ) -> CausalLM:
-    """A randomly initialised `CausalLM` from a HF-style config dict (needs `model_type` or `architectures`)."""
-    return CausalLM(config_from_hf(dict(hf_config), dtype, param_dtype), nnx.Rngs(seed))
+    """A randomly initialised `CausalLM` from a HF-style config dict (needs `model_type` or `architectures`);
+    `options`: execution fields of `ModelConfig`. Blocks are initialised one by one in order, so both layouts
+    (`scan_layers` True or False) hold the same numbers for a seed."""
+    return CausalLM(config_from_hf(dict(hf_config), dtype, param_dtype).replace(**options), nnx.Rngs(seed))
 
 
 def init_reward_model(
-    hf_config: dict[str, Any], seed: int = 0, dtype: str = "float32", param_dtype: str | None = None
+    hf_config: dict[str, Any], seed: int = 0, dtype: str = "float32", param_dtype: str | None = None, **options: Any
 ) -> RewardModel:
     """A randomly initialised `RewardModel` from a HF-style config dict."""
-    return RewardModel(config_from_hf(dict(hf_config), dtype, param_dtype), nnx.Rngs(seed))
+    return RewardModel(config_from_hf(dict(hf_config), dtype, param_dtype).replace(**options), nnx.Rngs(seed))
 
 
 # ----------------------------------------------------------------------------------------------- writing

@@ -5,7 +5,7 @@ biases, rotary fraction, parallel residual), which keeps the weight tables in `h
 single. Parameters are named (our path -> HF name in `hf.py`):
 
     model.embed.embedding [V, D]          ("vocab", "embed")
-    model.layers.attn_norm.scale/bias     ("layers", "embed")
+    model.layers.attn_norm.scale/bias     ("layers", "embed")   (unrolled: model.layers.{i}..., no "layers")
     model.layers.attn.{q,k,v,o}.kernel    q: ("layers", "embed", "heads"), k/v: (.., "embed", "kv"),
                                           o: ("layers", "heads", "embed")
     model.layers.mlp_norm.scale/bias      ("layers", "embed")
@@ -14,15 +14,18 @@ single. Parameters are named (our path -> HF name in `hf.py`):
     lm_head.kernel [D, V]                 ("embed", "vocab")    (absent when embeddings are tied)
     score.kernel [D, 1]                   ("embed", None)       (RewardModel)
 
-The L blocks are ONE `Block` whose parameters carry a leading layer axis [L, ...] (`stacked_blocks`): the forward
-runs them with `jax.lax.scan` (`scan_layers`, compile time flat in depth) or unrolled, each block under
-`jax.checkpoint` with a named `remat_policy` (see `config.REMAT_POLICIES`); both give the same numbers.
+With `scan_layers` (the default) the L blocks are ONE `Block` whose parameters carry a leading layer axis
+[L, ...] (`stacked_blocks`, paths `model.layers.attn.q.kernel`, axes ("layers", ...)) run by `jax.lax.scan`:
+compile time flat in depth. Without it they are a list (`model.layers.{i}.attn.q.kernel`), unrolled. Either way each
+block runs under `jax.checkpoint` with a named `remat_policy` (see `config.REMAT_POLICIES`); the numbers are the
+same, and so is the Hugging Face checkpoint (`hf.py` maps both layouts).
 
 Shapes: B batch, T tokens, D hidden, H heads, K kv heads, Dh head dim, L layers, P prompt, C completion, G samples.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -330,11 +333,15 @@ def remat_policy(name: str) -> Callable | None:
 
 
 class Transformer(nnx.Module):
-    """Embedding, L blocks (stacked: `stacked_blocks`), final norm: the backbone of `CausalLM` and `RewardModel`."""
+    """Embedding, L blocks (stacked by `stacked_blocks` with `scan_layers`, else a list), final norm: the backbone of
+    `CausalLM` and `RewardModel`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         self.embed = Embedding(cfg, rngs)
-        self.layers = stacked_blocks(cfg, rngs)
+        # stacked for a scan; a list of blocks unrolled: XLA:CPU copies a layer's slice of stacked weights on every
+        # use (a decode step included), so the unrolled path keeps each block's weights whole (BENCHMARKS.md)
+        self.layers = stacked_blocks(cfg, rngs) if cfg.scan_layers else nnx.List([Block(cfg, rngs) for _ in
+                                                                                 range(cfg.num_layers)])
         self.final_norm = Norm(cfg)
         # a tuple of floats (exact float32 values) keeps it static graph data, not an array attribute
         inv = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_factors)
@@ -360,10 +367,11 @@ class Transformer(nnx.Module):
         cache) and the loop `carry` (e.g. the decode caches, updated in place). Each block runs under
         `jax.checkpoint` with `remat_policy`; with `scan_layers` the blocks are one `lax.scan`, else unrolled.
         """
-        graphdef, params = nnx.split(self.layers)
         policy = remat_policy(self.remat_policy)
 
-        def body(state: tuple[jax.Array, Any], inputs: tuple[Any, Any, Any]) -> tuple[tuple[jax.Array, Any], Any]:
+        def body(
+            graphdef: nnx.GraphDef, state: tuple[jax.Array, Any], inputs: tuple[Any, Any, Any]
+        ) -> tuple[tuple[jax.Array, Any], Any]:
             h, c = state
             layer_params, layer, xs_l = inputs
 
@@ -375,16 +383,21 @@ class Transformer(nnx.Module):
             h, (c, ys_l) = nnx.merge(graphdef, layer_params)(h, cos, sin, fn)
             return (h, c), ys_l
 
-        if policy is not None:
+        def block_fn(graphdef: nnx.GraphDef) -> Callable:
+            f = functools.partial(body, graphdef)
             # prevent_cse guards remat against XLA CSE in straight-line code; a scan body needs no guard
-            body = jax.checkpoint(body, policy=policy, prevent_cse=not self.scan_layers)
+            return f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=not self.scan_layers)
+
         if self.scan_layers:
-            (x, carry), ys = jax.lax.scan(body, (x, carry), (params, jnp.arange(self.num_layers), xs))
+            graphdef, params = nnx.split(self.layers)
+            inputs = (params, jnp.arange(self.num_layers), xs)
+            (x, carry), ys = jax.lax.scan(block_fn(graphdef), (x, carry), inputs)
             return x, carry, ys
         outs = []
-        for layer in range(self.num_layers):
-            inputs = jax.tree.map(lambda a, i=layer: a[i], (params, xs))
-            (x, carry), ys_l = body((x, carry), (inputs[0], layer, inputs[1]))
+        for layer, block in enumerate(self.layers):
+            graphdef, params = nnx.split(block)
+            xs_l = jax.tree.map(lambda a, i=layer: a[i], xs)
+            (x, carry), ys_l = block_fn(graphdef)((x, carry), (params, layer, xs_l))
             outs.append(ys_l)
         return x, carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
