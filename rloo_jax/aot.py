@@ -206,7 +206,7 @@ def advice(cfg: Any, program: str) -> list[str]:
     """The options that would bring `program`'s per-chip memory down, given what `cfg` already uses."""
     tips = []
     if program == "update":
-        if not cfg.gradient_checkpointing:
+        if cfg.gradient_checkpointing is False:
             tips.append("--gradient_checkpointing true")
         elif cfg.remat_policy not in ("full", "full_offloaded"):
             tips.append(f"--remat_policy full (now {cfg.remat_policy})")
@@ -293,7 +293,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         "model": cfg.model_name_or_path, "mesh": dict(zip(("data", "fsdp", "tensor"), cfg.mesh_shape, strict=True)),
         "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
         "max_completion_length": cfg.max_completion_length, **options, "mu_dtype": cfg.mu_dtype,
-        "gradient_checkpointing": cfg.gradient_checkpointing, "beta": cfg.beta,
+        "beta": cfg.beta,
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,

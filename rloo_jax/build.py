@@ -99,12 +99,15 @@ def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTra
 # ------------------------------------------------------------------------------------------------ models
 def model_options(cfg: RLOOConfig, platform: str) -> dict[str, Any]:
     """The policy's dtypes and execution options (`ModelConfig` fields) from the run config, for the platform
-    the programs run on ("cpu", "gpu", "tpu"): `scan_layers` None scans everywhere but on the CPU."""
+    the programs run on ("cpu", "gpu", "tpu"): `scan_layers` and `gradient_checkpointing` None mean on for
+    accelerators, off on the CPU (where both cost time and memory is not the limit; BENCHMARKS.md)."""
+    accelerator = platform != "cpu"
+    remat = accelerator if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing
     return {
         "dtype": "bfloat16" if cfg.bf16 else "float32",
         "param_dtype": cfg.param_dtype,
-        "scan_layers": platform != "cpu" if cfg.scan_layers is None else cfg.scan_layers,
-        "remat_policy": cfg.remat_policy if cfg.gradient_checkpointing else "none",
+        "scan_layers": accelerator if cfg.scan_layers is None else cfg.scan_layers,
+        "remat_policy": cfg.remat_policy if remat else "none",
     }
 
 

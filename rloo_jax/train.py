@@ -408,6 +408,7 @@ def setup(cfg: RLOOConfig) -> Session:
     cfg = for_this_machine(cfg)
     enable_compilation_cache(cfg)
     if cfg.remat_policy == "full_offloaded" and cfg.gradient_checkpointing and jax.default_backend() == "cpu":
+        # (None, the default, leaves checkpointing off on the CPU)
         raise ConfigError("remat_policy full_offloaded moves block inputs to host memory, which needs a TPU or GPU; "
                           "on CPU use --remat_policy full")
     run = prepare(cfg)

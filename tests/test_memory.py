@@ -207,7 +207,8 @@ def test_memory_options_are_validated():
 
     assert model_options(cfg, "cpu")["remat_policy"] == "none"
     assert model_options(dataclasses.replace(cfg, gradient_checkpointing=True), "cpu")["remat_policy"] == "minimal"
-    # scan_layers None: scanned on accelerators, unrolled on the CPU; an explicit value wins everywhere
-    assert [model_options(cfg, p)["scan_layers"] for p in ("cpu", "gpu", "tpu")] == [False, True, True]
+    # scan_layers and gradient_checkpointing None: on for accelerators, off on the CPU; an explicit value wins
+    assert [model_options(_cfg(), p)["scan_layers"] for p in ("cpu", "gpu", "tpu")] == [False, True, True]
+    assert [model_options(_cfg(), p)["remat_policy"] for p in ("cpu", "gpu", "tpu")] == ["none", "full", "full"]
     assert model_options(_cfg(scan_layers="true"), "cpu")["scan_layers"] is True
     assert model_options(_cfg(scan_layers="false"), "tpu")["scan_layers"] is False
