@@ -114,16 +114,24 @@ def _conv_flops(ins: _Instruction, shapes: dict[str, tuple[int, ...] | None]) ->
     return 2.0 * ins.shape[out_l.index("b")] * ins.shape[out_l.index("f")] * per_tap * taps
 
 
-def _constant(ins: _Instruction | None, by_name: dict[str, _Instruction]) -> int | None:
-    """The integer value of a scalar constant, looking through copies and bitcasts (None otherwise)."""
+def _through(ins: _Instruction | None, by_name: dict[str, _Instruction]) -> _Instruction | None:
+    """The instruction behind copies, bitcasts and converts."""
     while ins is not None and ins.opcode in ("copy", "bitcast", "convert") and ins.operands:
         ins = by_name.get(ins.operands[0])
+    return ins
+
+
+def _constant(ins: _Instruction | None, by_name: dict[str, _Instruction]) -> int | None:
+    """The integer value of a scalar constant (None otherwise)."""
+    ins = _through(ins, by_name)
     if ins is None or ins.opcode != "constant" or not re.fullmatch(r"-?\d+", ins.args.strip()):
         return None
     return int(ins.args)
 
 
-def _tuple_index(ins: _Instruction | None) -> int | None:
+def _tuple_index(ins: _Instruction | None, by_name: dict[str, _Instruction]) -> int | None:
+    """The tuple index a get-tuple-element reads (None for any other instruction)."""
+    ins = _through(ins, by_name)
     m = re.search(r"\bindex=(\d+)", ins.attrs) if ins is not None and ins.opcode == "get-tuple-element" else None
     return int(m.group(1)) if m else None
 
@@ -137,7 +145,7 @@ def _trip_count(condition: list[_Instruction], body: list[_Instruction], init: _
     root = next((i for i in condition if i.opcode == "compare" and "direction=LT" in i.attrs), None)
     if root is None or len(root.operands) != 2:
         return 1
-    index, bound = _tuple_index(cond.get(root.operands[0])), _constant(cond.get(root.operands[1]), cond)
+    index, bound = _tuple_index(cond.get(root.operands[0]), cond), _constant(cond.get(root.operands[1]), cond)
     if bound is None:
         return 1
     if index is None:  # e.g. `(i < N) & ...` over a computed counter: the bound alone
@@ -149,8 +157,9 @@ def _trip_count(condition: list[_Instruction], body: list[_Instruction], init: _
         nxt = body_by_name.get(out.operands[index])
         if nxt is not None and nxt.opcode == "add" and len(nxt.operands) == 2:
             for a, b in (nxt.operands, nxt.operands[::-1]):
-                if _tuple_index(body_by_name.get(a)) == index and _constant(body_by_name.get(b), body_by_name):
-                    step = _constant(body_by_name.get(b), body_by_name)
+                c = _constant(body_by_name.get(b), body_by_name)
+                if _tuple_index(body_by_name.get(a), body_by_name) == index and c:
+                    step = c
     if init is not None and init.opcode == "tuple" and index < len(init.operands):
         start = _constant(caller.get(init.operands[index]), caller) or 0
     return max(-(-(bound - start) // step), 0)
