@@ -180,12 +180,13 @@ def verdict(report: Report, advice: Callable[[str], Sequence[str]]) -> str:
             f"{worst.name}, peaks at {gib(worst.peak_bytes_per_chip)} per chip ({gib(hbm - worst.peak_bytes_per_chip)}"
             " headroom)"
         )
-    bad = next(p for p in report.programs if not p.fits)
-    over = bad.peak_bytes_per_chip - hbm
-    tips = "; ".join(advice(bad.name))
+    bad = [p for p in sorted(report.programs, key=lambda p: -p.peak_bytes_per_chip) if not p.fits]
+    worst, over = bad[0], bad[0].peak_bytes_per_chip - hbm
+    also = "".join(f" ({p.name} too: {gib(p.peak_bytes_per_chip)})" for p in bad[1:])
+    tips = "; ".join(advice(worst.name))
     return (
-        f"DOES NOT FIT: {bad.name} needs {gib(bad.peak_bytes_per_chip)} per chip, {gib(over)} "
-        f"({100 * over / hbm:.0f}%) over the {gib(hbm)} of a {slc.generation} chip; to bring it down: {tips}"
+        f"DOES NOT FIT: {worst.name} needs {gib(worst.peak_bytes_per_chip)} per chip, {gib(over)} "
+        f"({100 * over / hbm:.0f}%) over the {gib(hbm)} of a {slc.generation} chip{also}; to bring it down: {tips}"
     )
 
 
