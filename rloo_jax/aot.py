@@ -241,7 +241,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     from flax import nnx
     from jax.sharding import SingleDeviceSharding
 
-    from rloo_jax.build import make_optimizer, model_options, prepare, reference_params, sampling_config, step_config
+    from rloo_jax.build import make_optimizer, model_options, policy, prepare, sampling_config, step_config
     from rloo_jax.mesh import make_mesh, replicated
     from rloo_jax.models import abstract_model
     from rloo_jax.rloo import RLOOOptions
@@ -253,10 +253,9 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     mesh = make_mesh(*cfg.mesh_shape, devices=devices)
     scfg = step_config(cfg, run)
     optimizer, _ = make_optimizer(cfg, max(cfg.max_steps, 1))
-    graphdef, params = nnx.split(run.model)
-    ref = jax.eval_shape(lambda p: reference_params(graphdef, p), params) if cfg.beta > 0 else None
-    step = RLOOStep(graphdef, optimizer, scfg, mesh=mesh)
-    state = step.abstract_state(params, ref)
+    pol = policy(cfg, run.model)
+    step = RLOOStep(pol.graphdef, optimizer, scfg, mesh=mesh, ref_graphdef=pol.ref_graphdef)
+    state = step.abstract_state(pol.params, pol.ref_params, pol.frozen)
     b, p = cfg.prompts_per_generation, prompt_length(cfg)
     n = b * cfg.num_generations
     weights = jax.ShapeDtypeStruct((len(cfg.resolved_reward_weights),), jnp.float32, sharding=replicated(mesh))
@@ -276,7 +275,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     if cfg.eval_steps:
         g = cfg.resolved_num_generations_eval
         eval_cfg = StepConfig(sampling=sampling_config(cfg, run, g), rloo=RLOOOptions(beta=0.0))
-        sampler = RLOOStep(graphdef, optimizer, eval_cfg, mesh=mesh)
+        sampler = RLOOStep(pol.graphdef, optimizer, eval_cfg, mesh=mesh)
         sampler.state_shardings = step.state_shardings
         add("eval_rollout", lambda: sampler.lower_rollout(state, (cfg.eval_batch_size // g, p)), state_bytes)
     options = model_options(cfg, "tpu")
@@ -299,4 +298,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         "steps_per_generation": cfg.resolved_steps_per_generation,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
     }
+    if cfg.use_peft:
+        settings.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
+                        trainable_params=sum(x.size for x in jax.tree.leaves(pol.params)))
     return Report(slc, programs, settings)

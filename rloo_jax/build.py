@@ -24,8 +24,9 @@ from rloo_jax import demo
 from rloo_jax.config import RLOOConfig
 from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError
+from rloo_jax.lora import split_adapters, with_adapters
 from rloo_jax.metrics import check_report_to
-from rloo_jax.models import ModelLoadError, abstract_model, load_causal_lm, load_tokenizer
+from rloo_jax.models import ModelLoadError, abstract_model, load_causal_lm, load_tokenizer, lora_spec
 from rloo_jax.models.hf import resolve_checkpoint
 from rloo_jax.rewards import (
     RewardFunction,
@@ -66,11 +67,12 @@ def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps:
 
 
 def decay_mask(params: Any) -> Any:
-    """Weight decay on matrices only (as transformers skips biases and norms): `kernel` and `embedding` leaves.
-    By name, not by rank: a stacked block's norm scale [L, D] is 2-D but no matrix."""
+    """Weight decay on matrices only (as transformers skips biases and norms): `kernel`, `embedding` and LoRA's
+    A and B leaves. By name, not by rank: a stacked block's norm scale [L, D] is 2-D but no matrix."""
+    matrices = {"kernel", "embedding", "lora_a", "lora_b", "qkv_lora_a"}
 
     def is_matrix(path: tuple, _: Any) -> bool:
-        return bool({getattr(k, "key", getattr(k, "name", None)) for k in path} & {"kernel", "embedding"})
+        return bool({getattr(k, "key", getattr(k, "name", None)) for k in path} & matrices)
 
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
@@ -100,15 +102,51 @@ def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTra
 def model_options(cfg: RLOOConfig, platform: str) -> dict[str, Any]:
     """The policy's dtypes and execution options (`ModelConfig` fields) from the run config, for the platform
     the programs run on ("cpu", "gpu", "tpu"): `scan_layers` and `gradient_checkpointing` None mean on for
-    accelerators, off on the CPU (where both cost time and memory is not the limit; BENCHMARKS.md)."""
+    accelerators, off on the CPU (where both cost time and memory is not the limit; BENCHMARKS.md). With
+    `use_peft` these are the base's options; `policy` adds the adapters."""
     accelerator = platform != "cpu"
     remat = accelerator if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing
+    dtype = "bfloat16" if cfg.bf16 else "float32"
     return {
-        "dtype": "bfloat16" if cfg.bf16 else "float32",
-        "param_dtype": cfg.param_dtype,
+        "dtype": dtype,
+        # LoRA: the base is never trained, so it is read straight into the compute dtype (as TRL + peft load it);
+        # param_dtype is then the adapters' storage
+        "param_dtype": dtype if cfg.use_peft else cfg.param_dtype,
         "scan_layers": accelerator if cfg.scan_layers is None else cfg.scan_layers,
         "remat_policy": cfg.remat_policy if remat else "none",
     }
+
+
+@dataclasses.dataclass
+class Policy:
+    """The pieces of the train state (what `RLOOStep(graphdef, ..., ref_graphdef=)` and its `init_state(params,
+    ref_params, frozen)` / `abstract_state` take)."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State  # trained: the whole policy, or with LoRA its adapters only
+    ref_params: nnx.State | None  # full fine-tuning with beta > 0: the frozen reference copy
+    frozen: nnx.State | None = None  # LoRA: the base, stored in the compute dtype (also the reference)
+    ref_graphdef: nnx.GraphDef | None = None  # LoRA: the model without its adapters
+
+
+def policy(cfg: RLOOConfig, model: Any) -> Policy:
+    """The policy to train from the loaded (or abstract) model: the whole model and a reference copy, or with
+    `use_peft` adapters on a frozen base (loaded in the compute dtype by `prepare`) that is also the reference."""
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
+    if not cfg.use_peft:
+        graphdef, params = nnx.split(model)
+        ref = None
+        if cfg.beta > 0:
+            ref = jax.eval_shape(lambda p: reference_params(graphdef, p), params) if abstract else \
+                reference_params(graphdef, params)
+        return Policy(graphdef, params, ref)
+    spec = lora_spec(model.config.family, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                     cfg.use_rslora)
+    ref_graphdef, base = nnx.split(model)
+    # the adapters' A from the run's seed (its own stream: sampling uses key(seed), evaluation key(seed + 1))
+    lora_model = with_adapters(model, spec, jax.random.key(cfg.seed + 2), cfg.param_dtype)
+    graphdef, adapters, _ = split_adapters(lora_model)
+    return Policy(graphdef, adapters, None, base, ref_graphdef)
 
 
 def reference_params(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
@@ -162,6 +200,7 @@ class Run:
     reward_funcs: list[RewardFunction]
     eos_ids: tuple[int, ...]
     reward_models: list[str] = dataclasses.field(default_factory=list)  # their folders (compile-only)
+    model_dir: str = ""  # the policy's local folder (a LoRA adapter names it as its base unless given a hub id)
 
 
 def prepare(cfg: RLOOConfig, abstract: bool = False) -> Run:
@@ -172,9 +211,7 @@ def prepare(cfg: RLOOConfig, abstract: bool = False) -> Run:
     """
     model_path, dataset = cfg.model_name_or_path, cfg.dataset_name
     if model_path == "demo":
-        model_path = demo.prepare_model(
-            os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/model-{cfg.seed}")), cfg.seed
-        )
+        model_path = demo.prepare_model(demo.model_dir(CACHE_ROOT, cfg.seed), cfg.seed)
     if dataset == "demo" and not abstract:
         dataset = demo.prepare_dataset(os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/data-{cfg.seed}")), cfg.seed)
     if cfg.trust_remote_code:
@@ -209,7 +246,7 @@ def prepare(cfg: RLOOConfig, abstract: bool = False) -> Run:
     eos = eos_token_ids(model_dir, tokenizer)
     if not eos:
         raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
-    return Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, eos, reward_models)
+    return Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, eos, reward_models, model_dir)
 
 
 def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> SamplingConfig:
@@ -243,4 +280,5 @@ def step_config(cfg: RLOOConfig, run: Run) -> StepConfig:
         num_iterations=cfg.num_iterations,
         steps_per_generation=cfg.resolved_steps_per_generation,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        dropout_seed=cfg.seed if cfg.use_peft and cfg.lora_dropout > 0 else None,
     )

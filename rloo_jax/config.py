@@ -128,6 +128,41 @@ class RLOOConfig:
         "(4 chips), v4-8 (4 chips), v6e-8, any size. Mesh options and batch sizes apply to its chips.",
     )
 
+    # --- LoRA (TRL's ModelConfig names)
+    use_peft: bool = _opt(
+        False,
+        "peft",
+        "Train LoRA adapters on a frozen base instead of the whole model. The base is stored once, in the compute "
+        "dtype, and is also the reference model (adapters off: no reference copy; the KL at the first step is 0); "
+        "only the adapters are in the gradients, the optimizer state and the checkpoints. final/ is then a PEFT "
+        "adapter folder (adapter_config.json + adapter_model.safetensors).",
+    )
+    lora_r: int = _opt(16, "peft", "LoRA rank r: A [in, r], B [r, out].")
+    lora_alpha: int = _opt(32, "peft", "LoRA alpha: the adapter's output is scaled by lora_alpha / lora_r.")
+    lora_dropout: float = _opt(
+        0.05,
+        "peft",
+        "Dropout on the adapters' input in the update's forward passes (not in sampling or the reference); the "
+        "masks are drawn from seed and step, so a resumed run draws the same ones.",
+    )
+    lora_target_modules: list[str] | None = _opt(
+        None,
+        "peft",
+        "Projections with adapters, as Hugging Face names them (comma-separated): q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj (Llama/Qwen2/Mistral); query_key_value, dense, dense_h_to_4h, "
+        "dense_4h_to_h (GPT-NeoX); or all-linear (every projection of the blocks). None: peft's default for the "
+        "model (q_proj,v_proj; query_key_value).",
+    )
+    use_rslora: bool = _opt(
+        False, "peft", "rsLoRA: scale the adapter's output by lora_alpha / sqrt(lora_r) instead of lora_alpha / lora_r."
+    )
+    merge_adapter_on_export: bool = _opt(
+        False,
+        "peft",
+        "With use_peft, also write <output_dir>/final_merged: the base model with the adapters folded into its "
+        "weights (W + lora_alpha / lora_r * A B), a plain Hugging Face folder.",
+    )
+
     # --- rewards
     reward_funcs: list[str] | None = _opt(
         None,
@@ -717,6 +752,17 @@ class RLOOConfig:
             "must be in [0, 1]",
             self.ref_model_mixup_alpha,
         )
+        _check(self.lora_r >= 1, "lora_r", "must be >= 1", self.lora_r)
+        _check(self.lora_alpha > 0, "lora_alpha", "must be > 0", self.lora_alpha)
+        _check(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)", self.lora_dropout)
+        if self.merge_adapter_on_export and not self.use_peft:
+            raise ConfigError("merge_adapter_on_export merges LoRA adapters, but use_peft is off; pass --use_peft or "
+                              "drop --merge_adapter_on_export")
+        if self.use_peft and self.sync_ref_model:
+            raise ConfigError(
+                "sync_ref_model cannot be used with use_peft: the reference is the frozen base with the adapters off "
+                "(no copy of the weights is kept to sync); drop --sync_ref_model, or train without --use_peft"
+            )
         if self.sync_ref_model and self.beta == 0:
             raise ConfigError(
                 "sync_ref_model needs a reference model, but beta is 0 (no reference model is "

@@ -65,7 +65,7 @@ MODEL_CONFIG: dict[str, Any] = {
     "rope_theta": 10000.0,
     "hidden_act": "silu",
     "tie_word_embeddings": True,
-    "initializer_range": 0.02,
+    "initializer_range": 0.2,
     "bos_token_id": None,
     "eos_token_id": 1,
     "pad_token_id": 0,
@@ -92,6 +92,17 @@ def build_tokenizer() -> Any:
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+# Bumped whenever MODEL_CONFIG changes, so a cached folder of an older demo model is never reused. v2: embeddings
+# and weights drawn at initializer_range 0.2 (was 0.02): with 0.02-scale tied embeddings the head's logits stay
+# within about +-1.3 whatever the blocks compute, so training only the blocks (LoRA) could not move the reward.
+MODEL_VERSION = 2
+
+
+def model_dir(cache_root: str, seed: int) -> str:
+    """Where the demo policy of `seed` is cached under `cache_root`."""
+    return os.path.expanduser(os.path.join(cache_root, f"demo/model-v{MODEL_VERSION}-{seed}"))
 
 
 def prepare_model(directory: str | os.PathLike, seed: int) -> str:

@@ -240,14 +240,17 @@ def _param_like(tree: Any, params: Any) -> bool:
 
 
 def state_shardings(
-    train_state: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES, param_fields: Sequence[str] = ("params", "ref_params")
+    train_state: Any,
+    mesh: Mesh,
+    rules: Rules = LOGICAL_RULES,
+    param_fields: Sequence[str] = ("params", "ref_params", "frozen"),
 ) -> Any:
     """Shardings for a whole train state (concrete or ``jax.eval_shape`` abstract): same pytree structure.
 
-    ``params``/``ref_params``: the rule table (``param_shardings``). ``opt_state``: every subtree with the params'
-    structure (optax moments mirror the params) takes the params' sharding leaf by leaf where the shapes agree
-    (factored statistics of another shape are replicated); everything else, e.g. ``count``, ``step``, is
-    replicated.
+    ``params``/``ref_params``/``frozen``: the rule table (``param_shardings``). ``opt_state``: every subtree
+    with the params' structure (optax moments mirror the params) takes the params' sharding leaf by leaf where
+    the shapes agree (factored statistics of another shape are replicated); everything else, e.g. ``count``,
+    ``step``, is replicated.
     """
     params = train_state.params
     p_shard = param_shardings(params, mesh, rules)

@@ -48,10 +48,11 @@ Array = jax.Array
 class TrainState:
     """Everything that changes during training (a pytree; checkpoint it whole)."""
 
-    params: nnx.State  # policy nnx.Param state
+    params: nnx.State  # what is trained: the policy's nnx.Param state, or with LoRA its adapters only
     opt_state: optax.OptState
-    ref_params: nnx.State | None  # frozen reference policy; None when beta == 0
+    ref_params: nnx.State | None  # frozen reference policy; None when beta == 0 or with LoRA
     step: Array  # [] int32, optimizer updates applied so far
+    frozen: nnx.State | None = None  # LoRA: the base model (never trained; also the reference); else None
 
 
 @struct.dataclass
@@ -80,6 +81,9 @@ class StepConfig:
     """Micro-batches the generation batch is split into."""
     gradient_accumulation_steps: int = 1
     """Micro-batches whose gradients are averaged into one optimizer update."""
+    dropout_seed: int | None = None
+    """LoRA dropout in the update's forwards: micro-batch i of update u draws from fold_in(fold_in(key(seed),
+    step + u), i) (None: no dropout; the model's `lora.dropout` is then unused)."""
     logprob_chunk: int = 64
     """Sequence positions unembedded at a time when computing log-probs (bounds the [.., V] logits held: at
     8 rows x 1024 positions and V = 152k, 64 keeps the log-prob pass under 1/8 of the full float32 logits;
@@ -124,6 +128,7 @@ def completion_logps(
     temperature: float,
     chunk: int = 128,
     with_entropy: bool = False,
+    dropout_key: Array | None = None,
 ) -> Array | tuple[Array, Array]:
     """Per-token log-probs of the completions under ``params``: ``[N, C]`` float32 (and entropy ``[N, C]``).
 
@@ -131,12 +136,13 @@ def completion_logps(
     completion ``r``); completion ids/mask ``[N, C]``. Each distinct prompt row runs through the model once and its
     G completions attend to its keys (``CausalLM.completion_hidden_states``; the same numbers as one forward over
     ``[prompt; completion]``, without repeating the prompt G times). The vocabulary projection runs in chunks of
-    ``chunk`` positions (``per_token_logps_from_hidden``).
+    ``chunk`` positions (``per_token_logps_from_hidden``). With LoRA, ``params`` is ``lora.merge_params(base,
+    adapters)``; ``dropout_key`` applies the adapters' dropout (training forwards).
     """
     model = nnx.merge(graphdef, params)
     if completion_ids.shape[0] % prompt_ids.shape[0]:
         raise ValueError(f"{completion_ids.shape[0]} completions do not split into {prompt_ids.shape[0]} prompts")
-    hidden = model.completion_hidden_states(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    hidden = model.completion_hidden_states(prompt_ids, prompt_mask, completion_ids, completion_mask, dropout_key)
     return per_token_logps_from_hidden(
         hidden, model.unembed, completion_ids, temperature, chunk_size=chunk, with_entropy=with_entropy
     )
@@ -157,6 +163,11 @@ def _completion_stats(mask: Array, lengths: Array, is_truncated: Array) -> dict[
     }
 
 
+def policy_params(state: TrainState) -> nnx.State:
+    """The whole policy's parameters: ``state.params``, or with LoRA the frozen base merged with the adapters."""
+    return state.params if state.frozen is None else nnx.merge_state(state.frozen, state.params)
+
+
 def sync_reference(params: nnx.State, ref_params: nnx.State, alpha: float) -> nnx.State:
     """TR-DPO reference update: ``ref <- alpha * policy + (1 - alpha) * ref`` (leafwise)."""
     return jax.tree.map(lambda p, r: (alpha * p + (1.0 - alpha) * r).astype(r.dtype), params, ref_params)
@@ -167,6 +178,9 @@ def sync_reference(params: nnx.State, ref_params: nnx.State, alpha: float) -> nn
 
 class RLOOStep:
     """Holds only static things (graphdef, optax transform, StepConfig, mesh) and the jitted step functions.
+
+    LoRA: ``graphdef`` is the model with adapters, ``ref_graphdef`` the same model without them; the state trains
+    the adapters (``params``) on a ``frozen`` base, which with ``ref_graphdef`` is also the reference (no copy).
 
     ``mesh=None``: plain ``jax.jit`` on the default device. With a ``mesh`` (``rloo_jax.mesh.make_mesh``), call
     ``init_state`` first: it places the state on its shardings (``self.state_shardings``), which the jitted
@@ -182,8 +196,10 @@ class RLOOStep:
         cfg: StepConfig,
         mesh: jax.sharding.Mesh | None = None,
         rules: Rules | None = None,
+        ref_graphdef: nnx.GraphDef | None = None,
     ) -> None:
         self.graphdef = graphdef
+        self.ref_graphdef = graphdef if ref_graphdef is None else ref_graphdef
         self.optimizer = optimizer
         self.cfg = cfg
         self.mesh = mesh
@@ -203,29 +219,40 @@ class RLOOStep:
             # traced under the mesh, so the model's activation constraints (`rloo_jax.mesh.constrain`) apply
             self._rollout, self._update = self._on_mesh(self._rollout), self._on_mesh(self._update)
 
-    def init_state(self, params: nnx.State, ref_params: nnx.State | None = None) -> TrainState:
-        """A fresh state; ``ref_params`` is required when beta > 0 (usually a copy of the initial policy).
+    def init_state(
+        self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None
+    ) -> TrainState:
+        """A fresh state; ``ref_params`` is required when beta > 0 (usually a copy of the initial policy), unless
+        ``frozen`` is given (LoRA: ``params`` are the adapters, ``frozen`` the base, which is the reference).
 
         With a mesh the state is created directly on its shardings (the optimizer state is initialised sharded).
         """
-        if self.cfg.rloo.beta != 0.0 and ref_params is None:
-            raise ValueError("beta != 0 needs ref_params (a frozen copy of the initial policy)")
-        ref_params = ref_params if self.cfg.rloo.beta != 0.0 else None
+        ref_params = self._check_reference(ref_params, frozen)
         if self.mesh is None:
             return TrainState(
                 params=params,
                 opt_state=self.optimizer.init(params),
                 ref_params=ref_params,
                 step=jnp.zeros((), jnp.int32),
+                frozen=frozen,
             )
-        shardings = self._fix_shardings(params, ref_params)
+        shardings = self._fix_shardings(params, ref_params, frozen)
         params = shard_params(params, shardings.params)
         return TrainState(
             params=params,
             opt_state=jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params),
             ref_params=None if ref_params is None else shard_params(ref_params, shardings.ref_params),
             step=replicate(np.zeros((), np.int32), self.mesh),
+            frozen=None if frozen is None else shard_params(frozen, shardings.frozen),
         )
+
+    def _check_reference(self, ref_params: nnx.State | None, frozen: nnx.State | None) -> nnx.State | None:
+        """The reference to keep: None when beta == 0 or when the frozen base is the reference (LoRA)."""
+        if self.cfg.rloo.beta == 0.0 or frozen is not None:
+            return None
+        if ref_params is None:
+            raise ValueError("beta != 0 needs ref_params (a frozen copy of the initial policy)")
+        return ref_params
 
     def _on_mesh(self, f: Callable) -> Callable:
         def traced(*args: object) -> object:
@@ -234,23 +261,27 @@ class RLOOStep:
 
         return traced
 
-    def abstract_state(self, params: nnx.State, ref_params: nnx.State | None = None) -> TrainState:
+    def abstract_state(
+        self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None
+    ) -> TrainState:
         """The state ``init_state`` would build, as ``ShapeDtypeStruct`` leaves (with their shardings on a mesh):
         for ahead-of-time compilation (``lower_rollout``, ``lower_update``) without any parameter in memory.
-        ``params``/``ref_params`` may themselves be abstract (``nnx.eval_shape``)."""
-        ref_params = ref_params if self.cfg.rloo.beta != 0.0 else None
-        abstract = jax.eval_shape(self._new_state, params, ref_params)
+        ``params``/``ref_params``/``frozen`` may themselves be abstract (``nnx.eval_shape``)."""
+        ref_params = None if self.cfg.rloo.beta == 0.0 or frozen is not None else ref_params
+        abstract = jax.eval_shape(self._new_state, params, ref_params, frozen)
         if self.mesh is None:
             return abstract
-        shardings = self._fix_shardings(params, ref_params)
+        shardings = self._fix_shardings(params, ref_params, frozen)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
-    def _new_state(self, params: nnx.State, ref_params: nnx.State | None) -> TrainState:
-        return TrainState(params, self.optimizer.init(params), ref_params, jnp.zeros((), jnp.int32))
+    def _new_state(self, params: nnx.State, ref_params: nnx.State | None, frozen: nnx.State | None) -> TrainState:
+        return TrainState(params, self.optimizer.init(params), ref_params, jnp.zeros((), jnp.int32), frozen)
 
-    def _fix_shardings(self, params: nnx.State, ref_params: nnx.State | None) -> TrainState:
+    def _fix_shardings(
+        self, params: nnx.State, ref_params: nnx.State | None, frozen: nnx.State | None = None
+    ) -> TrainState:
         """The state's shardings by the rule table (``self.state_shardings``, which the sharded jits take)."""
-        abstract = jax.eval_shape(self._new_state, params, ref_params)
+        abstract = jax.eval_shape(self._new_state, params, ref_params, frozen)
         self.state_shardings = state_shardings(abstract, self.mesh, self.rules)
         return self.state_shardings
 
@@ -365,7 +396,7 @@ class RLOOStep:
     def _rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
         cfg = self.cfg
         sc = cfg.sampling
-        gen = generate_fn(self.graphdef, state.params, prompt_ids, prompt_mask, key, sc)
+        gen = generate_fn(self.graphdef, policy_params(state), prompt_ids, prompt_mask, key, sc)
         prompt_ids, prompt_mask = _left_align(prompt_ids, prompt_mask)
         # TRL's mask/truncation rule (a pad id as last token counts as terminated)
         mask, truncated = completion_mask(gen.completion_ids, sc.eos_token_ids or (-1,), sc.pad_token_id)
@@ -376,10 +407,12 @@ class RLOOStep:
             # in the update's micro-batches: the reference pass never holds more activations than a training step
             micro = self._micro_batches(prompt_ids, prompt_mask, {"completion_ids": gen.completion_ids, "mask": mask})
 
+            ref = state.frozen if state.ref_params is None else state.ref_params  # LoRA: the base, adapters off
+
             def ref_pass(i: Array) -> Array:
                 mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
                 return completion_logps(
-                    self.graphdef, state.ref_params, mb["prompt_ids"], mb["prompt_mask"],
+                    self.ref_graphdef, ref, mb["prompt_ids"], mb["prompt_mask"],
                     mb["completion_ids"], mb["mask"], cfg.temperature, cfg.logprob_chunk,
                 )
 
@@ -417,11 +450,14 @@ class RLOOStep:
         return adv, metrics
 
     # -- update -------------------------------------------------------------------------------------------------
-    def _loss(self, params: nnx.State, mb: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+    def _loss(
+        self, params: nnx.State, frozen: nnx.State | None, mb: dict[str, Array], key: Array | None
+    ) -> tuple[Array, dict[str, Array]]:
         cfg = self.cfg
+        whole = params if frozen is None else nnx.merge_state(frozen, params)  # gradients reach `params` only
         logps, entropy = completion_logps(
-            self.graphdef, params, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"],
-            cfg.temperature, cfg.logprob_chunk, with_entropy=True,
+            self.graphdef, whole, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"],
+            cfg.temperature, cfg.logprob_chunk, with_entropy=True, dropout_key=key,
         )
         mask = mb["mask"].astype(jnp.float32)
         old = jax.lax.stop_gradient(logps) if cfg.on_policy else mb["old_logps"]
@@ -451,9 +487,12 @@ class RLOOStep:
         micro = self._micro_batches(rollout.prompt_ids, rollout.prompt_mask, batch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
-        def micro_grads(params: nnx.State, i: Array) -> tuple[nnx.State, dict[str, Array]]:
+        def micro_grads(params: nnx.State, u: Array, i: Array) -> tuple[nnx.State, dict[str, Array]]:
             mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
-            (loss, m), grads = grad_fn(params, mb)
+            key = None
+            if cfg.dropout_seed is not None:  # a fresh mask per update and micro-batch, reproducible on resume
+                key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.dropout_seed), state.step + u), i)
+            (loss, m), grads = grad_fn(params, state.frozen, mb, key)
             if self.state_shardings is not None:  # gradients reduce-scattered to the params' layout (FSDP)
                 grads = jax.lax.with_sharding_constraint(grads, self.state_shardings.params)
             m["loss"] = loss
@@ -463,11 +502,11 @@ class RLOOStep:
             params, opt_state = carry
             first = (u % (spg // gas)) * gas
             if gas == 1:  # no zeros + add + divide over every parameter
-                grads, m = micro_grads(params, first)
+                grads, m = micro_grads(params, u, first)
             else:
 
                 def accumulate(grads_sum: nnx.State, j: Array) -> tuple[nnx.State, dict[str, Array]]:
-                    grads, m = micro_grads(params, first + j)
+                    grads, m = micro_grads(params, u, first + j)
                     return jax.tree.map(jnp.add, grads_sum, grads), m
 
                 grads, m = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), jnp.arange(gas))
@@ -508,6 +547,8 @@ class RLOOStep:
         return jax.tree.map(lambda x: self._rows(x.reshape(spg, x.shape[0] // spg, *x.shape[1:]), axis=1), batch)
 
     def _sync_reference(self, state: TrainState, alpha: float) -> TrainState:
+        if state.frozen is not None:
+            raise ValueError("with LoRA the reference is the frozen base (adapters off): there is no copy to sync")
         return state.replace(ref_params=sync_reference(state.params, state.ref_params, alpha))
 
 

@@ -42,8 +42,8 @@ from rloo_jax.build import (
     eos_token_ids,
     lr_schedule,
     make_optimizer,
+    policy,
     prepare,
-    reference_params,
     sampling_config,
     step_config,
 )
@@ -58,6 +58,7 @@ from rloo_jax.config import (
 )
 from rloo_jax.data import PromptBatch, PromptIterator, eval_batches, is_conversational
 from rloo_jax.errors import ConfigError, DataError, RewardError
+from rloo_jax.lora import merge_adapters
 from rloo_jax.mesh import (
     host_local_batch_to_global,
     initialize_distributed,
@@ -77,11 +78,11 @@ from rloo_jax.metrics import (
     rollout_records,
     weighted_rewards,
 )
-from rloo_jax.models import ModelLoadError, save_pretrained
+from rloo_jax.models import ModelLoadError, save_adapter, save_pretrained
 from rloo_jax.rewards import compute_rewards, format_reward_error, repeat_per_generation
 from rloo_jax.rloo import RLOOOptions
 from rloo_jax.sampling import generate
-from rloo_jax.step import RLOOStep, StepConfig
+from rloo_jax.step import RLOOStep, StepConfig, policy_params
 
 logger = logging.getLogger("rloo_jax")
 __all__ = ["CACHE_ROOT", "eos_token_ids", "lr_schedule", "main", "make_optimizer", "train"]  # re-exported: old paths
@@ -301,7 +302,7 @@ def evaluate(
     cfg = run.cfg
     g = cfg.resolved_num_generations_eval
     sc = sampling_config(cfg, run, g)
-    model = nnx.merge(graphdef, state.params) if sampler is None else None
+    model = nnx.merge(graphdef, policy_params(state)) if sampler is None else None
     per_func, lengths, truncated = [], [], []
     for i, (idx, real) in enumerate(eval_batches(len(run.eval_ds), cfg.eval_batch_size // g)):
         rows = place.rows(len(idx))
@@ -422,10 +423,11 @@ def setup(cfg: RLOOConfig) -> Session:
     optimizer, schedule = make_optimizer(cfg, total)
     lr_at = jax.jit(schedule)  # one dispatch, not a handful of eager ops, per logged step
     lr_at(0)  # compiled here, not at the first logged step (no compile after step 1)
-    graphdef, params = nnx.split(run.model)
-    ref = reference_params(graphdef, params) if cfg.beta > 0 else None
-    step_fn = RLOOStep(graphdef, optimizer, scfg, mesh=place.mesh)
-    state = step_fn.init_state(params, ref)  # with a mesh: placed on its shardings (FSDP / tensor parallel)
+    pol = policy(cfg, run.model)  # the whole model, or with use_peft adapters on a frozen base
+    graphdef = pol.graphdef
+    step_fn = RLOOStep(graphdef, optimizer, scfg, mesh=place.mesh, ref_graphdef=pol.ref_graphdef)
+    # with a mesh: placed on its shardings (FSDP / tensor parallel)
+    state = step_fn.init_state(pol.params, pol.ref_params, pol.frozen)
     eval_sampler = None
     if place.mesh is not None and run.eval_ds is not None:
         # evaluation samples on the sharded state through a rollout with the evaluation SamplingConfig (beta 0:
@@ -440,6 +442,7 @@ def setup(cfg: RLOOConfig) -> Session:
         "rollouts": os.path.join(out, "rollouts.jsonl"),
         "checkpoints": os.path.join(out, "checkpoints"),
         "final": os.path.join(out, "final"),
+        "final_merged": os.path.join(out, "final_merged"),
         "config": os.path.join(out, "config.yaml"),
     }
     return Session(
@@ -456,8 +459,10 @@ def resume(s: Session) -> None:
     s.ckpt = Checkpointer(s.paths["checkpoints"], max_to_keep=s.cfg.save_total_limit)  # every process: collective
     latest = s.ckpt.latest_step()
     if latest is not None:
-        check_layout(s.ckpt.read_meta(latest), s.run.model.config.scan_layers, latest)
-        s.state, key, meta = s.ckpt.restore(latest, s.state, s.place.replicate(s.base_key))  # onto its shardings
+        check_layout(s.ckpt.read_meta(latest), layout(s), latest)
+        # onto its shardings; a LoRA checkpoint holds the adapters and their optimizer state, not the frozen base
+        restored, key, meta = s.ckpt.restore(latest, s.state.replace(frozen=None), s.place.replicate(s.base_key))
+        s.state = restored.replace(frozen=s.state.frozen)
         s.base_key = s.place.host_key(key)
         s.iterator.load_state_dict(meta["data"])
         s.step = s.saved = int(meta["step"])
@@ -485,26 +490,39 @@ def resume(s: Session) -> None:
     s.rollouts = JsonlWriter(s.paths["rollouts"])
 
 
-def check_layout(meta: dict[str, Any], scan_layers: bool, step: int) -> None:
-    """A checkpoint restores onto the parameter layout it was written with (stacked blocks or a list of them);
-    checkpoints from before the layout was recorded hold a list."""
+def layout(s: Session) -> dict[str, Any]:
+    """What a checkpoint's state is shaped by: the block layout and the adapters (None: full fine-tuning)."""
+    lora = s.cfg.use_peft and {"r": s.cfg.lora_r, "target_modules": s.cfg.lora_target_modules}
+    return {"scan_layers": s.run.model.config.scan_layers, "lora": lora or None}
+
+
+def check_layout(meta: dict[str, Any], current: dict[str, Any], step: int) -> None:
+    """A checkpoint restores onto the parameter layout it was written with (stacked blocks or a list of them;
+    adapters or the whole model); checkpoints from before the layout was recorded hold a list, no adapters."""
     saved = meta.get("layout", {}).get("scan_layers", False)
-    if saved != scan_layers:
+    if saved != current["scan_layers"]:
         raise ConfigError(
             f"checkpoint {step} holds the {'stacked' if saved else 'per-layer'} parameter layout of scan_layers="
             f"{str(saved).lower()}; resume with --scan_layers {str(saved).lower()} (the numbers are the same)"
         )
+    lora = meta.get("layout", {}).get("lora")
+    if lora != current["lora"]:
+        held = "full fine-tuning" if lora is None else f"LoRA adapters (lora_r {lora['r']}, lora_target_modules " \
+            f"{lora['target_modules']})"
+        raise ConfigError(f"checkpoint {step} holds {held}; resume with the same use_peft / lora_r / "
+                          "lora_target_modules, or start a new output_dir")
 
 
 def save(s: Session) -> None:
     meta = {
-        "layout": {"scan_layers": s.run.model.config.scan_layers},
+        "layout": layout(s),
         "data": s.iterator.state_dict(),
         "step": s.step,
         "counters": {"num_tokens": s.num_tokens, "num_truncated_prompts": s.truncated_prompts},
         "window": s.window.state_dict(),
     }
-    s.ckpt.save(s.step, s.state, s.place.replicate(s.base_key), meta)
+    # the frozen base (LoRA) is not saved: resume reads it from model_name_or_path again
+    s.ckpt.save(s.step, s.state.replace(frozen=None), s.place.replicate(s.base_key), meta)
     s.saved = s.step
 
 
@@ -639,13 +657,36 @@ def finish(s: Session, stopped: bool) -> None:
     bad = nonfinite_leaves(s.state.params)
     if bad:
         raise NonFiniteError(f"refusing to export {s.paths['final']}: non-finite values in {', '.join(bad[:3])}")
-    # the export needs the whole parameters on the host: gathered from every process's shards (all take part)
-    host_params = s.state.params if s.place.mesh is None else s.place.gather_tree(s.state.params)
+    export(s)
     if s.place.is_main:
-        save_pretrained(nnx.merge(s.graphdef, host_params), s.paths["final"], tokenizer=s.run.tokenizer)
         print(f"Done: {s.step} optimizer steps. Outputs in {os.path.abspath(s.cfg.output_dir)}:")
-        for name in ("metrics", "rollouts", "checkpoints", "final", "config"):
+        names = ("metrics", "rollouts", "checkpoints", "final") + ("final_merged",) * s.cfg.merge_adapter_on_export
+        for name in (*names, "config"):
             print(f"  {name:12s} {s.paths[name]}")
+
+
+def export(s: Session) -> None:
+    """`final/`: the policy as a Hugging Face folder, or with LoRA a PEFT adapter folder (plus, with
+    merge_adapter_on_export, `final_merged/`: the base with the adapters folded in)."""
+    # the export needs the parameters on the host: gathered from every process's shards (all take part)
+    gather = (lambda t: t) if s.place.mesh is None else s.place.gather_tree
+    if not s.cfg.use_peft:
+        host_params = gather(s.state.params)
+        if s.place.is_main:
+            save_pretrained(nnx.merge(s.graphdef, host_params), s.paths["final"], tokenizer=s.run.tokenizer)
+        return
+    adapters = gather(s.state.params)
+    base = gather(s.state.frozen) if s.cfg.merge_adapter_on_export else jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s.state.frozen)  # the adapter export reads no base
+    if not s.place.is_main:
+        return
+    model = nnx.merge(s.graphdef, base, adapters)
+    local = os.path.isdir(os.path.expanduser(s.cfg.model_name_or_path))
+    name = os.path.abspath(s.run.model_dir) if local or s.cfg.model_name_or_path == "demo" else \
+        s.cfg.model_name_or_path
+    save_adapter(model, s.paths["final"], name, tokenizer=s.run.tokenizer)
+    if s.cfg.merge_adapter_on_export:
+        save_pretrained(merge_adapters(model), s.paths["final_merged"], tokenizer=s.run.tokenizer)
 
 
 def train(cfg: RLOOConfig) -> dict[str, str]:

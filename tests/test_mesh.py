@@ -69,12 +69,30 @@ def rewards_of(ids, first_row=0):
     r[np.arange(len(ids)) + first_row == 1] = np.nan
     return r
 
-def scenario(mesh):
+def lora_parts():
+    """Adapters (B random, so the KL and A's gradients are not 0) on all projections of the stacked model, with
+    dropout; the base is frozen and is the reference."""
+    from rloo_jax.lora import split_adapters, with_adapters
+    from rloo_jax.models import lora_spec
+    base = init_causal_lm(TINY, seed=0)
+    graphdef, adapters, frozen = split_adapters(with_adapters(base, lora_spec("llama", 4, 8, 0.1, "all-linear"),
+                                                              jax.random.key(2)))
+    adapters = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(x.size), x.shape), adapters)
+    return graphdef, adapters, frozen, nnx.graphdef(base)
+
+def scenario(mesh, lora=False):
     """init -> rollout -> host rewards -> one SGD update; each process feeds only its own prompts/rewards."""
-    graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
-    step = RLOOStep(graphdef, optax.sgd(0.5), CFG, mesh=mesh)
-    ref = jax.tree.map(lambda x: x + 0.01, copy(params))  # reference != policy, so the KL is not 0
-    state = step.init_state(copy(params), ref)
+    if lora:
+        import dataclasses
+        graphdef, params, frozen, ref_graphdef = lora_parts()
+        step = RLOOStep(graphdef, optax.sgd(0.5), dataclasses.replace(CFG, dropout_seed=3), mesh=mesh,
+                        ref_graphdef=ref_graphdef)
+        state = step.init_state(params, frozen=frozen)
+    else:
+        graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
+        step = RLOOStep(graphdef, optax.sgd(0.5), CFG, mesh=mesh)
+        ref = jax.tree.map(lambda x: x + 0.01, copy(params))  # reference != policy, so the KL is not 0
+        state = step.init_state(copy(params), ref)
     key, w = jax.random.key(7), np.ones((1,), np.float32)
     if mesh is None:
         ids, mask = IDS, MASK
@@ -113,6 +131,7 @@ if mode == "process":
     res, *_ = scenario(M.make_mesh(2, -1, 2))
     out = {"process_index": jax.process_index(), "devices": jax.device_count(),
            "local_devices": jax.local_device_count(), **res}
+    out["lora"] = scenario(M.make_mesh(2, -1, 2), lora=True)[0]
     jax.distributed.shutdown()
 else:
     mesh = M.make_mesh(2, 2, 2)
@@ -124,6 +143,11 @@ else:
     hlo = jitted.lower(*rollout_args).compile().as_text()
     out["cache_shapes"] = sorted(set(re.findall(r"f32\[2,\d+,\d+,6,8\]", hlo)))
     out["single"], out["sharded"] = single, sharded
+    out["lora_single"], _, _, _ = scenario(None, lora=True)
+    out["lora_sharded"], l_state, _, _ = scenario(mesh, lora=True)
+    a = l_state.params["model"]["layers"]["attn"]["q"]["lora_a"][...]  # [L 2, embed 32, r 4]
+    out["lora_a"] = {"shard": list(a.addressable_shards[0].data.shape), "spec": str(a.sharding.spec)}
+    out["lora_frozen_head_shard"] = list(l_state.frozen["lm_head"]["kernel"][...].addressable_shards[0].data.shape)
     out["param_max_diff"] = max(
         float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
         for a, b in zip(jax.tree.leaves(s_state.params), jax.tree.leaves(m_state.params), strict=True))
@@ -389,6 +413,19 @@ def test_make_mesh_on_8_devices(compare):
     assert "positive or -1" in errors[3]
 
 
+def test_lora_update_sharded_equals_single_device(compare):
+    """LoRA on the 2x2x2 mesh (stacked layers, dropout): the same completions, metrics and adapters as on one
+    device; the adapters and the frozen base are sharded by the rule table (the rank axis replicated)."""
+    single, sharded = compare["lora_single"], compare["lora_sharded"]
+    assert single["completions"] == sharded["completions"]
+    for name, value in single["metrics"].items():
+        assert sharded["metrics"][name] == pytest.approx(value, abs=1e-5), name
+    assert abs(single["metrics"]["kl"]) > 1e-4 and single["metrics"]["grad_norm"] > 1e-3
+    np.testing.assert_allclose(single["param_sums"], sharded["param_sums"], atol=1e-4)
+    assert compare["lora_a"] == {"shard": [2, 16, 4], "spec": "P(None, 'fsdp')"}
+    assert compare["lora_frozen_head_shard"] == [16, 20]
+
+
 # ------------------------------------------------------------------------------------------- 2 processes
 def test_two_processes_equal_one_process(two_processes, compare):
     """Each process loads half the prompts and rewards its own completions; results == one 8-device process."""
@@ -402,3 +439,6 @@ def test_two_processes_equal_one_process(two_processes, compare):
         for name, value in want["metrics"].items():
             assert p["metrics"][name] == pytest.approx(value, abs=1e-5), name
         np.testing.assert_allclose(p["param_sums"], want["param_sums"], atol=1e-5)
+        for name, value in compare["lora_sharded"]["metrics"].items():  # LoRA, two processes
+            assert p["lora"]["metrics"][name] == pytest.approx(value, abs=1e-5), name
+        np.testing.assert_allclose(p["lora"]["param_sums"], compare["lora_sharded"]["param_sums"], atol=1e-5)

@@ -60,10 +60,10 @@ def snapshot(directory):
 class Launch:
     """`python -m rloo_jax.train RUN --output_dir out` in a subprocess; stdout/stderr to files (no pipe stalls)."""
 
-    def __init__(self, out, cache, log):
+    def __init__(self, out, cache, log, run=RUN):
         self.log = log
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-        args = [*RUN, "--output_dir", str(out), "--compilation_cache_dir", str(cache)]
+        args = [*run, "--output_dir", str(out), "--compilation_cache_dir", str(cache)]
         self.stdout, self.stderr = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rloo_jax.train", *args], cwd=ROOT, env=env, stdout=self.stdout, stderr=self.stderr
@@ -197,6 +197,36 @@ def test_killed_runs_resume_bit_identical_to_an_uninterrupted_run(reference, cac
     assert all(r["skipped_steps"] == 0 for r in train_rows)
 
 
+# LoRA: adapters on every projection with dropout (its masks come from seed and step), the base as the reference
+LORA_RUN = [*RUN[: RUN.index("--sync_ref_model")], "--use_peft", "--lora_target_modules", "all-linear",
+            "--lora_dropout", "0.1", "--lora_r", "4"]
+
+
+def test_killed_lora_runs_resume_bit_identical(cache, tmp_path):
+    straight = Launch(tmp_path / "straight", cache, tmp_path / "straight", LORA_RUN)
+    assert straight.wait() == 0, straight.output()[1][-3000:]
+    out = tmp_path / "run"
+    for i, condition in enumerate([logged(out, 6), saving(out, 8)]):
+        launch = Launch(out, cache, tmp_path / f"log{i}", LORA_RUN)
+        try:
+            assert wait_for(launch.proc, condition), f"run {i} ended before its kill point"
+            launch.proc.send_signal(signal.SIGKILL)
+            assert launch.wait() == -signal.SIGKILL
+        finally:
+            launch.close()
+    last = Launch(out, cache, tmp_path / "last", LORA_RUN)
+    assert last.wait() == 0, last.output()[1][-3000:]
+    assert "Resuming from checkpoint" in last.output()[0]
+    adapter = "final/adapter_model.safetensors"
+    assert sha256(out / adapter) == sha256(tmp_path / "straight" / adapter)
+    assert without_wall_time(read_jsonl(out / "metrics.jsonl")) == without_wall_time(
+        read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+    assert read_jsonl(out / "rollouts.jsonl") == read_jsonl(tmp_path / "straight" / "rollouts.jsonl")
+    # a LoRA checkpoint holds the adapters and their AdamW moments, not the frozen base: no base weight is listed
+    listed = (out / "checkpoints" / "12" / "state" / "_METADATA").read_text()
+    assert "lora_b" in listed and not any(name in listed for name in ("kernel", "embedding", "scale"))
+
+
 # ------------------------------------------------------------------------------------------------ non-finite
 def extreme_reward(completions, **kwargs):
     """Finite rewards whose leave-one-out advantages overflow float32: non-finite loss and gradients."""
@@ -258,9 +288,10 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, capsys):
 
 
 def demo_model_dir(seed):
+    from rloo_jax import demo
     from rloo_jax.train import CACHE_ROOT
 
-    return os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/model-{seed}"))
+    return demo.model_dir(CACHE_ROOT, seed)
 
 
 def make_like(cfg, params):

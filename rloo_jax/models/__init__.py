@@ -1,20 +1,32 @@
 """Flax NNX causal LMs (Llama/Qwen2/Mistral, GPT-NeoX) and reward heads, with Hugging Face checkpoint I/O."""
 
-from rloo_jax.models.config import ModelConfig, ModelLoadError, config_from_hf, config_to_hf, rope_inv_freq
+from rloo_jax.models.config import (
+    LoRASpec,
+    ModelConfig,
+    ModelLoadError,
+    config_from_hf,
+    config_to_hf,
+    lora_spec,
+    rope_inv_freq,
+)
 from rloo_jax.models.hf import (
     abstract_model,
+    adapter_table,
     export_tensors,
     init_causal_lm,
     init_reward_model,
+    load_adapter,
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
+    save_adapter,
     save_pretrained,
     weight_table,
 )
 from rloo_jax.models.transformer import (
     CausalLM,
     DecodeCache,
+    LoRAParam,
     PromptCache,
     RewardModel,
     last_token_index,
@@ -25,23 +37,29 @@ from rloo_jax.models.transformer import (
 __all__ = [
     "CausalLM",
     "DecodeCache",
+    "LoRAParam",
+    "LoRASpec",
     "ModelConfig",
     "ModelLoadError",
     "PromptCache",
     "RewardModel",
     "abstract_model",
+    "adapter_table",
     "config_from_hf",
     "config_to_hf",
     "export_tensors",
     "init_causal_lm",
     "init_reward_model",
     "last_token_index",
+    "load_adapter",
     "load_causal_lm",
     "load_reward_model",
     "load_tokenizer",
     "logical_axes",
+    "lora_spec",
     "positions_from_mask",
     "rope_inv_freq",
+    "save_adapter",
     "save_pretrained",
     "weight_table",
 ]

@@ -45,6 +45,61 @@ REMAT_POLICIES: dict[str, str] = {
     "full": "keep only each block's input; recompute the whole block in the backward pass",
     "full_offloaded": "as full, with the block inputs offloaded to host memory (TPU/GPU; not on CPU)",
 }
+# LoRA targets: Hugging Face module name -> our projection (`transformer.py`), per family. GPT-NeoX's fused
+# `query_key_value` is our q, k and v sharing one A (its B split three ways, as the kernel is).
+LORA_MODULES: dict[str, dict[str, str]] = {
+    "llama": {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+              "down_proj": "down"},
+    "gpt_neox": {"query_key_value": "qkv", "dense": "o", "dense_h_to_4h": "up", "dense_4h_to_h": "down"},
+}
+# peft's defaults when no target is named (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
+LORA_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {"llama": ("q_proj", "v_proj"), "gpt_neox": ("query_key_value",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRASpec:
+    """Low-rank adapters on some projections: y = x W + scale * dropout(x) A B, A [din, r], B [r, dout].
+
+    `targets` are Hugging Face module names of the family (`LORA_MODULES`); scale = alpha / r, or alpha / sqrt(r)
+    with `use_rslora` (peft's rsLoRA). Dropout applies to the adapter's input in training forwards only.
+    """
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ()
+    use_rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    def ours(self, family: str) -> frozenset[str]:
+        """Our projection names the targets select ("q", "k", "v", "o", "gate", "up", "down"; "qkv" fused)."""
+        return frozenset(LORA_MODULES[family][t] for t in self.targets)
+
+
+def lora_spec(
+    family: str, rank: int, alpha: float, dropout: float = 0.0, targets: Any = None, use_rslora: bool = False
+) -> LoRASpec:
+    """A validated `LoRASpec` for a family: `targets` None -> peft's defaults, "all-linear" -> every projection
+    of the blocks (not the LM head, as peft), else HF module names (`LORA_MODULES`)."""
+    names = LORA_MODULES[family]
+    if targets is None:
+        chosen = LORA_DEFAULT_TARGETS[family]
+    elif targets in ("all-linear", ["all-linear"], ("all-linear",)):
+        chosen = tuple(names)
+    else:
+        chosen = tuple(dict.fromkeys(str(t) for t in targets))
+        unknown = [t for t in chosen if t not in names]
+        if unknown or not chosen:
+            raise ModelLoadError(
+                f"lora_target_modules: {', '.join(unknown) or '(none)'} is not a projection of a {family} model; "
+                f"choose from {', '.join(names)} or all-linear"
+            )
+    if rank < 1 or alpha <= 0 or not 0 <= dropout < 1:
+        raise ModelLoadError(f"LoRA needs rank >= 1, alpha > 0, 0 <= dropout < 1 (got {rank}, {alpha}, {dropout})")
+    return LoRASpec(int(rank), float(alpha), float(dropout), chosen, bool(use_rslora))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +136,7 @@ class ModelConfig:
     # execution choices (never exported to config.json): how the L blocks run and what their backward keeps
     scan_layers: bool = True  # jax.lax.scan over the stacked blocks (False: unrolled; the same numbers)
     remat_policy: str = "none"  # a key of REMAT_POLICIES
+    lora: LoRASpec | None = None  # low-rank adapters on some projections (None: the plain model)
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:

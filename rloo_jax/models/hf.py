@@ -147,6 +147,29 @@ def weight_table(cfg: ModelConfig, task: str) -> list[Row]:
     return rows
 
 
+def adapter_table(cfg: ModelConfig) -> list[Row]:
+    """PEFT adapter tensors <-> our `lora_a`/`lora_b`, derived from the weight table: the adapter of HF module
+    `X` is `base_model.model.X.lora_A.weight` [r, din] (transposed A) and `...lora_B.weight` [dout, r], whose
+    layout is the module weight's with r for din (so GPT-NeoX's fused B goes through the same `fused_qkv`)."""
+    if cfg.lora is None:
+        return []
+    ours, rows = cfg.lora.ours(cfg.family), []
+    for r in weight_table(cfg, "causal_lm"):
+        modules = [p.removesuffix(".kernel") for p in r.ours]
+        if not all(p.endswith(".kernel") for p in r.ours) or not r.hf.endswith(".weight"):
+            continue
+        hf = "base_model.model." + r.hf.removesuffix(".weight")
+        if len(modules) == 3 and "qkv" in ours:  # fused q/k/v: one A in the attention module
+            a = modules[0].rsplit(".", 1)[0] + ".qkv_lora_a"
+        elif len(modules) == 1 and modules[0].rsplit(".", 1)[-1] in ours:
+            a = modules[0] + ".lora_a"
+        else:
+            continue
+        rows.append(Row(f"{hf}.lora_A.weight", (a,), TRANSPOSE, r.layer))
+        rows.append(Row(f"{hf}.lora_B.weight", tuple(f"{m}.lora_b" for m in modules), r.transform, r.layer))
+    return rows
+
+
 def architecture_name(cfg: ModelConfig, task: str) -> str:
     """HF class name to write in `config.json` for export."""
     stem = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "gpt_neox": "GPTNeoX"}[cfg.model_type]
@@ -276,9 +299,15 @@ def _fill(model_cls: type, cfg: ModelConfig, task: str, reader: TensorReader) ->
         want = r.transform.hf_shape(tuple(_row_shape(ours[p].shape, r) for p in r.ours))
         if reader.shape(r.hf) != want:
             raise ModelLoadError(f"tensor {r.hf}: checkpoint shape {reader.shape(r.hf)}, expected {want}")
-    pdt = jnp.dtype(cfg.param_dtype)
-    # One parameter at a time (all layers of a stacked one), cast to the param dtype as each tensor is read:
-    # the host holds at most one stacked parameter, never a second full-precision copy of the checkpoint.
+    _read_rows(rows, reader, pure, ours, jnp.dtype(cfg.param_dtype))
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def _read_rows(rows: list[Row], reader: TensorReader, pure: dict, ours: dict[str, Any], pdt: Any) -> None:
+    """Every row's tensor into `pure` (our nested dict; `ours`: its flat shapes), cast to `pdt` as each is read.
+    One parameter at a time (all layers of a stacked one): the host holds at most one stacked parameter, never
+    a second full-precision copy of the checkpoint."""
     groups: dict[tuple[str, ...], list[Row]] = {}
     for r in rows:
         groups.setdefault(r.ours, []).append(r)
@@ -295,8 +324,6 @@ def _fill(model_cls: type, cfg: ModelConfig, task: str, reader: TensorReader) ->
         for path, value in host.items():
             _set_path(pure, path, jnp.asarray(value))
         del host
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
 
 
 def _row_shape(shape: tuple[int, ...], row: Row) -> tuple[int, ...]:
@@ -328,14 +355,18 @@ def load_causal_lm(
     rngs: nnx.Rngs | None = None,
     **options: Any,
 ) -> CausalLM:
-    """Load a HF causal LM (Llama/Qwen2/Mistral/GPT-NeoX, safetensors) as a `CausalLM`.
+    """Load a HF causal LM (Llama/Qwen2/Mistral/GPT-NeoX, safetensors) as a `CausalLM`; a PEFT LoRA adapter
+    folder (`adapter_config.json`) loads its base model with the adapters (`load_adapter`).
 
     dtype: compute dtype ("float32" | "bfloat16"); param_dtype: storage dtype (default: dtype); `options`:
     execution fields of `ModelConfig` (`scan_layers`, `remat_policy`). `rngs` is accepted for interface symmetry
     with random init; loading draws no randomness.
     """
     del rngs
-    cfg, directory = _config(path_or_hub_id, "causal_lm", dtype, param_dtype, True, options)
+    directory = resolve_checkpoint(path_or_hub_id)
+    if (directory / ADAPTER_CONFIG).is_file():
+        return load_adapter(directory, dtype, param_dtype, **options)
+    cfg, directory = _config(directory, "causal_lm", dtype, param_dtype, True, options)
     return _fill(CausalLM, cfg, "causal_lm", TensorReader(directory))
 
 
@@ -381,12 +412,17 @@ def init_reward_model(
 
 # ----------------------------------------------------------------------------------------------- writing
 def export_tensors(model: CausalLM | RewardModel) -> dict[str, np.ndarray]:
-    """HF tensor name -> float32 numpy array, through the same table as loading."""
+    """HF tensor name -> float32 numpy array, through the same table as loading (adapters are not included:
+    `save_adapter` writes them, `rloo_jax.lora.merge_adapters` folds them in)."""
     task = "reward" if isinstance(model, RewardModel) else "causal_lm"
+    return _export(weight_table(model.config, task), model)
+
+
+def _export(rows: list[Row], model: nnx.Module) -> dict[str, np.ndarray]:
     ours = dict(_flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     host: dict[str, np.ndarray] = {}  # each parameter fetched once (a stacked one serves all its layers)
     out = {}
-    for r in weight_table(model.config, task):
+    for r in rows:
         for p in r.ours:
             if p not in host:
                 host[p] = np.asarray(jax.device_get(ours[p]), dtype=np.float32)
@@ -411,6 +447,96 @@ def save_pretrained(model: CausalLM | RewardModel, out_dir: str | Path, tokenize
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out
+
+
+# ----------------------------------------------------------------------------------------------- LoRA adapters
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def save_adapter(model: CausalLM, out_dir: str | Path, base_model_name_or_path: str, tokenizer: Any = None) -> Path:
+    """Write a PEFT LoRA adapter folder: `adapter_config.json` + `adapter_model.safetensors` (float32) (+ tokenizer
+    files), which `peft.PeftModel.from_pretrained(base, out_dir)` and `load_causal_lm(out_dir)` load."""
+    from safetensors.numpy import save_file
+
+    spec = model.config.lora
+    if spec is None:
+        raise ValueError("the model has no adapters")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(_export(adapter_table(model.config), model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": list(spec.targets),
+        "use_rslora": spec.use_rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def load_adapter(
+    path_or_hub_id: str | Path, dtype: str = "float32", param_dtype: str | None = None, **options: Any
+) -> CausalLM:
+    """A PEFT LoRA adapter folder -> its base model (`base_model_name_or_path`, loaded by `load_causal_lm`) with
+    the adapters filled from `adapter_model.safetensors`. LoRA variants we do not compute (DoRA, bias training,
+    modules_to_save, per-layer ranks) are refused."""
+    from rloo_jax.lora import with_adapters
+    from rloo_jax.models.config import lora_spec
+
+    directory = resolve_checkpoint(path_or_hub_id)
+    ac = json.loads((directory / ADAPTER_CONFIG).read_text())
+    unsupported = [
+        k for k, ok in (
+            ("peft_type", ac.get("peft_type", "LORA") == "LORA"),
+            ("use_dora", not ac.get("use_dora")),
+            ("bias", ac.get("bias", "none") == "none"),
+            ("modules_to_save", not ac.get("modules_to_save")),
+            ("rank_pattern", not ac.get("rank_pattern")),
+            ("alpha_pattern", not ac.get("alpha_pattern")),
+            ("layers_to_transform", ac.get("layers_to_transform") is None),
+            ("fan_in_fan_out", not ac.get("fan_in_fan_out")),
+        ) if not ok
+    ]
+    if unsupported:
+        raise ModelLoadError(f"{directory / ADAPTER_CONFIG}: {', '.join(unsupported)} not supported (plain LoRA only)")
+    base_path = ac.get("base_model_name_or_path")
+    if not base_path:
+        raise ModelLoadError(f"{directory / ADAPTER_CONFIG} has no base_model_name_or_path")
+    base = load_causal_lm(base_path, dtype, param_dtype, **options)
+    targets = ac.get("target_modules")
+    targets = [t.rsplit(".", 1)[-1] for t in ([targets] if isinstance(targets, str) else targets or [])]
+    try:
+        spec = lora_spec(base.config.family, int(ac["r"]), float(ac["lora_alpha"]), float(ac.get("lora_dropout", 0)),
+                         targets or None, bool(ac.get("use_rslora", False)))
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"{directory / ADAPTER_CONFIG}: {e}") from None
+    model = with_adapters(base, spec, jax.random.key(0))
+    graphdef, state = nnx.split(model)
+    pure = nnx.to_pure_dict(state)
+    ours = dict(_flat_paths(pure))
+    rows, reader = adapter_table(model.config), TensorReader(directory)
+    missing = sorted({r.hf for r in rows} - reader.names())
+    if missing:
+        raise ModelLoadError(f"{directory / ADAPTER_WEIGHTS} lacks {', '.join(missing[:4])}")
+    for r in rows:
+        want = r.transform.hf_shape(tuple(_row_shape(ours[p].shape, r) for p in r.ours))
+        if reader.shape(r.hf) != want:
+            raise ModelLoadError(f"tensor {r.hf}: adapter shape {reader.shape(r.hf)}, expected {want}")
+    _read_rows(rows, reader, pure, ours, jnp.dtype(base.config.param_dtype))
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer

@@ -13,6 +13,8 @@ single. Parameters are named (our path -> HF name in `hf.py`):
     model.final_norm.scale/bias           ("embed",)
     lm_head.kernel [D, V]                 ("embed", "vocab")    (absent when embeddings are tied)
     score.kernel [D, 1]                   ("embed", None)       (RewardModel)
+    ....{q,k,v,o,gate,up,down}.lora_a/b   A [din, r] (din's axis, None), B [r, dout] (None, dout's axis): LoRA
+    model.layers.attn.qkv_lora_a          GPT-NeoX's fused query_key_value: one A for q, k, v (their B apart)
 
 With `scan_layers` (the default) the L blocks are ONE `Block` whose parameters carry a leading layer axis
 [L, ...] (`stacked_blocks`, paths `model.layers.attn.q.kernel`, axes ("layers", ...)) run by `jax.lax.scan`:
@@ -171,8 +173,23 @@ def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+class LoRAParam(nnx.Param):
+    """A low-rank adapter weight (`lora_a` [din, r], `lora_b` [r, dout]): a `Param` of its own type, so the adapters
+    split from the frozen base with `nnx.split(model, LoRAParam, nnx.Param)`."""
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout: x * keep / (1 - rate), keep ~ Bernoulli(1 - rate); identity without a key or rate."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
 class Dense(nnx.Module):
-    """y = x @ kernel (+ bias); kernel [din, dout] in param dtype, math in the compute dtype."""
+    """y = x @ kernel (+ bias) (+ scale * dropout(x) @ lora_a @ lora_b); weights in param dtype, math in the
+    compute dtype. `lora` "ab": this layer's own adapter; "b": only B, its A shared with sibling layers (the
+    caller passes `lora_x = dropout(x) @ A`, as GPT-NeoX's fused q/k/v); "": none."""
 
     def __init__(
         self,
@@ -183,6 +200,7 @@ class Dense(nnx.Module):
         cfg: ModelConfig,
         rngs: nnx.Rngs,
         name: str | None = None,
+        lora: str = "",
     ) -> None:
         pdt = jnp.dtype(cfg.param_dtype)
         w = jax.random.normal(rngs.params(), (din, dout), jnp.float32) * cfg.initializer_range
@@ -190,16 +208,34 @@ class Dense(nnx.Module):
         self.bias = _param(jnp.zeros((dout,), pdt), (axes[1],)) if bias else None
         self.dtype = jnp.dtype(cfg.dtype)
         self.name = name  # the output's `checkpoint_name`, which remat policies select by
+        # adapters start at zero (no randomness drawn: the base's initial values do not depend on them);
+        # `rloo_jax.lora.init_adapters` draws A. The rank axis is never sharded.
+        r = cfg.lora.rank if cfg.lora is not None and lora else 0
+        self.lora_a = LoRAParam(jnp.zeros((din, r), pdt), out_sharding=(axes[0], None), eager_sharding=False) \
+            if "a" in lora and r else None
+        self.lora_b = LoRAParam(jnp.zeros((r, dout), pdt), out_sharding=(None, axes[1]), eager_sharding=False) \
+            if r else None
+        self.lora_scale = cfg.lora.scale if r else 0.0
+        self.lora_dropout = cfg.lora.dropout if r else 0.0
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def lora_input(self, x: jax.Array, a: nnx.Param, key: jax.Array | None) -> jax.Array:
+        """dropout(x) @ A in the compute dtype: [..., din] -> [N, r] (leading dims flattened)."""
+        x = dropout(x.reshape(-1, x.shape[-1]).astype(self.dtype), self.lora_dropout, key)
+        return jnp.dot(x, a[...].astype(self.dtype), preferred_element_type=jnp.float32).astype(self.dtype)
+
+    def __call__(self, x: jax.Array, key: jax.Array | None = None, lora_x: jax.Array | None = None) -> jax.Array:
         # f32 accumulation, rounded once to the compute dtype (a no-op for f32). XLA:CPU runs a bf16 x bf16 -> f32
         # dot natively; a bf16-output dot it widens to f32 with a convert of both operands first.
         # Leading dims flattened: [B, T, din] -> [B*T, din], so the weight gradient contracts one token axis
         # (a 3-D dot made XLA:CPU transpose the activations for it; -12% fwd+bwd time on the MLP, BENCHMARKS.md).
         w = self.kernel[...].astype(self.dtype)
         y = jnp.dot(x.reshape(-1, x.shape[-1]).astype(self.dtype), w, preferred_element_type=jnp.float32)
-        y = (y if self.bias is None else y + self.bias[...].astype(jnp.float32)).astype(self.dtype)
-        y = y.reshape(*x.shape[:-1], w.shape[-1])
+        y = y if self.bias is None else y + self.bias[...].astype(jnp.float32)
+        if self.lora_b is not None:
+            h = self.lora_input(x, self.lora_a, key) if lora_x is None else lora_x
+            b = self.lora_b[...].astype(self.dtype)
+            y = y + self.lora_scale * jnp.dot(h, b, preferred_element_type=jnp.float32)
+        y = y.astype(self.dtype).reshape(*x.shape[:-1], w.shape[-1])
         return y if self.name is None else checkpoint_name(y, self.name)
 
 
@@ -238,26 +274,50 @@ class Norm(nnx.Module):
         return y.astype(self.dtype)
 
 
+def _lora(cfg: ModelConfig, name: str) -> str:
+    """Which adapter weights projection `name` holds (see `Dense`)."""
+    if cfg.lora is None:
+        return ""
+    ours = cfg.lora.ours(cfg.family)
+    if name in ("q", "k", "v") and "qkv" in ours:
+        return "b"
+    return "ab" if name in ours else ""
+
+
+def _keys(key: jax.Array | None, n: int) -> list[jax.Array | None]:
+    """n independent dropout keys (fold_in 0..n-1), or n Nones."""
+    return [None] * n if key is None else [jax.random.fold_in(key, i) for i in range(n)]
+
+
 class Attention(nnx.Module):
     """q/k/v/o projections; the attention itself is a function passed in (full sequence or cached decode)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q = Dense(d, h * dh, ("embed", "heads"), cfg.qkv_bias, cfg, rngs, "query_proj")
-        self.k = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "key_proj")
-        self.v = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "value_proj")
-        self.o = Dense(h * dh, d, ("heads", "embed"), cfg.o_bias, cfg, rngs, "out_proj")
+        self.q = Dense(d, h * dh, ("embed", "heads"), cfg.qkv_bias, cfg, rngs, "query_proj", _lora(cfg, "q"))
+        self.k = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "key_proj", _lora(cfg, "k"))
+        self.v = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "value_proj", _lora(cfg, "v"))
+        self.o = Dense(h * dh, d, ("heads", "embed"), cfg.o_bias, cfg, rngs, "out_proj", _lora(cfg, "o"))
+        fused = _lora(cfg, "q") == "b"  # GPT-NeoX query_key_value: one A for q, k and v
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.qkv_lora_a = LoRAParam(jnp.zeros((d, cfg.lora.rank), pdt), out_sharding=("embed", None),
+                                    eager_sharding=False) if fused else None
         self.shape = (h, k, dh)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable) -> tuple[jax.Array, Any]:
-        """x [B, T, D] -> (out [B, T, D], aux); fn(q [B,T,H,Dh], k, v [B,T,K,Dh]) -> (o [B,T,H,Dh], aux)."""
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable, key: jax.Array | None = None
+    ) -> tuple[jax.Array, Any]:
+        """x [B, T, D] -> (out [B, T, D], aux); fn(q [B,T,H,Dh], k, v [B,T,K,Dh]) -> (o [B,T,H,Dh], aux).
+        `key`: the adapters' dropout key (training forwards with LoRA dropout only)."""
         b, t, _ = x.shape
         h, kh, dh = self.shape
-        q = apply_rope(self.q(x).reshape(b, t, h, dh), cos, sin)
-        k = apply_rope(self.k(x).reshape(b, t, kh, dh), cos, sin)
-        v = self.v(x).reshape(b, t, kh, dh)
+        kq, kk, kv, ko = _keys(key, 4)
+        xa = None if self.qkv_lora_a is None else self.q.lora_input(x, self.qkv_lora_a, kq)
+        q = apply_rope(self.q(x, kq, xa).reshape(b, t, h, dh), cos, sin)
+        k = apply_rope(self.k(x, kk, xa).reshape(b, t, kh, dh), cos, sin)
+        v = self.v(x, kv, xa).reshape(b, t, kh, dh)
         o, aux = fn(q, k, v)
-        return self.o(o.reshape(b, t, h * dh)), aux
+        return self.o(o.reshape(b, t, h * dh), ko), aux
 
 
 class MLP(nnx.Module):
@@ -265,18 +325,20 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi") if cfg.family == "llama" else None
-        self.up = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi")
-        self.down = Dense(f, d, ("mlp", "embed"), bias, cfg, rngs, "mlpwo")
+        llama = cfg.family == "llama"
+        self.gate = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi", _lora(cfg, "gate")) if llama else None
+        self.up = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi", _lora(cfg, "up"))
+        self.down = Dense(f, d, ("mlp", "embed"), bias, cfg, rngs, "mlpwo", _lora(cfg, "down"))
         self.act = cfg.hidden_act
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         # The activation in f32, rounded once (as torch's fused CPU/GPU kernels do): XLA:CPU emulates bf16
         # elementwise math op by op with a convert around each, which made this the slowest op of a bf16 decode.
         act, f32 = activation(self.act), jnp.float32
-        up = self.up(x).astype(f32)
-        h = act(up) if self.gate is None else act(self.gate(x).astype(f32)) * up
-        return self.down(h.astype(x.dtype))
+        kg, ku, kd = _keys(key, 3)
+        up = self.up(x, ku).astype(f32)
+        h = act(up) if self.gate is None else act(self.gate(x, kg).astype(f32)) * up
+        return self.down(h.astype(x.dtype), kd)
 
 
 class Block(nnx.Module):
@@ -289,12 +351,15 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
         self.parallel = cfg.parallel_residual
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable) -> tuple[jax.Array, Any]:
-        a, aux = self.attn(self.attn_norm(x), cos, sin, fn)
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable, key: jax.Array | None = None
+    ) -> tuple[jax.Array, Any]:
+        ka, km = _keys(key, 2)
+        a, aux = self.attn(self.attn_norm(x), cos, sin, fn, ka)
         if self.parallel:
-            return x + a + self.mlp(self.mlp_norm(x)), aux
+            return x + a + self.mlp(self.mlp_norm(x), km), aux
         x = x + a
-        return x + self.mlp(self.mlp_norm(x)), aux
+        return x + self.mlp(self.mlp_norm(x), km), aux
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -358,7 +423,14 @@ class Transformer(nnx.Module):
         return q_pos - k_pos < self.sliding_window
 
     def run_layers(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, attention: Callable, xs: Any = None, carry: Any = None
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        attention: Callable,
+        xs: Any = None,
+        carry: Any = None,
+        dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, Any, Any]:
         """x [B, T, D] through the L blocks -> (x, carry, ys stacked on a leading [L] axis).
 
@@ -366,6 +438,7 @@ class Transformer(nnx.Module):
         attention, given the layer index (traced under scan), this layer's slice of `xs` (e.g. its prompt KV
         cache) and the loop `carry` (e.g. the decode caches, updated in place). Each block runs under
         `jax.checkpoint` with `remat_policy`; with `scan_layers` the blocks are one `lax.scan`, else unrolled.
+        `dropout_key`: LoRA dropout in training forwards (layer l uses fold_in(key, l); remat redraws the same mask).
         """
         policy = remat_policy(self.remat_policy)
 
@@ -380,7 +453,8 @@ class Transformer(nnx.Module):
                 return o, (new_c, ys_l)
 
             h = checkpoint_name(constrain(h, ("batch", None, None)), "decoder_layer_input")
-            h, (c, ys_l) = nnx.merge(graphdef, layer_params)(h, cos, sin, fn)
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
+            h, (c, ys_l) = nnx.merge(graphdef, layer_params)(h, cos, sin, fn, key)
             return (h, c), ys_l
 
         def block_fn(graphdef: nnx.GraphDef) -> Callable:
@@ -421,7 +495,12 @@ class Transformer(nnx.Module):
         return self.final_norm(x), kvs
 
     def forward_shared_prompt(
-        self, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array
+        self,
+        prompt_ids: jax.Array,
+        prompt_mask: jax.Array,
+        completion_ids: jax.Array,
+        completion_mask: jax.Array,
+        dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """B prompts, each continued by G completions, without repeating the prompts G times.
 
@@ -472,7 +551,7 @@ class Transformer(nnx.Module):
             )
             return jnp.concatenate([o_prompt, o_comp.reshape(b, g * c, *q.shape[2:])], axis=1), carry, None
 
-        x, _, _ = self.run_layers(x, cos, sin, attention)
+        x, _, _ = self.run_layers(x, cos, sin, attention, dropout_key=dropout_key)
         x = self.final_norm(x)
         return x[:, :p], x[:, p:].reshape(n, c, x.shape[-1])
 
@@ -535,15 +614,22 @@ class CausalLM(nnx.Module):
         return self.model.forward(input_ids, attention_mask)[0]
 
     def completion_hidden_states(
-        self, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, completion_mask: jax.Array
+        self,
+        prompt_ids: jax.Array,
+        prompt_mask: jax.Array,
+        completion_ids: jax.Array,
+        completion_mask: jax.Array,
+        dropout_key: jax.Array | None = None,
     ) -> jax.Array:
         """Hidden states that predict each completion token: [B*G, C, D], row r continuing prompt r // G.
 
         prompt [B, P], completions [B*G, C] (see `Transformer.forward_shared_prompt`: each prompt runs once).
         Entry t is the hidden state after the token before completion token t: the prompt's last real token
-        for t = 0, completion token t - 1 otherwise; `unembed` of it scores completion token t.
+        for t = 0, completion token t - 1 otherwise; `unembed` of it scores completion token t. `dropout_key`: LoRA
+        dropout (training forwards; no effect without adapters or with lora dropout 0).
         """
-        hp, hc = self.model.forward_shared_prompt(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        hp, hc = self.model.forward_shared_prompt(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                  dropout_key)
         g = completion_ids.shape[0] // prompt_ids.shape[0]
         last = hp[jnp.arange(hp.shape[0]), last_token_index(prompt_mask)]  # [B, D]
         return jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc[:, :-1]], axis=1)

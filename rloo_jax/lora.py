@@ -1,0 +1,118 @@
+"""LoRA: train low-rank adapters on a frozen base model; the reference is the base with its adapters off.
+
+Plain pytrees all the way (the research API):
+
+    base_model = load_causal_lm(path)                          # no adapters
+    model = with_adapters(base_model, lora_spec("llama", 16, 32), key)   # same base, A random, B = 0
+    graphdef, adapters, base = split_adapters(model)           # adapters: the only trainable State
+    ref_graphdef = nnx.graphdef(base_model)                    # the reference: nnx.merge(ref_graphdef, base)
+    logps = completion_logps(graphdef, merge_params(base, adapters), ...)   # gradients w.r.t. adapters only
+
+A projection with an adapter computes y = x W + scale * dropout(x) A B (A [din, r], B [r, dout], scale = alpha / r
+or alpha / sqrt(r) with rsLoRA); B starts at zero, so the first policy equals the base exactly. Adapters are
+`LoRAParam`s (a `Param` type of their own) next to the weights they adapt, stacked on the layer axis with
+`scan_layers` and sharded by the same rule table (the rank axis replicated). Export: `models.save_adapter` (a
+PEFT folder), `merge_adapters` (a plain model with W + scale * A B).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rloo_jax.models.config import LoRASpec, lora_spec
+from rloo_jax.models.transformer import MLP, Attention, CausalLM, Dense, LoRAParam
+
+__all__ = [
+    "LoRAParam",
+    "LoRASpec",
+    "init_adapters",
+    "lora_spec",
+    "merge_adapters",
+    "merge_params",
+    "split_adapters",
+    "with_adapters",
+]
+
+
+def _name(path: tuple) -> tuple[str, int | None]:
+    """A parameter's path without its layer index, and that index in the list layout (None when stacked)."""
+    keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path if not hasattr(k, "name")]  # not `.value`
+    if len(keys) > 2 and keys[1] == "layers" and keys[2].isdigit():
+        return ".".join(keys[:2] + keys[3:]), int(keys[2])
+    return ".".join(keys), None
+
+
+def init_adapters(adapters: nnx.State, key: jax.Array) -> nnx.State:
+    """peft's initialisation: every A ~ U(-1/sqrt(din), 1/sqrt(din)) (kaiming-uniform, a = sqrt(5)), every B = 0.
+
+    Each layer's A is drawn from fold_in(fold_in(key, crc32(name)), layer), so the stacked and the list layouts
+    hold the same numbers. `adapters` may be abstract (`nnx.eval_shape`): the values only need its shapes.
+    """
+    def one(path: tuple, x: jax.Array) -> jax.Array:
+        name, layer = _name(path)
+        if not name.endswith("lora_a"):
+            return jnp.zeros(x.shape, x.dtype)
+        k = jax.random.fold_in(key, zlib.crc32(name.encode()))
+        din = x.shape[-2]
+        bound = 1.0 / din**0.5
+
+        def draw(i: int) -> jax.Array:
+            return jax.random.uniform(jax.random.fold_in(k, i), x.shape[-2:], jnp.float32, -bound, bound)
+
+        value = draw(layer or 0) if x.ndim == 2 else jnp.stack([draw(i) for i in range(x.shape[0])])
+        return value.astype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, adapters)
+
+
+def with_adapters(model: CausalLM, spec: LoRASpec, key: jax.Array, param_dtype: str | None = None) -> CausalLM:
+    """`model` (no adapters) with adapters on `spec.targets`, initialised by `init_adapters` and stored in
+    `param_dtype` (default: the model's); its base parameters are the very arrays of `model`. An abstract model
+    (`nnx.eval_shape`) gives an abstract result."""
+    if model.config.lora is not None:
+        raise ValueError("the model already has adapters")
+    cfg = model.config.replace(lora=spec, param_dtype=param_dtype or model.config.param_dtype)
+    graphdef, abstract_adapters, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))), LoRAParam, ...)
+    base = nnx.state(model, nnx.Param)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(base)):
+        adapters = jax.eval_shape(lambda: init_adapters(abstract_adapters, key))
+    else:
+        adapters = init_adapters(abstract_adapters, key)
+    return nnx.merge(graphdef, adapters, base)
+
+
+def split_adapters(model: CausalLM) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, adapters, base): the adapters (`LoRAParam`s) apart from every other parameter."""
+    graphdef, adapters, base = nnx.split(model, LoRAParam, ...)
+    return graphdef, adapters, base
+
+
+def merge_params(base: nnx.State, adapters: nnx.State) -> nnx.State:
+    """One State of the whole model (what `nnx.merge(graphdef, ...)` and `completion_logps` take)."""
+    return nnx.merge_state(base, adapters)
+
+
+def merge_adapters(model: CausalLM) -> CausalLM:
+    """A plain model (no adapters) whose weights are W + scale * A B, computed in float32 and stored in W's
+    dtype: the same function as the adapted model up to that rounding (exact to float32 for float32 weights)."""
+    spec = model.config.lora
+    if spec is None:
+        return model
+    model = nnx.clone(model)
+    for _, node in nnx.iter_graph(model):
+        if not isinstance(node, Attention | MLP):
+            continue
+        shared = getattr(node, "qkv_lora_a", None)
+        for dense in (getattr(node, n, None) for n in ("q", "k", "v", "o", "gate", "up", "down")):
+            if not isinstance(dense, Dense) or dense.lora_b is None:
+                continue
+            a = (dense.lora_a if dense.lora_a is not None else shared)[...].astype(jnp.float32)
+            delta = jnp.einsum("...ir,...ro->...io", a, dense.lora_b[...].astype(jnp.float32))
+            w = dense.kernel[...]
+            dense.kernel[...] = (w.astype(jnp.float32) + spec.scale * delta).astype(w.dtype)
+    plain = nnx.eval_shape(lambda: CausalLM(model.config.replace(lora=None), nnx.Rngs(0)))
+    return nnx.merge(nnx.graphdef(plain), split_adapters(model)[2])
