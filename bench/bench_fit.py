@@ -7,7 +7,9 @@ the compile seconds of each program. Settings (the Scale issue's): G=8, per_devi
 steps_per_generation 4, prompt 256, completion 1024, beta 0.04, bf16 compute, fsdp over all chips.
 
     .venv/bin/python bench/bench_fit.py [--models Qwen2.5-1.5B ...] [--slices v5e-8 ...]
-        [--args "--remat_policy minimal"] [--json out.json]
+        [--args "--remat_policy minimal"] [--layers 8 16 32] [--json out.json]
+
+`--layers` truncates each model to that many blocks (compile time against depth: README's "flat in depth").
 """
 
 import argparse
@@ -22,6 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import fit_models  # noqa: E402
 from fit_models import MODELS, write_model  # noqa: E402
 
 SETTINGS = ["--num_generations", "8", "--per_device_train_batch_size", "8", "--steps_per_generation", "4",
@@ -64,6 +67,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--slices", nargs="+", default=["v5e-8", "v5p-8", "v6e-8"])
     ap.add_argument("--args", default="", help="extra trainer options, e.g. '--remat_policy minimal'")
+    ap.add_argument("--layers", nargs="+", type=int, help="truncate each model to these depths, one run each")
     ap.add_argument("--json", help="also write every report to this JSON file")
     args = ap.parse_args()
     extra = shlex.split(args.args)
@@ -75,11 +79,15 @@ def main() -> None:
         data = Path(root) / "prompts.jsonl"
         data.write_text('{"prompt": "w1 w2 w3"}\n')
         for model in args.models:
-            model_dir = write_model(Path(root), model)
-            for slice_name in args.slices:
-                report, wall, _ = run(model_dir, data, slice_name, Path(root) / "out", extra)
-                reports[f"{model} {slice_name}"] = report
-                print(row(model, slice_name, report, extra), flush=True)
+            for layers in args.layers or [None]:
+                name = model if layers is None else f"{model}-L{layers}"
+                if layers is not None:
+                    fit_models.MODELS[name] = dict(MODELS[model], num_hidden_layers=layers)
+                model_dir = write_model(Path(root), name)
+                for slice_name in args.slices:
+                    report, wall, _ = run(model_dir, data, slice_name, Path(root) / "out", extra)
+                    reports[f"{name} {slice_name}"] = report
+                    print(row(name, slice_name, report, extra), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(reports, indent=1))
 
