@@ -176,3 +176,67 @@ def test_hlo_flops_count_every_loop_iteration():
     assert counted == {"scanned": 8 * one_matmul, "unrolled": 8 * one_matmul, "nested": (3 * 8 + 5) * one_matmul}
     xla = jax.jit(scanned).lower(w, x).compile().cost_analysis()["flops"]
     assert xla == one_matmul  # what XLA itself reports for the scan: one iteration
+
+
+def test_hlo_bytes_match_xla_and_count_every_loop_iteration():
+    """Bytes at the fusion boundary: XLA's own count on loop-free programs; a loop body at its trip count (XLA
+    counts it once, whatever the count); a loop found by its `jax.named_scope`; a matmul's inputs read once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rloo_jax import hlo
+    from rloo_jax.tpu import quiet_stderr, topology_devices
+
+    def compiled(f, *args):
+        with quiet_stderr():  # the cache donated: updated in place
+            return jax.jit(f, donate_argnums=0 if f is update_in_place else ()).lower(*args).compile()
+
+    def update_in_place(c, u, i):
+        return jax.lax.dynamic_update_slice(c, u, (i, 0, 0))
+
+    one = Mesh(np.array(topology_devices(parse_slice("v5e-1"))), ("x",))
+    four = Mesh(np.array(topology_devices(parse_slice("v5e-4"))), ("x",))
+
+    def sds(shape, dtype=jnp.float32, mesh=one, spec=PartitionSpec()):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    cache, update, i = sds((64, 256, 128), jnp.bfloat16), sds((1, 256, 128), jnp.bfloat16), sds((), jnp.int32)
+    loop_free = {
+        "elementwise": (lambda a: jnp.exp(a) * 2, sds((256, 512))),
+        "padded": (lambda a: jnp.exp(a) * 2, sds((10, 20))),  # laid out as 16 x 128
+        "convert_transpose": (lambda a: (a.T + 1).astype(jnp.bfloat16), sds((512, 256))),
+        "concat_cumsum": (lambda a, b: jnp.cumsum(jnp.concatenate([a, b]), -1), sds((64, 256)), sds((32, 256))),
+        "update_in_place": (update_in_place, cache, update, i),
+        "slice": (lambda c, i: jax.lax.dynamic_slice(c, (i, 0, 0), (1, 256, 128)) * 2, cache, i),
+        "all_gather": (lambda a: jax.lax.with_sharding_constraint(a * 2, NamedSharding(four, PartitionSpec())) + 1,
+                       sds((512, 1024), mesh=four, spec=PartitionSpec("x"))),
+    }
+    for name, (f, *args) in loop_free.items():
+        c = compiled(f, *args)
+        assert hlo.bytes_accessed(c.as_text()) == c.cost_analysis()["bytes accessed"], name
+    # the all-gather receives 3 of its 4 blocks over ICI; the update writes 64 KiB into the cache, not 4 MiB
+    assert hlo.analyze(compiled(*loop_free["all_gather"][:2]).as_text()).total.ici_bytes == 3 * 512 * 1024
+    assert hlo.bytes_accessed(compiled(*loop_free["update_in_place"]).as_text()) < 2 * 256 * 128 * 2 + 8192
+
+    def loop(n):  # n iterations of an elementwise body; named as the sampler names its decode loop
+        def f(w, x):
+            with jax.named_scope("decode_loop"):
+                return jax.lax.fori_loop(0, n, lambda j, h: jnp.tanh(h * w[j]), x)
+
+        return compiled(f, sds((n, 256, 512)), sds((256, 512)))
+
+    c8, c16 = loop(8), loop(16)
+    a8, a16 = hlo.analyze(c8.as_text()), hlo.analyze(c16.as_text())
+    found = hlo.named_loop(a8, "decode_loop")
+    assert found is not None and (found.trips, found.runs) == (8, 1) and found.op_name.endswith("decode_loop/while")
+    assert hlo.named_loop(a8, "decode") is None and hlo.named_loop(a16, "decode_loop").trips == 16
+    # one iteration reads h and one slice of w and writes h (f32 [256, 512]), plus a few scalars
+    assert 3 * 256 * 512 * 4 <= found.per_iteration.bytes < 3 * 256 * 512 * 4 + 8192
+    assert a16.total.bytes - a8.total.bytes == 8 * found.per_iteration.bytes
+    assert c16.cost_analysis()["bytes accessed"] == c8.cost_analysis()["bytes accessed"]  # XLA: the body once
+    # a matmul reads each input once (the TPU cost model also charges its tiling's re-reads)
+    c = compiled(lambda a, b: a @ b, sds((256, 512), jnp.bfloat16), sds((512, 1024), jnp.bfloat16))
+    logical = 2 * (256 * 512 + 512 * 1024 + 256 * 1024)
+    assert hlo.bytes_accessed(c.as_text()) == logical < c.cost_analysis()["bytes accessed"]
