@@ -92,6 +92,24 @@ def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys): 
         assert p["peak_bytes_per_chip"] >= p["temp_bytes"] + p["resident_bytes"] - p["alias_bytes"]
         assert set(p) >= {"argument_bytes", "temp_bytes", "flops", "output_bytes"}
     assert report["programs"]["update"]["flops"] > report["programs"]["rollout"]["flops"] > 0
+    # what the model needs (tests/test_efficiency.py works these out by hand), per chip of 4; the compiler's
+    # update recomputes the forward (full remat: ~4/3), its rollout decodes into a padded KV cache
+    rollout, update = report["programs"]["rollout"], report["programs"]["update"]
+    assert (rollout["model_flops"], update["model_flops"]) == ((202440704 + 208437248) / 4, 3 * 208437248 / 4)
+    assert 1.0 < rollout["flops_ratio"] < 1.1 and 1.2 < update["flops_ratio"] < 1.4
+    assert update["flops_ratio"] == update["flops"] / update["model_flops"]
+    # decode: 31 steps (the first token comes from the prefill); floor = f32 matrices + this chip's KV caches
+    assert rollout["decode_steps"] == 31 and rollout["decode_floor_bytes_per_step"] == 4 * 83968 + 589824 / 4
+    per_step = rollout["decode_hbm_bytes_per_step"] + rollout["decode_ici_bytes_per_step"]
+    assert rollout["decode_bytes_ratio"] == per_step / rollout["decode_floor_bytes_per_step"] > 0
+    chip = report["roofline"]
+    for p in report["programs"].values():
+        assert p["bytes_accessed"] > 0 and p["ici_bytes"] > 0  # fsdp over 4 chips gathers the weights
+        assert p["estimated_seconds"] >= max(p["flops"] / chip["peak_bf16_flops_per_chip"],
+                                             p["bytes_accessed"] / chip["hbm_bytes_per_second"])
+    assert report["estimated_step_seconds"] == rollout["estimated_seconds"] + update["estimated_seconds"]
+    assert "x model" in out and "rollout decode: 31 steps" in out and "est. step:" in out
+    assert max(len(line) for line in out.splitlines() if not line.startswith(("FITS", "report"))) <= 118
     # the mesh is the slice's: fsdp over its 4 chips; the batch validated for them (4 x 4 x 2 completions)
     assert report["settings"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert report["settings"]["completions_per_generation"] == 32 and report["settings"]["remat_policy"] == "full"
@@ -140,6 +158,9 @@ def test_the_compiler_sees_the_memory_plan(tmp_path, tiny_checkpoint, capsys):  
         assert code == 0, err
         update[name] = json.loads((tmp_path / "out" / "compile_report.json").read_text())["programs"]["update"]
     assert update["full"]["temp_bytes"] < 0.5 * update["none"]["temp_bytes"]
+    # and what remat costs: the forward again (its last matmuls, whose outputs no gradient needs, excepted)
+    assert update["none"]["model_flops"] == update["full"]["model_flops"]
+    assert 1.0 < update["none"]["flops_ratio"] < 1.15 < update["full"]["flops_ratio"] < 1.5
     assert update["mu_bf16"]["resident_bytes"] < update["full"]["resident_bytes"]
 
 
@@ -199,8 +220,8 @@ def test_hlo_bytes_match_xla_and_count_every_loop_iteration():
     one = Mesh(np.array(topology_devices(parse_slice("v5e-1"))), ("x",))
     four = Mesh(np.array(topology_devices(parse_slice("v5e-4"))), ("x",))
 
-    def sds(shape, dtype=jnp.float32, mesh=one, spec=PartitionSpec()):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+    def sds(shape, dtype=jnp.float32, mesh=one, spec=None):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec or PartitionSpec()))
 
     cache, update, i = sds((64, 256, 128), jnp.bfloat16), sds((1, 256, 128), jnp.bfloat16), sds((), jnp.int32)
     loop_free = {
