@@ -251,9 +251,10 @@ def table_lines(report: Report) -> list[str]:
         )
     for p in report.programs:
         if p.decode is not None and not math.isnan(p.decode_floor_bytes):
+            step, floor = p.decode_bytes_per_step / 1e9, p.decode_floor_bytes / 1e9
             lines.append(
-                f"{p.name} decode: {p.decode.trips} steps of {p.decode_bytes_per_step / 1e9:.2f} GB/chip (HBM + ICI),"
-                f" {p.decode_bytes_ratio:.2f}x the floor of {p.decode_floor_bytes / 1e9:.2f} (matrices + KV caches)"
+                f"{p.name} decode: {p.decode.trips} steps of {step:.2f} GB/chip (HBM + ICI), "
+                f"{p.decode_bytes_ratio:.2f}x the floor of {floor:.2f} GB (matrices + KV caches)"
             )
     chip = slc.chip
     ici = "" if math.isnan(chip.ici_bandwidth) else f", ICI in {chip.ici_bandwidth / 2e9:.0f} GB/s"

@@ -42,7 +42,14 @@ def causal_pairs(start: int, count: int, window: int | None = None) -> int:
 
 
 def forward_flops(
-    layer_params: int, num_layers: int, unembed_params: int, attention_width: int, tokens: int, scored: int, pairs: int
+    layer_params: int,
+    num_layers: int,
+    unembed_params: int,
+    attention_width: int,
+    *,
+    tokens: int,
+    scored: int,
+    pairs: int,
 ) -> float:
     """Matmul FLOPs of one forward: 2 * (L * layer_params * tokens + unembed_params * scored) + 4 * L * H * Dh *
     pairs, with `attention_width` = H * Dh (query heads x head dim) and `pairs` the query-key pairs of one layer.
