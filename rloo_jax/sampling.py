@@ -393,7 +393,7 @@ def generate_fn(
     )
     # The first token comes from the prefill logits, so the loop never runs a forward whose logits go unused.
     state = emit(state, logits)
-    with jax.named_scope(DECODE_LOOP):  # how `rloo_jax.hlo.decode_loop` finds this loop in the compiled program
+    with jax.named_scope(DECODE_LOOP):  # how `rloo_jax.hlo.named_loop` finds this loop in the compiled program
         state = jax.lax.while_loop(cond, body, state)
 
     mask = _completion_mask(state.ids, cfg.eos_token_ids)
