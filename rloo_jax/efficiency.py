@@ -15,7 +15,8 @@ never to the padding the program computes and masks. Tokens: each prompt runs on
 scored positions; query-key pairs B * P (P + 1) / 2 + N * (C P + C (C + 1) / 2).
 
 - update: 3 x forward per pass over the generation batch (the backward is two matmuls per forward matmul: the
-  input's gradient and the weight's), x `num_iterations` passes. Full fine-tuning: every matrix is trained.
+  input's gradient and the weight's), x `num_iterations` passes. Full fine-tuning: every matrix is trained (with
+  frozen matrices, e.g. LoRA, theirs need no weight gradient: 4 instead of 6 x params x tokens).
 - reference: 1 x forward (in the rollout program, with beta > 0).
 - sampling: the prefill (B * P tokens, B scored positions) + C - 1 decode steps of N rows (the first token comes
   from the prefill's logits; step s feeds slot s - 1 at position P + s - 1, which attends to P + s keys).
