@@ -6,21 +6,7 @@ import pytest
 
 from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops, roofline_seconds
 from rloo_jax.models.config import config_from_hf
-
-# the compile-only tests' tiny Llama: D 64, 2 layers, 4 heads of 16, 2 kv heads, MLP 128, vocab 160
-TINY = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
+from tests.test_compile_only import TINY_LLAMA as TINY  # D 64, 2 layers, 4 heads of 16, 2 kv, MLP 128, V 160
 
 
 def brute_pairs(start, count, window=None):
