@@ -2,9 +2,11 @@
 
 For each (model, slice) pair this runs `python -m rloo_jax.train --compile_only --topology SLICE` in a fresh
 process (config-only model folders from `fit_models.py`: no weights, no network), reads its compile_report.json
-and prints one markdown row: per-chip peak of the rollout and the update against the chip's HBM, the verdict and
-the compile seconds of each program. Settings (the Scale issue's): G=8, per_device_train_batch_size 8,
-steps_per_generation 4, prompt 256, completion 1024, beta 0.04, bf16 compute, fsdp over all chips.
+and prints one markdown row: per-chip peak of the rollout and the update against the chip's HBM, the update's
+compiler FLOPs against model FLOPs, the decode loop's bytes per step against its floor, the roofline seconds of the
+rollout, the update and the step (compiler-measured efficiency, BENCHMARKS.md), the verdict and the compile
+seconds of each program. Settings (the Scale issue's): G=8, per_device_train_batch_size 8, steps_per_generation 4,
+prompt 256, completion 1024, beta 0.04, bf16 compute, fsdp over all chips.
 
     .venv/bin/python bench/bench_fit.py [--models Qwen2.5-1.5B ...] [--slices v5e-8 ...]
         [--args "--remat_policy minimal"] [--layers 8 16 32] [--json out.json]
@@ -56,10 +58,19 @@ def row(model: str, slice_name: str, report: dict, extra: list[str]) -> str:
         cells.append(f"{p['peak_bytes_per_chip'] / gib:.1f}{mark}")
     verdict = "**fits**" if report["fits"] else "does not fit"
     secs = " / ".join(f"{progs[n]['compile_seconds']:.0f}" for n in ("rollout", "update"))
-    flops = progs["update"]["flops"]
-    tflops = "-" if flops is None else f"{flops / 1e12:.0f}"
+    up, ro = progs["update"], progs["rollout"]
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    decode = "-" if ro.get("decode_bytes_ratio") is None else (
+        f"{(ro['decode_hbm_bytes_per_step'] + ro['decode_ici_bytes_per_step']) / 1e9:.1f} "
+        f"({ro['decode_bytes_ratio']:.2f}x)")
+    est = (f"{num(ro['estimated_seconds'], '.1f')} / {num(up['estimated_seconds'], '.1f')} / "
+           f"{num(report['estimated_step_seconds'], '.1f')}")
     return (f"| {model} | {slice_name} ({report['chips']} chips, {hbm:.2f} GiB) | {' '.join(extra) or 'defaults'} | "
-            f"{cells[0]} | {cells[1]} | {tflops} | {verdict} | {secs} |")
+            f"{cells[0]} | {cells[1]} | {num(up['flops'] and up['flops'] / 1e12, '.0f')} | "
+            f"{num(up['flops_ratio'], '.2f')}x | {decode} | {est} | {verdict} | {secs} |")
 
 
 def main() -> None:
@@ -72,9 +83,10 @@ def main() -> None:
     args = ap.parse_args()
     extra = shlex.split(args.args)
     reports = {}
-    print("| model | slice | options | rollout peak GiB/chip | update peak GiB/chip | update TFLOP/chip | verdict "
+    print("| model | slice | options | rollout peak GiB/chip | update peak GiB/chip | update TFLOP/chip | "
+          "update FLOPs / model | decode GB/step/chip (x floor) | est. s rollout / update / step | verdict "
           "| compile s (rollout / update) |")
-    print("|---|---|---|---:|---:|---:|---|---|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|---|")
     with tempfile.TemporaryDirectory() as root:
         data = Path(root) / "prompts.jsonl"
         data.write_text('{"prompt": "w1 w2 w3"}\n')

@@ -8,6 +8,11 @@ output / temporary bytes (`memory_analysis`) and the matmul FLOPs of the compile
 `cost_analysis` counts a loop body once, so a scan over layers would report one layer). A program larger than
 the chip's HBM fails to compile with RESOURCE_EXHAUSTED; that is reported as "does not fit", with how far over it
 is and the options that bring it down.
+
+Per program it also sets the compiler's figures against what the model needs (`rloo_jax.efficiency`): FLOPs
+against model FLOPs (the update's remat, padding and recomputation), the decode loop's bytes per step (HBM + ICI)
+against its floor (the matrices a chip multiplies + its KV caches), and a roofline time from the chip's published
+peaks (`rloo_jax.tpu.CHIPS`; the assumption is `ROOFLINE`), summed into a step time.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rloo_jax import hlo
-from rloo_jax.tpu import GIB, Slice, quiet_stderr
+from rloo_jax.efficiency import roofline_seconds
+from rloo_jax.tpu import GIB, Chip, Slice, quiet_stderr
 
 
 # ------------------------------------------------------------------------------------------------ one program
@@ -40,6 +46,40 @@ class ProgramReport:
     host_temp_bytes: int
     flops: float  # matmul FLOPs per call, every loop at its trip count (`rloo_jax.hlo`)
     compile_seconds: float
+    bytes_accessed: float = math.nan  # HBM bytes read + written per call, loops at their trip counts (`hlo`)
+    ici_bytes: float = math.nan  # bytes received from other chips per call (collectives)
+    decode: hlo.Loop | None = None  # the sampler's decode loop (rollouts): its steps and their cost
+    model_flops: float = math.nan  # what the model needs per call (`rloo_jax.efficiency`), per chip
+    decode_floor_bytes: float = math.nan  # per chip per decode step: the matrices it multiplies + its KV caches
+    estimated_seconds: float = math.nan  # roofline (`roofline`)
+
+    @property
+    def flops_ratio(self) -> float:
+        return self.flops / self.model_flops
+
+    @property
+    def decode_bytes_per_step(self) -> float:
+        """Bytes a decode step brings to one chip's compute: HBM traffic + what arrives over ICI."""
+        return self.decode.per_iteration.hbm_bytes + self.decode.per_iteration.ici_bytes if self.decode else math.nan
+
+    @property
+    def decode_bytes_ratio(self) -> float:
+        return self.decode_bytes_per_step / self.decode_floor_bytes
+
+    def roofline(self, chip: Chip) -> float:
+        """Seconds per call at the chip's published peaks: each phase (the decode loop, every step at its bound;
+        the rest of the program) takes the slowest of its FLOPs, HBM bytes and ICI bytes at their rates
+        (`efficiency.roofline_seconds`); phases add."""
+        rates = (chip.peak_bf16_flops, chip.hbm_bandwidth, chip.ici_bandwidth / 2)  # ICI: what arrives
+
+        def seconds(c: hlo.Cost) -> float:
+            return roofline_seconds((c.flops, c.hbm_bytes, c.ici_bytes), rates)
+
+        total = hlo.Cost(self.flops, 0.0, self.bytes_accessed, self.ici_bytes)
+        if self.decode is None:
+            return seconds(total)
+        loop = self.decode.per_iteration * (self.decode.trips * self.decode.runs)
+        return seconds(loop) + seconds(total + loop * -1)
 
     @property
     def peak_bytes_per_chip(self) -> int:
@@ -58,8 +98,20 @@ class ProgramReport:
             "temp_bytes": self.temp_bytes,
             "host_temp_bytes": self.host_temp_bytes,
             "flops": self.flops,
+            "model_flops": self.model_flops,
+            "flops_ratio": self.flops_ratio,
+            "bytes_accessed": self.bytes_accessed,
+            "ici_bytes": self.ici_bytes,
+            "estimated_seconds": self.estimated_seconds,
             "compile_seconds": self.compile_seconds,
-        }
+        } | ({} if self.decode is None else {
+            "decode_steps": self.decode.trips,
+            "decode_flops_per_step": self.decode.per_iteration.flops,
+            "decode_hbm_bytes_per_step": self.decode.per_iteration.hbm_bytes,
+            "decode_ici_bytes_per_step": self.decode.per_iteration.ici_bytes,
+            "decode_floor_bytes_per_step": self.decode_floor_bytes,
+            "decode_bytes_ratio": self.decode_bytes_ratio,
+        })
 
 
 _OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
@@ -69,6 +121,8 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
     """Lower and compile one program; a RESOURCE_EXHAUSTED compile becomes a report with `fits=False` (its
     temporaries as the compiler counted them). `resident_bytes`: per chip, what is in HBM whatever the program
     (the train state and the program's inputs, from their shardings)."""
+    from rloo_jax.sampling import DECODE_LOOP
+
     t0 = time.perf_counter()
     try:
         with quiet_stderr():
@@ -84,6 +138,7 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
         return ProgramReport(name, False, resident_bytes, 0, 0, 0, temp, 0, math.nan, seconds)
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
+    analysis = hlo.analyze(compiled.as_text())
     report = ProgramReport(
         name=name,
         fits=True,
@@ -93,8 +148,11 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
         alias_bytes=int(mem.alias_size_in_bytes),
         temp_bytes=int(mem.temp_size_in_bytes),
         host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0)),
-        flops=hlo.flops(compiled.as_text()),
+        flops=analysis.total.flops,
         compile_seconds=seconds,
+        bytes_accessed=analysis.total.hbm_bytes,
+        ici_bytes=analysis.total.ici_bytes,
+        decode=hlo.named_loop(analysis, DECODE_LOOP),
     )
     report.fits = report.peak_bytes_per_chip <= hbm_bytes
     return report
@@ -123,12 +181,22 @@ class Report:
     def fits(self) -> bool:
         return all(p.fits for p in self.programs)
 
+    @property
+    def estimated_step_seconds(self) -> float:
+        """One trainer iteration on the device: the rollout, the update and each reward model (the evaluation
+        rollout runs every eval_steps only); host work (reward functions, decoding text) is not included."""
+        return sum(p.estimated_seconds for p in self.programs if p.name != "eval_rollout")
+
     def to_json(self) -> dict[str, Any]:
+        chip = self.topology.chip
         return {
             "topology": self.topology.name,
             "chips": self.topology.chips,
-            "hbm_bytes_per_chip": self.topology.chip.hbm_bytes,
+            "hbm_bytes_per_chip": chip.hbm_bytes,
             "fits": self.fits,
+            "estimated_step_seconds": self.estimated_step_seconds,
+            "roofline": {"peak_bf16_flops_per_chip": chip.peak_bf16_flops, "hbm_bytes_per_second": chip.hbm_bandwidth,
+                         "ici_bidirectional_bytes_per_second": chip.ici_bandwidth, "assumption": ROOFLINE},
             "settings": self.settings,
             "programs": {p.name: p.to_json() for p in self.programs},
         }
@@ -152,20 +220,53 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+ROOFLINE = (
+    "each phase of a program (the decode loop, every step at its bound; the rest) takes the longest of FLOPs / "
+    "peak bf16 FLOP/s, HBM bytes / HBM bandwidth and bytes received from other chips / half the bidirectional "
+    "ICI bandwidth, per chip; phases and programs add; latencies, launch gaps, host transfers and host work "
+    "(reward functions, decoding text) are not counted"
+)
+
+
+def _num(x: float, fmt: str) -> str:
+    return "-" if math.isnan(x) else format(x, fmt)
+
+
 def table_lines(report: Report) -> list[str]:
     """The per-program table as text lines: what stays resident (train state + inputs), the program's
-    temporaries, the peak against the chip's HBM, compiler FLOPs per call, compile seconds."""
-    hbm = report.topology.chip.hbm_bytes
+    temporaries, the peak against the chip's HBM, compiler FLOPs per call and their ratio to the model's, HBM and
+    ICI bytes per call, the roofline seconds, compile seconds; then the decode loop against its floor and the
+    roofline's assumption and step time."""
+    slc, hbm = report.topology, report.topology.chip.hbm_bytes
     head = (f"{'program':13s} {'resident':>10s} {'temporaries':>12s} {'peak/chip':>10s} {'of HBM':>7s} "
-            f"{'TFLOP/call':>10s} {'compile':>8s}")
+            f"{'TFLOP/call':>10s} {'x model':>7s} {'HBM GB':>7s} {'ICI GB':>7s} {'est. s':>7s} {'compile':>8s}")
     lines = [head]
     for p in report.programs:
-        flops = "-" if math.isnan(p.flops) else f"{p.flops / 1e12:.2f}"
         resident = max(p.resident_bytes, p.argument_bytes)
         lines.append(
             f"{p.name:13s} {gib(resident):>10s} {gib(p.temp_bytes):>12s} {gib(p.peak_bytes_per_chip):>10s} "
-            f"{100 * p.peak_bytes_per_chip / hbm:6.0f}% {flops:>10s} {p.compile_seconds:7.1f}s"
+            f"{100 * p.peak_bytes_per_chip / hbm:6.0f}% {_num(p.flops / 1e12, '10.2f'):>10s} "
+            f"{_num(p.flops_ratio, '.2f') + 'x':>7s} {_num(p.bytes_accessed / 1e9, '7.1f'):>7s} "
+            f"{_num(p.ici_bytes / 1e9, '7.1f'):>7s} {_num(p.estimated_seconds, '7.2f'):>7s} {p.compile_seconds:7.1f}s"
         )
+    for p in report.programs:
+        if p.decode is not None and not math.isnan(p.decode_floor_bytes):
+            step, floor = p.decode_bytes_per_step / 1e9, p.decode_floor_bytes / 1e9
+            lines.append(
+                f"{p.name} decode: {p.decode.trips} steps of {step:.2f} GB/chip (HBM + ICI), "
+                f"{p.decode_bytes_ratio:.2f}x the floor of {floor:.2f} GB (matrices + KV caches)"
+            )
+    chip = slc.chip
+    ici = "" if math.isnan(chip.ici_bandwidth) else f", ICI in {chip.ici_bandwidth / 2e9:.0f} GB/s"
+    lines.append(
+        f"est. s: each phase (decode loop; rest) at its slowest of {chip.peak_bf16_flops / 1e12:.0f} TFLOP/s, "
+        f"HBM {chip.hbm_bandwidth / 1e9:.0f} GB/s{ici} per {slc.generation} chip"
+    )
+    rm = " + reward models" if any(p.name.startswith("reward_model") for p in report.programs) else ""
+    lines.append(
+        f"est. step: {_num(report.estimated_step_seconds, '.2f')} s on the device (rollout + update{rm}), "
+        "host work (reward functions, decoding text) not included"
+    )
     return lines
 
 
@@ -242,6 +343,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     from jax.sharding import SingleDeviceSharding
 
     from rloo_jax.build import make_optimizer, model_options, policy, prepare, sampling_config, step_config
+    from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops
     from rloo_jax.mesh import make_mesh, replicated
     from rloo_jax.models import abstract_model
     from rloo_jax.rloo import RLOOOptions
@@ -265,19 +367,39 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     batch = 4 * (2 * b * p + 4 * n * cfg.max_completion_length) // cfg.data_shards
 
     programs = []
+    model, c, chips = Transformer.of(run.model.config), cfg.max_completion_length, slc.chips
+    itemsize = 2 if cfg.bf16 else 4  # the compute dtype: the sampler's matrices and KV caches
 
-    def add(name: str, lower: Callable[[], Any], resident_bytes: int) -> None:
+    def add(name: str, lower: Callable[[], Any], resident_bytes: int, model_flops: float,
+            decode_floor: float = math.nan) -> None:
         out(f"compiling {name} for {slc.name} ...")
-        programs.append(compile_program(name, lower, hbm, resident_bytes))
+        report = compile_program(name, lower, hbm, resident_bytes)
+        report.model_flops, report.decode_floor_bytes = model_flops, decode_floor
+        report.estimated_seconds = report.roofline(slc.chip)
+        programs.append(report)
 
-    add("rollout", lambda: step.lower_rollout(state, (b, p)), state_bytes + batch)
-    add("update", lambda: step.lower_update(state, (b, p), weights), state_bytes + batch)
+    def decode_floor(prompts: int, group: int) -> float:
+        """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; tensor
+        parallelism splits it) and its share of the KV caches."""
+        weights = model.matmul_params * itemsize / cfg.mesh_shape[2]
+        return weights + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
+
+    g = cfg.num_generations
+    rollout_flops = model.sampling(b, p, g, c) + (model.batch_forward(b, p, g, c) if cfg.beta > 0 else 0.0)
+    add("rollout", lambda: step.lower_rollout(state, (b, p)), state_bytes + batch, rollout_flops / chips,
+        decode_floor(b, g))
+    # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
+    # gradients (2 forwards; the adapters' own matmuls are left out: r / hidden of the projections')
+    update_flops = (2 if cfg.use_peft else 3) * cfg.num_iterations * model.batch_forward(b, p, g, c)
+    add("update", lambda: step.lower_update(state, (b, p), weights), state_bytes + batch, update_flops / chips)
     if cfg.eval_steps:
         g = cfg.resolved_num_generations_eval
         eval_cfg = StepConfig(sampling=sampling_config(cfg, run, g), rloo=RLOOOptions(beta=0.0))
         sampler = RLOOStep(pol.graphdef, optimizer, eval_cfg, mesh=mesh)
         sampler.state_shardings = step.state_shardings
-        add("eval_rollout", lambda: sampler.lower_rollout(state, (cfg.eval_batch_size // g, p)), state_bytes)
+        eb = cfg.eval_batch_size // g
+        add("eval_rollout", lambda: sampler.lower_rollout(state, (eb, p)), state_bytes,
+            model.sampling(eb, p, g, c) / chips, decode_floor(eb, g))
     options = model_options(cfg, "tpu")
     one = SingleDeviceSharding(devices[0])
     for i, folder in enumerate(run.reward_models):
@@ -288,7 +410,10 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         ids = jax.ShapeDtypeStruct((n, width), jnp.int32, sharding=one)
         score = jax.jit(lambda s, x, m, g=rm_graphdef: nnx.merge(g, s)(x, m))
         resident = per_chip_bytes(rm_params) + (state_bytes if devices[0] in mesh.devices.flat else 0)
-        add(f"reward_model_{i}", lambda f=score, w=rm_params, x=ids: f.lower(w, x, x), resident)
+        t = Transformer.of(rm.config)  # its head: D x 1 at one position per row
+        rm_flops = forward_flops(t.layer_params, t.num_layers, rm.config.hidden_size, t.attention_width,
+                                 tokens=n * width, scored=n, pairs=n * causal_pairs(0, width, t.window))
+        add(f"reward_model_{i}", lambda f=score, w=rm_params, x=ids: f.lower(w, x, x), resident, rm_flops)
     settings = {
         "model": cfg.model_name_or_path, "mesh": dict(zip(("data", "fsdp", "tensor"), cfg.mesh_shape, strict=True)),
         "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
@@ -297,6 +422,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "num_iterations": cfg.num_iterations,
     }
     if cfg.use_peft:
         settings.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,

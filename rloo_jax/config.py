@@ -117,9 +117,10 @@ class RLOOConfig:
         False,
         "memory",
         "Build the run as training would, compile its per-step programs for --topology with the TPU compiler "
-        "and report per-chip memory, FLOPs and compile time against the chip's HBM; write compile_report.json "
-        "to output_dir, then exit (0: fits, 1: does not). Reads config.json and the tokenizer, no weights and "
-        "no dataset; needs the `tpu` extra (libtpu), not a TPU.",
+        "and report per-chip memory against the chip's HBM, FLOPs and bytes against the model's (decode against "
+        "its memory floor), a roofline time from the chip's published peaks and compile time; write "
+        "compile_report.json to output_dir, then exit (0: fits, 1: does not). Reads config.json and the "
+        "tokenizer, no weights and no dataset; needs the `tpu` extra (libtpu), not a TPU.",
     )
     topology: str | None = _opt(
         None,

@@ -1,4 +1,4 @@
-"""FLOPs of a compiled XLA program, counted from its optimized HLO text with every loop at its trip count.
+"""FLOPs and bytes of a compiled XLA program, counted from its optimized HLO text with every loop at its trip count.
 
 XLA's own `cost_analysis()` counts a `while` body once, whatever its trip count: a `lax.scan` over 32 layers reports
 the FLOPs of one layer (checked: a scan of 8 matmuls reports 1/8 of the unrolled figure). This counts the matmul
@@ -7,6 +7,25 @@ SPMD program, walking fusions, calls and conditionals (the largest branch), and 
 trip count: from the condition's `i < N`, the counter's initial value and the body's constant step (a
 `lax.scan`/`lax.map`/`fori_loop` counter, or the compiler's own windowed-matmul loops, which step by 2); for a
 data-dependent loop such as the sampler's, the bound is the most it can run.
+
+Bytes follow XLA's `HloCostAnalysis` at the fusion boundary (what a fused kernel reads and writes; its inside
+stays on chip): every top-level instruction reads its operands and writes its result, at the sizes of their tiled
+TPU layouts (`bf16[10,20]{1,0:T(8,128)(2,1)}` occupies 16 x 128 elements); a slice or `dynamic-slice` (fused or not)
+reads only its slice and a gather its rows; a `dynamic-update-slice` writes only its update, in place; outputs
+aliased to an operand (async collectives carried through compute fusions) are not written again, and an async
+collective is counted once, at its start. Three figures per device (`Cost`):
+
+- `bytes`: in any memory, as XLA counts them. On loop-free programs of elementwise ops, converts, transposes,
+  concatenations, slices, dynamic-update-slices, cumulative sums and all-gathers this equals the TPU compiler's
+  `cost_analysis()["bytes accessed"]` exactly (tests/test_compile_only.py). Where the TPU cost model charges a
+  kernel for re-reading its inputs (matmuls: 2-3x for a bf16 MLP; gathers; sorts; reductions over a major
+  dimension) these count each input once: the traffic of a kernel that reads its inputs once.
+- `hbm_bytes`: the part in HBM, memory space 0. Arrays the compiler placed in on-chip VMEM (`S(1)`) are not HBM
+  traffic; its prefetches and evictions between the two (`copy-start`, free in `bytes`) are one HBM read or write.
+- `ici_bytes`: what collectives receive from other chips over ICI (`_collective_ici`).
+
+`analyze(text)` gives them with every `while` loop (its `op_name`, trip count and per-iteration cost);
+`named_loop` picks one by its `jax.named_scope` (the sampler names its decode loop `DECODE_LOOP`).
 """
 
 from __future__ import annotations
@@ -14,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -24,6 +44,10 @@ _CALLEE = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|true
                      r"(\{[^}]*\}|%[\w.\-]+)")
 
 
+_LEAF = re.compile(r"([a-z]+\d*[a-z\d]*)\[([\d,]*)\](?:\{([^}]*)\})?")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
 @dataclasses.dataclass
 class _Instruction:
     name: str
@@ -32,6 +56,16 @@ class _Instruction:
     operands: list[str]
     args: str  # the raw text between the parentheses (a constant's value)
     attrs: str
+    leaves: tuple[tuple[int, int], ...] = ()  # (bytes in its tiled layout, memory space) of each result array
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b for b, _ in self.leaves)
+
+    @property
+    def op_name(self) -> str:
+        m = _OP_NAME.search(self.attrs)
+        return m.group(1) if m else ""
 
 
 def _shape(type_text: str) -> tuple[int, ...] | None:
@@ -39,6 +73,33 @@ def _shape(type_text: str) -> tuple[int, ...] | None:
     if m is None:
         return None
     return tuple(int(d) for d in m.group(1).split(",") if d)
+
+
+def _leaf_bytes(dtype: str, dims: list[int], layout: str | None) -> int:
+    """Bytes of one array in its layout: the first tile `T(a,b)` pads the most minor dimensions to its multiples
+    (a scalar `s32[]{:T(128)}` takes 128 elements). pred takes a byte; `f8e4m3fn` 8 bits, `bf16` 16, `s4` 4."""
+    digits = re.search(r"\d+", dtype)
+    bits = 8 if dtype == "pred" else int(digits.group()) if digits else 0
+    if layout and ":" in layout:
+        order, rest = layout.split(":", 1)
+        tile = re.match(r"T\(([\d,]+)\)", rest)
+        if tile:
+            minor_first = [dims[int(d)] for d in order.split(",") if d]
+            t = [int(x) for x in tile.group(1).split(",")][::-1]  # most minor first
+            minor_first += [1] * (len(t) - len(minor_first))
+            dims = [-(-d // t[i]) * t[i] if i < len(t) else d for i, d in enumerate(minor_first)]
+    return -(-math.prod(dims) * bits // 8)
+
+
+def _leaves(type_text: str) -> tuple[tuple[int, int], ...]:
+    """(bytes, memory space) of each array in an instruction's type: space 0 is HBM, `S(1)` on-chip VMEM, ..."""
+    leaves = []
+    for dt, dims, layout in _LEAF.findall(type_text):
+        if dt != "token":
+            space = re.search(r"S\((\d+)\)", layout or "")
+            leaves.append((_leaf_bytes(dt, [int(d) for d in dims.split(",") if d], layout), int(space.group(1))
+                           if space else 0))
+    return tuple(leaves)
 
 
 def _split_operands(rest: str) -> tuple[str, str]:
@@ -66,7 +127,7 @@ def parse(text: str) -> dict[str, list[_Instruction]]:
             name, type_text, opcode, rest = m.groups()
             args, attrs = _split_operands(rest)
             operands = re.findall(r"%([\w.\-]+)", args)
-            current.append(_Instruction(name, _shape(type_text), opcode, operands, args, attrs))
+            current.append(_Instruction(name, _shape(type_text), opcode, operands, args, attrs, _leaves(type_text)))
     return computations
 
 
@@ -165,37 +226,285 @@ def _trip_count(condition: list[_Instruction], body: list[_Instruction], init: _
     return max(-(-(bound - start) // step), 0)
 
 
-def flops(text: str) -> float:
-    """Matmul FLOPs of one run of the program (per device), loops counted by their trip counts."""
-    computations = parse(text)
-    memo: dict[str, float] = {}
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Matmul FLOPs, bytes read + written in any memory (as XLA's cost analysis counts them), the part of those
+    bytes in HBM (memory space 0; with the HBM side of the compiler's prefetches) and the bytes collectives
+    receive over the chip-to-chip links (ICI), per device."""
 
-    def cost(name: str) -> float:
-        if name in memo:
-            return memo[name]
-        memo[name] = 0.0  # guards against recursion through malformed text
-        instructions = computations.get(name, [])
-        shapes = {ins.name: ins.shape for ins in instructions}
-        by_name = {ins.name: ins for ins in instructions}
+    flops: float = 0.0
+    bytes: float = 0.0
+    hbm_bytes: float = 0.0
+    ici_bytes: float = 0.0  # received from other chips by collectives (`_collective_ici`)
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
+
+    def __mul__(self, k: float) -> Cost:
+        return Cost(*(a * k for a in dataclasses.astuple(self)))
+
+
+def _touch(leaves: Iterable[tuple[int, int]]) -> Cost:
+    """Reading or writing these (bytes, memory space) arrays once."""
+    leaves = list(leaves)
+    return Cost(0.0, sum(b for b, _ in leaves), sum(b for b, space in leaves if space == 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """One `while` instruction of the program: `runs` times per call (its enclosing loops' trips), `trips`
+    iterations each (the bound, for a data-dependent loop), `per_iteration` = body + condition, inner loops
+    at their trip counts."""
+
+    op_name: str  # the jax name stack of the loop (`jax.named_scope` names appear in it)
+    trips: int
+    runs: int
+    per_iteration: Cost
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    total: Cost  # one call of the program
+    loops: tuple[Loop, ...]
+
+
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
+         "opt-barrier", "partition-id", "replica-id", "domain"}
+_SLICES = ("slice", "dynamic-slice")
+_COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def _group_size(attrs: str) -> int | None:
+    """Devices in one replica group: `replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}` -> 4,
+    `{{0,1},{2,3}}` -> 2, `[2,4]<=[8]` -> 4; None when there is no such attribute."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs)
+    if m:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'(\w+)'", m.group(2)))
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[[\d,]*?(\d+)\]<=", attrs)
+    return int(m.group(1)) if m else None
+
+
+def _collective_ici(ins: _Instruction, operand_bytes: float) -> float:
+    """Bytes one device receives over ICI in a collective (ring algorithms; n devices per group): all-gather
+    its result less its own part, reduce-scatter its input less its result, all-reduce 2 (n-1)/n of the
+    array, all-to-all (n-1)/n, collective-permute the array."""
+    out = ins.leaves[-1][0] if ins.opcode.endswith("-start") and len(ins.leaves) > 1 else ins.nbytes
+    n = _group_size(ins.attrs) or 2
+    kind = ins.opcode.removesuffix("-start")
+    if kind == "all-gather":
+        return max(out - operand_bytes, 0.0)
+    if kind == "reduce-scatter":
+        return max(operand_bytes - out, 0.0)
+    if kind == "all-reduce":
+        return 2.0 * operand_bytes * (n - 1) / n
+    if kind == "all-to-all":
+        return operand_bytes * (n - 1) / n
+    if kind == "collective-permute":
+        return float(operand_bytes)
+    return 0.0
+
+
+def _read(param: _Instruction, fused: list[_Instruction], computations: dict[str, list[_Instruction]],
+          start: bool) -> int:
+    """Bytes a fused kernel reads of one parameter (XLA's `FusionParameterReadBytes`): a slice or dynamic-slice
+    reads its slice and a gather its rows (also inside a nested fusion); the array a dynamic-update-slice writes
+    into is not read; other users share one read. Buffers that only pass through (to the output tuple, or into
+    an async collective that a compute fusion carries along) are not read here: the collective's `start` fusion
+    counts its input."""
+    size, whole = 0, False
+    root = fused[-1]
+    for user in (i for i in fused if param.name in i.operands):
+        if user is root and root.opcode == "tuple" or user.opcode in _COLLECTIVES and not start:
+            continue
+        if user.opcode in (*_SLICES, "gather") and user.operands[0] == param.name:
+            size += user.nbytes
+        elif user.opcode == "dynamic-update-slice" and user.operands[0] == param.name:
+            continue
+        elif user.opcode == "fusion":
+            inner = computations.get(_callees(user).get("calls", [""])[0], [])
+            params = _parameters(inner)
+            size += sum(_read(params[k], inner, computations, start) if k in params else param.nbytes
+                        for k, o in enumerate(user.operands) if o == param.name)
+        elif user.opcode in ("broadcast", "reshape"):
+            size += param.nbytes
+        elif not whole:
+            whole, size = True, size + param.nbytes
+    return size
+
+
+def _parameters(fused: list[_Instruction]) -> dict[int, _Instruction]:
+    return {int(i.args): i for i in fused if i.opcode == "parameter" and i.args.strip().isdigit()}
+
+
+def _fusion_cost(ins: _Instruction, computations: dict[str, list[_Instruction]],
+                 operands: list[tuple[tuple[int, int], ...]]) -> Cost:
+    """Bytes a fusion reads and writes: its parameters as `_read` says (from their memory space); each output
+    array (an in-place dynamic-update-slice: its update), none for outputs aliased to an operand. An async
+    collective is counted at its `start` (its input read, its result written); its `done` moves nothing more."""
+    fused = computations.get(_callees(ins).get("calls", [""])[0], [])
+    by_name = {i.name: i for i in fused}
+    root = fused[-1] if fused else None
+    if root is None or (root.opcode == "custom-call" and "AsyncCollectiveDone" in root.attrs):
+        return Cost()
+    start = root.opcode == "custom-call" and "AsyncCollectiveStart" in root.attrs
+    params = _parameters(fused)
+    reads: list[tuple[int, int]] = []
+    for k, leaves in enumerate(operands):
+        if k in params:
+            reads += _scaled(leaves, _read(params[k], fused, computations, start))
+        else:
+            reads += leaves
+    ici = 0.0
+    if start:  # the collective the async pair runs
+        sizes = {i.name: i.nbytes for i in fused}
+        ici = sum(_collective_ici(i, sum(sizes.get(o, 0) for o in i.operands)) for i in fused
+                  if i.opcode in _COLLECTIVES)
+    aliasing = re.search(r"output_to_operand_aliasing=\{(.*?)\}\}", ins.attrs)
+    aliased = re.findall(r"\{(\d*)\}: \(", aliasing.group(1) + "}") if aliasing else []
+    if "" in aliased:  # the whole output is an operand's buffer
+        return _touch(reads) + Cost(ici_bytes=ici)
+    aliased = {int(k) for k in aliased}
+    outputs = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root] * len(ins.leaves)
+    writes = []
+    for k, (out, leaf) in enumerate(zip(outputs, ins.leaves, strict=False)):
+        if k in aliased:
+            continue
+        if out is not None and out.opcode == "dynamic-update-slice" and out.operands[1] in by_name:
+            leaf = (by_name[out.operands[1]].nbytes, leaf[1])
+        writes.append(leaf)
+    return _touch(reads + writes) + Cost(ici_bytes=ici)
+
+
+def _scaled(leaves: tuple[tuple[int, int], ...], nbytes: int) -> list[tuple[int, int]]:
+    """`nbytes` of the array `leaves` (a slice of it), in its memory space."""
+    return [(nbytes, leaves[0][1] if leaves else 0)]
+
+
+def _instruction_cost(ins: _Instruction, leaves: dict[str, tuple[tuple[int, int], ...]]) -> Cost:
+    """Bytes one unfused instruction reads and writes (XLA's `HloCostAnalysis` rules; allocating a buffer moves
+    nothing). A `copy-start` (the compiler's prefetch into, or eviction from, on-chip memory) is free as XLA counts
+    it; its HBM side is one read or write of HBM."""
+    if ins.opcode in _FREE or ins.opcode.endswith("-done") or 'custom_call_target="AllocateBuffer"' in ins.attrs:
+        return Cost()
+    operands = [leaves.get(o, ()) for o in ins.operands]
+    if ins.opcode == "copy-start":
+        (dst, dst_space), (_, src_space) = ins.leaves[:2]
+        return Cost(0.0, 0.0, dst if (dst_space == 0) != (src_space == 0) else 0.0)
+    index = [leaf for op in operands[1:] for leaf in op]
+    if ins.opcode in _SLICES or ins.opcode == "slice-start":
+        out = ins.leaves[-2:-1] if ins.opcode == "slice-start" else ins.leaves
+        return _touch(_scaled(operands[0], sum(b for b, _ in out)) + list(out) + index)
+    if ins.opcode == "dynamic-update-slice":
+        update = operands[1]
+        return _touch(list(update) + _scaled(ins.leaves, sum(b for b, _ in update)) + index[len(update):])
+    if ins.opcode == "gather":
+        return _touch(_scaled(operands[0], ins.nbytes) + list(ins.leaves) + list(operands[1]))
+    read = [leaf for op in operands for leaf in op]
+    ici = Cost()
+    if ins.opcode.removesuffix("-start") in _COLLECTIVES:
+        ici = Cost(ici_bytes=_collective_ici(ins, sum(b for b, _ in read)))
+    if ins.opcode.endswith("-start"):  # async collective: (operands, results, sync flags...)
+        return _touch(read + list(ins.leaves[len(operands):])) + ici
+    return _touch(read + list(ins.leaves)) + ici
+
+
+def analyze(text: str) -> Analysis:
+    """FLOPs and bytes of one call of the program (per device), every loop at its trip count, and its loops."""
+    computations = parse(text)
+    memo: dict[str, Cost] = {}
+    loops: dict[str, tuple[str, int, Cost]] = {}  # while instruction -> (op_name, trips, per iteration)
+    inside: dict[str, list[str]] = {}  # computation -> the while instructions directly in it (with their trips)
+
+    def matmul_flops(name: str) -> float:
+        """Matmul FLOPs inside a fusion (no bytes: a fusion's inside stays on chip)."""
         total = 0.0
+        instructions = computations.get(name, [])
+        shapes = {i.name: i.shape for i in instructions}
         for ins in instructions:
             if ins.opcode == "dot":
                 total += _dot_flops(ins, shapes)
             elif ins.opcode == "convolution":
                 total += _conv_flops(ins, shapes)
-            callees = dict((k, re.findall(r"%([\w.\-]+)", v)) for k, v in _CALLEE.findall(ins.attrs))
-            if ins.opcode == "while":
+            for callee in _callees(ins).get("calls", []):
+                total += matmul_flops(callee)
+        return total
+
+    def cost(name: str) -> Cost:
+        if name in memo:
+            return memo[name]
+        memo[name] = Cost()  # guards against recursion through malformed text
+        instructions = computations.get(name, [])
+        shapes = {ins.name: ins.shape for ins in instructions}
+        leaves = {ins.name: ins.leaves for ins in instructions}
+        by_name = {ins.name: ins for ins in instructions}
+        total = Cost()
+        for ins in instructions:
+            callees = _callees(ins)
+            if ins.opcode == "dot":
+                total += _instruction_cost(ins, leaves) + Cost(_dot_flops(ins, shapes))
+            elif ins.opcode == "convolution":
+                total += _instruction_cost(ins, leaves) + Cost(_conv_flops(ins, shapes))
+            elif ins.opcode == "while":
                 body, cond = callees.get("body", [""])[0], callees.get("condition", [""])[0]
                 init = by_name.get(ins.operands[0]) if ins.operands else None
                 trips = _trip_count(computations.get(cond, []), computations.get(body, []), init, by_name)
-                total += trips * (cost(body) + cost(cond))
+                once = cost(body) + cost(cond)
+                loops[ins.name] = (ins.op_name, trips, once)
+                inside.setdefault(name, []).append(ins.name)
+                total += once * trips
             elif ins.opcode == "conditional":
                 branches = callees.get("branch_computations", []) + callees.get("true_computation", []) + \
                     callees.get("false_computation", [])
-                total += max((cost(b) for b in branches), default=0.0)
-            elif ins.opcode in ("fusion", "call", "async-start", "custom-call"):
-                total += sum(cost(c) for c in callees.get("calls", []) + callees.get("to_apply", []))
+                total += max((cost(b) for b in branches), default=Cost(), key=lambda c: (c.bytes, c.flops))
+            elif ins.opcode == "fusion":
+                operands = [leaves.get(o, ()) for o in ins.operands]
+                total += _fusion_cost(ins, computations, operands) + Cost(matmul_flops(callees["calls"][0]))
+            elif ins.opcode in ("call", "async-start"):
+                total += sum((cost(c) for c in callees.get("calls", []) + callees.get("to_apply", [])), Cost())
+            else:
+                total += _instruction_cost(ins, leaves)
         memo[name] = total
         return total
 
-    return cost("ENTRY")
+    total = cost("ENTRY")
+
+    def collect(name: str, runs: int) -> list[Loop]:
+        found = []
+        for w in inside.get(name, []):
+            op_name, trips, once = loops[w]
+            found.append(Loop(op_name, trips, runs, once))
+            ins = next(i for i in computations[name] if i.name == w)
+            for c in _callees(ins).get("body", []) + _callees(ins).get("condition", []):
+                found += collect(c, runs * trips)
+        for ins in computations.get(name, []):
+            if ins.opcode in ("call", "async-start", "conditional"):
+                for c in sum(_callees(ins).values(), []):
+                    found += collect(c, runs)
+        return found
+
+    return Analysis(total, tuple(collect("ENTRY", 1)))
+
+
+def _callees(ins: _Instruction) -> dict[str, list[str]]:
+    return {k: re.findall(r"%([\w.\-]+)", v) for k, v in _CALLEE.findall(ins.attrs)}
+
+
+def flops(text: str) -> float:
+    """Matmul FLOPs of one run of the program (per device), loops counted by their trip counts."""
+    return analyze(text).total.flops
+
+
+def bytes_accessed(text: str) -> float:
+    """Bytes read and written in any device memory by one run of the program (per device), loops at their trip
+    counts (the module docstring says what counts)."""
+    return analyze(text).total.bytes
+
+
+def named_loop(analysis: Analysis, scope: str) -> Loop | None:
+    """The outermost loop created directly under `jax.named_scope(scope)` (its op_name ends `scope/while`)."""
+    found = [loop for loop in analysis.loops if re.search(rf"(^|/){re.escape(scope)}/while$", loop.op_name)]
+    return found[0] if found else None

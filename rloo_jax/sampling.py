@@ -47,6 +47,10 @@ __all__ = [
 ]
 
 
+DECODE_LOOP = "decode_loop"
+"""The name scope of the sampler's token-by-token loop: compiled programs carry it in the loop's `op_name`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """Every static sampling option: hashable, so it can be a static argument of ``jax.jit``."""
@@ -388,7 +392,9 @@ def generate_fn(
         cache=cache,
     )
     # The first token comes from the prefill logits, so the loop never runs a forward whose logits go unused.
-    state = jax.lax.while_loop(cond, body, emit(state, logits))
+    state = emit(state, logits)
+    with jax.named_scope(DECODE_LOOP):  # how `rloo_jax.hlo.named_loop` finds this loop in the compiled program
+        state = jax.lax.while_loop(cond, body, state)
 
     mask = _completion_mask(state.ids, cfg.eos_token_ids)
     lengths = mask.sum(axis=1, dtype=jnp.int32)

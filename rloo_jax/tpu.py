@@ -1,5 +1,6 @@
 """TPU slices as Google Cloud names them (`v5e-8`, `v5p-8`, ...): chips, torus shape, the compiler's topology name,
-HBM per chip and the published peak FLOP/s and bandwidth; and the slice's devices for ahead-of-time compilation.
+HBM per chip and the published peak FLOP/s, HBM and ICI bandwidth; and the slice's devices for ahead-of-time
+compilation.
 
 v5e and v6e slice names count chips (v5e-8 = 8 chips, also written `v5litepod-8`); v4 and v5p names count
 TensorCores, two per chip (v5p-8 = 4 chips, each one "megacore" device).
@@ -30,14 +31,19 @@ class Chip:
     peak_bf16_flops: float  # FLOP/s per chip, bf16 (Google Cloud TPU pages)
     hbm_bandwidth: float  # bytes/s per chip (Google Cloud TPU pages)
     sizes: tuple[int, ...]  # valid numbers in the slice name
+    ici_bandwidth: float = math.nan  # bytes/s per chip, both directions of all its ICI links (NaN: unpublished)
 
 
 _POW2 = tuple(2**i for i in range(13))
+# Peak bf16 FLOP/s, HBM and ICI bandwidth per chip as Google Cloud's TPU pages state them (checked 2026-11-23):
+# docs.cloud.google.com/tpu/docs/v4 (275 TFLOPs, 1200 GBps; no per-chip ICI figure), .../v5e (197 TFLOPs,
+# 819 GBps, 400 GBps bidirectional ICI), .../v5p (459 TFLOPs, 2765 GBps, 1200 GBps ICI), .../v6e (918 TFLOPs,
+# 1638 GBps, 800 GBps ICI).
 CHIPS: dict[str, Chip] = {
     "v4": Chip("v4", 3, 2, "megacore", int(30.75 * GIB), 275e12, 1200e9, tuple(n for n in _POW2 if n >= 8) + (384,)),
-    "v5e": Chip("v5e", 2, 1, "default", int(15.75 * GIB), 197e12, 819e9, (1, 4, 8, 16, 32, 64, 128, 256)),
-    "v5p": Chip("v5p", 3, 2, "megacore", int(95.74 * GIB), 459e12, 2765e9, tuple(range(8, 17921, 8))),
-    "v6e": Chip("v6e", 2, 1, "default", int(31.25 * GIB), 918e12, 1638e9, (1, 4, 8, 16, 32, 64, 128, 256)),
+    "v5e": Chip("v5e", 2, 1, "default", int(15.75 * GIB), 197e12, 819e9, (1, 4, 8, 16, 32, 64, 128, 256), 400e9),
+    "v5p": Chip("v5p", 3, 2, "megacore", int(95.74 * GIB), 459e12, 2765e9, tuple(range(8, 17921, 8)), 1200e9),
+    "v6e": Chip("v6e", 2, 1, "default", int(31.25 * GIB), 918e12, 1638e9, (1, 4, 8, 16, 32, 64, 128, 256), 800e9),
 }
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6litepod": "v6e"}
 SLICE_EXAMPLES = "v4-8 … v4-4096, v5e-1/4/8/16 … 256 (or v5litepod-8), v5p-8 … v5p-17920, v6e-1/4/8 … 256"

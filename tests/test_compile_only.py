@@ -92,6 +92,24 @@ def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys): 
         assert p["peak_bytes_per_chip"] >= p["temp_bytes"] + p["resident_bytes"] - p["alias_bytes"]
         assert set(p) >= {"argument_bytes", "temp_bytes", "flops", "output_bytes"}
     assert report["programs"]["update"]["flops"] > report["programs"]["rollout"]["flops"] > 0
+    # what the model needs (tests/test_efficiency.py works these out by hand), per chip of 4; the compiler's
+    # update recomputes the forward (full remat: ~4/3), its rollout decodes into a padded KV cache
+    rollout, update = report["programs"]["rollout"], report["programs"]["update"]
+    assert (rollout["model_flops"], update["model_flops"]) == ((202440704 + 208437248) / 4, 3 * 208437248 / 4)
+    assert 1.0 < rollout["flops_ratio"] < 1.1 and 1.2 < update["flops_ratio"] < 1.4
+    assert update["flops_ratio"] == update["flops"] / update["model_flops"]
+    # decode: 31 steps (the first token comes from the prefill); floor = f32 matrices + this chip's KV caches
+    assert rollout["decode_steps"] == 31 and rollout["decode_floor_bytes_per_step"] == 4 * 83968 + 589824 / 4
+    per_step = rollout["decode_hbm_bytes_per_step"] + rollout["decode_ici_bytes_per_step"]
+    assert rollout["decode_bytes_ratio"] == per_step / rollout["decode_floor_bytes_per_step"] > 0
+    chip = report["roofline"]
+    for p in report["programs"].values():
+        assert p["bytes_accessed"] > 0 and p["ici_bytes"] > 0  # fsdp over 4 chips gathers the weights
+        assert p["estimated_seconds"] >= max(p["flops"] / chip["peak_bf16_flops_per_chip"],
+                                             p["bytes_accessed"] / chip["hbm_bytes_per_second"])
+    assert report["estimated_step_seconds"] == rollout["estimated_seconds"] + update["estimated_seconds"]
+    assert "x model" in out and "rollout decode: 31 steps" in out and "est. step:" in out
+    assert max(len(line) for line in out.splitlines() if not line.startswith(("FITS", "report"))) <= 118
     # the mesh is the slice's: fsdp over its 4 chips; the batch validated for them (4 x 4 x 2 completions)
     assert report["settings"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert report["settings"]["completions_per_generation"] == 32 and report["settings"]["remat_policy"] == "full"
@@ -140,6 +158,9 @@ def test_the_compiler_sees_the_memory_plan(tmp_path, tiny_checkpoint, capsys):  
         assert code == 0, err
         update[name] = json.loads((tmp_path / "out" / "compile_report.json").read_text())["programs"]["update"]
     assert update["full"]["temp_bytes"] < 0.5 * update["none"]["temp_bytes"]
+    # and what remat costs: the forward again (its last matmuls, whose outputs no gradient needs, excepted)
+    assert update["none"]["model_flops"] == update["full"]["model_flops"]
+    assert 1.0 < update["none"]["flops_ratio"] < 1.15 < update["full"]["flops_ratio"] < 1.5
     assert update["mu_bf16"]["resident_bytes"] < update["full"]["resident_bytes"]
 
 
@@ -176,3 +197,67 @@ def test_hlo_flops_count_every_loop_iteration():
     assert counted == {"scanned": 8 * one_matmul, "unrolled": 8 * one_matmul, "nested": (3 * 8 + 5) * one_matmul}
     xla = jax.jit(scanned).lower(w, x).compile().cost_analysis()["flops"]
     assert xla == one_matmul  # what XLA itself reports for the scan: one iteration
+
+
+def test_hlo_bytes_match_xla_and_count_every_loop_iteration():
+    """Bytes at the fusion boundary: XLA's own count on loop-free programs; a loop body at its trip count (XLA
+    counts it once, whatever the count); a loop found by its `jax.named_scope`; a matmul's inputs read once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rloo_jax import hlo
+    from rloo_jax.tpu import quiet_stderr, topology_devices
+
+    def compiled(f, *args):
+        with quiet_stderr():  # the cache donated: updated in place
+            return jax.jit(f, donate_argnums=0 if f is update_in_place else ()).lower(*args).compile()
+
+    def update_in_place(c, u, i):
+        return jax.lax.dynamic_update_slice(c, u, (i, 0, 0))
+
+    one = Mesh(np.array(topology_devices(parse_slice("v5e-1"))), ("x",))
+    four = Mesh(np.array(topology_devices(parse_slice("v5e-4"))), ("x",))
+
+    def sds(shape, dtype=jnp.float32, mesh=one, spec=None):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec or PartitionSpec()))
+
+    cache, update, i = sds((64, 256, 128), jnp.bfloat16), sds((1, 256, 128), jnp.bfloat16), sds((), jnp.int32)
+    loop_free = {
+        "elementwise": (lambda a: jnp.exp(a) * 2, sds((256, 512))),
+        "padded": (lambda a: jnp.exp(a) * 2, sds((10, 20))),  # laid out as 16 x 128
+        "convert_transpose": (lambda a: (a.T + 1).astype(jnp.bfloat16), sds((512, 256))),
+        "concat_cumsum": (lambda a, b: jnp.cumsum(jnp.concatenate([a, b]), -1), sds((64, 256)), sds((32, 256))),
+        "update_in_place": (update_in_place, cache, update, i),
+        "slice": (lambda c, i: jax.lax.dynamic_slice(c, (i, 0, 0), (1, 256, 128)) * 2, cache, i),
+        "all_gather": (lambda a: jax.lax.with_sharding_constraint(a * 2, NamedSharding(four, PartitionSpec())) + 1,
+                       sds((512, 1024), mesh=four, spec=PartitionSpec("x"))),
+    }
+    for name, (f, *args) in loop_free.items():
+        c = compiled(f, *args)
+        assert hlo.bytes_accessed(c.as_text()) == c.cost_analysis()["bytes accessed"], name
+    # the all-gather receives 3 of its 4 blocks over ICI; the update writes 64 KiB into the cache, not 4 MiB
+    assert hlo.analyze(compiled(*loop_free["all_gather"][:2]).as_text()).total.ici_bytes == 3 * 512 * 1024
+    assert hlo.bytes_accessed(compiled(*loop_free["update_in_place"]).as_text()) < 2 * 256 * 128 * 2 + 8192
+
+    def loop(n):  # n iterations of an elementwise body; named as the sampler names its decode loop
+        def f(w, x):
+            with jax.named_scope("decode_loop"):
+                return jax.lax.fori_loop(0, n, lambda j, h: jnp.tanh(h * w[j]), x)
+
+        return compiled(f, sds((n, 256, 512)), sds((256, 512)))
+
+    c8, c16 = loop(8), loop(16)
+    a8, a16 = hlo.analyze(c8.as_text()), hlo.analyze(c16.as_text())
+    found = hlo.named_loop(a8, "decode_loop")
+    assert found is not None and (found.trips, found.runs) == (8, 1) and found.op_name.endswith("decode_loop/while")
+    assert hlo.named_loop(a8, "decode") is None and hlo.named_loop(a16, "decode_loop").trips == 16
+    # one iteration reads h and one slice of w and writes h (f32 [256, 512]), plus a few scalars
+    assert 3 * 256 * 512 * 4 <= found.per_iteration.bytes < 3 * 256 * 512 * 4 + 8192
+    assert a16.total.bytes - a8.total.bytes == 8 * found.per_iteration.bytes
+    assert c16.cost_analysis()["bytes accessed"] == c8.cost_analysis()["bytes accessed"]  # XLA: the body once
+    # a matmul reads each input once (the TPU cost model also charges its tiling's re-reads)
+    c = compiled(lambda a, b: a @ b, sds((256, 512), jnp.bfloat16), sds((512, 1024), jnp.bfloat16))
+    logical = 2 * (256 * 512 + 512 * 1024 + 256 * 1024)
+    assert hlo.bytes_accessed(c.as_text()) == logical < c.cost_analysis()["bytes accessed"]

@@ -1,0 +1,154 @@
+"""What a run's programs should cost, to set the TPU compiler's figures against: model FLOPs, the decode loop's
+memory floor and a roofline time.
+
+Shapes are the padded ones the programs run (the compiler sees no others): B prompts of P tokens (the prompt
+width, `max_prompt_length` rounded up to `prompt_bucket`), each continued by G completions of C tokens
+(`max_completion_length`), N = B * G. A matmul of [m, k] by [k, n] is 2 m n k FLOPs.
+
+Model FLOPs of one forward over a generation batch (`forward_flops`): every token goes through each layer's
+matmuls once (2 * layer_params per token, layer_params = q, k, v, o and the MLP's matrices; norms, biases and the
+embedding lookup are not matmuls), the positions that are scored through the unembedding (2 * D * V per
+position), and attention's two matmuls (scores q k^T and the weighted sum of v: 4 * H * Dh per query-key pair),
+counted causally: a token attends to itself and every earlier position of its row (within a sliding window),
+never to the padding the program computes and masks. Tokens: each prompt runs once, shared by its G completions
+(`Transformer.forward_shared_prompt`): B * P prompt tokens + N * C completion tokens through the layers, N * C
+scored positions; query-key pairs B * P (P + 1) / 2 + N * (C P + C (C + 1) / 2).
+
+- update: 3 x forward per pass over the generation batch (the backward is two matmuls per forward matmul: the
+  input's gradient and the weight's), x `num_iterations` passes. Full fine-tuning: every matrix is trained (with
+  frozen matrices, e.g. LoRA, theirs need no weight gradient: 4 instead of 6 x params x tokens).
+- reference: 1 x forward (in the rollout program, with beta > 0).
+- sampling: the prefill (B * P tokens, B scored positions) + C - 1 decode steps of N rows (the first token comes
+  from the prefill's logits; step s feeds slot s - 1 at position P + s - 1, which attends to P + s keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+def causal_pairs(start: int, count: int, window: int | None = None) -> int:
+    """Query-key pairs of `count` queries at positions start .. start+count-1, each attending to itself and every
+    earlier position (the last `window` of them with a sliding window): sum over i of min(i + 1, window).
+
+    Example: causal_pairs(0, 4) = 1 + 2 + 3 + 4 = 10; causal_pairs(2, 2) = 3 + 4 = 7; causal_pairs(0, 4, 2) = 7.
+    """
+    end = start + count  # keys seen by query i: i + 1 for i < end
+    if window is None or window >= end:
+        return end * (end + 1) // 2 - start * (start + 1) // 2
+    below = max(min(end, window) - start, 0)  # queries i < window see i + 1 keys
+    first = min(start, window)
+    return (first + below) * (first + below + 1) // 2 - first * (first + 1) // 2 + (count - below) * window
+
+
+def forward_flops(
+    layer_params: int,
+    num_layers: int,
+    unembed_params: int,
+    attention_width: int,
+    *,
+    tokens: int,
+    scored: int,
+    pairs: int,
+) -> float:
+    """Matmul FLOPs of one forward: 2 * (L * layer_params * tokens + unembed_params * scored) + 4 * L * H * Dh *
+    pairs, with `attention_width` = H * Dh (query heads x head dim) and `pairs` the query-key pairs of one layer.
+
+    Example: forward_flops(10, 2, 6, 4, tokens=3, scored=2, pairs=6) = 2 * (60 + 12) + 4 * 2 * 4 * 6 = 336.
+    """
+    return (
+        2.0 * (num_layers * layer_params * tokens + unembed_params * scored)
+        + 4.0 * num_layers * attention_width * pairs
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformer:
+    """The sizes model FLOPs and bytes need (from a `ModelConfig`: `Transformer.of(config)`)."""
+
+    layer_params: int  # matmul parameters of one block: q, k, v, o + MLP
+    num_layers: int
+    unembed_params: int  # D * V (the lm head, or the tied embedding)
+    attention_width: int  # H * Dh
+    kv_width: int  # K * Dh: keys (and values) cached per token and layer
+    window: int | None = None  # sliding window
+
+    @classmethod
+    def of(cls, config) -> Transformer:  # noqa: ANN001 - a rloo_jax.models.ModelConfig
+        d, dh = config.hidden_size, config.head_dim
+        attention = d * config.num_heads * dh * 2 + d * config.num_kv_heads * dh * 2
+        mlp = (3 if config.family == "llama" else 2) * d * config.intermediate_size  # gated (SwiGLU) or not
+        return cls(
+            attention + mlp,
+            config.num_layers,
+            d * config.vocab_size,
+            config.num_heads * dh,
+            config.num_kv_heads * dh,
+            config.sliding_window,
+        )
+
+    @property
+    def matmul_params(self) -> int:
+        return self.num_layers * self.layer_params + self.unembed_params
+
+    def batch_forward(self, prompts: int, prompt_length: int, group: int, completion_length: int) -> float:
+        """One forward over B prompts and their B * G completions, each prompt once (the module docstring)."""
+        b, p, n, c = prompts, prompt_length, prompts * group, completion_length
+        pairs = b * causal_pairs(0, p, self.window) + n * causal_pairs(p, c, self.window)
+        return forward_flops(
+            self.layer_params,
+            self.num_layers,
+            self.unembed_params,
+            self.attention_width,
+            tokens=b * p + n * c,
+            scored=n * c,
+            pairs=pairs,
+        )
+
+    def sampling(self, prompts: int, prompt_length: int, group: int, completion_length: int) -> float:
+        """Prefill B prompts (logits at their last token) + C - 1 decode steps of B * G rows."""
+        b, p, n, c = prompts, prompt_length, prompts * group, completion_length
+        prefill = forward_flops(
+            self.layer_params,
+            self.num_layers,
+            self.unembed_params,
+            self.attention_width,
+            tokens=b * p,
+            scored=b,
+            pairs=b * causal_pairs(0, p, self.window),
+        )
+        decode = forward_flops(
+            self.layer_params,
+            self.num_layers,
+            self.unembed_params,
+            self.attention_width,
+            tokens=n * (c - 1),
+            scored=n * (c - 1),
+            pairs=n * causal_pairs(p, c - 1, self.window),
+        )
+        return prefill + decode
+
+    def kv_cache_bytes(
+        self, prompts: int, prompt_length: int, group: int, completion_length: int, itemsize: int
+    ) -> int:
+        """The sampler's caches: keys and values of every layer for B prompts (shared by their G rows) and
+        B * G rows of C generated slots."""
+        return (
+            2
+            * self.num_layers
+            * self.kv_width
+            * itemsize
+            * (prompts * prompt_length + prompts * group * completion_length)
+        )
+
+
+def roofline_seconds(amounts: tuple[float, ...], rates: tuple[float, ...]) -> float:
+    """The slowest resource: max over i of amounts[i] / rates[i] (e.g. FLOPs / peak FLOP/s, bytes / bytes/s);
+    a rate that is NaN (not published) is left out; a NaN amount gives NaN.
+
+    Example: roofline_seconds((4e12, 1e9), (2e12, 1e9)) = max(2.0, 1.0) = 2.0.
+    """
+    if any(math.isnan(a) for a in amounts):
+        return math.nan
+    return max(a / r for a, r in zip(amounts, rates, strict=True) if not math.isnan(r))

@@ -1,0 +1,66 @@
+"""Model FLOPs, the decode floor and the roofline (`rloo_jax.efficiency`): goldens worked out by hand."""
+
+import math
+
+import pytest
+
+from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops, roofline_seconds
+from rloo_jax.models.config import config_from_hf
+from tests.test_compile_only import TINY_LLAMA as TINY  # D 64, 2 layers, 4 heads of 16, 2 kv, MLP 128, V 160
+
+
+def brute_pairs(start, count, window=None):
+    return sum(min(i + 1, window or i + 1) for i in range(start, start + count))
+
+
+@pytest.mark.parametrize(
+    "start, count, window",
+    [(0, 4, None), (2, 2, None), (0, 4, 2), (3, 5, 4), (6, 3, 4), (0, 1, 1), (5, 0, None), (10, 7, 12)],
+)
+def test_causal_pairs(start, count, window):
+    assert causal_pairs(start, count, window) == brute_pairs(start, count, window)
+
+
+def test_forward_flops_and_roofline_examples():
+    assert forward_flops(10, 2, 6, 4, tokens=3, scored=2, pairs=6) == 2 * (2 * 10 * 3 + 6 * 2) + 4 * 2 * 4 * 6 == 336
+    assert roofline_seconds((4e12, 1e9), (2e12, 1e9)) == 2.0
+    assert roofline_seconds((1.0, 5.0), (1.0, math.nan)) == 1.0  # an unpublished rate is left out
+    assert math.isnan(roofline_seconds((math.nan, 1.0), (1.0, 1.0)))
+
+
+def test_model_flops_of_the_tiny_llama_by_hand():
+    t = Transformer.of(config_from_hf(TINY))
+    # per layer: q 64x64 + k, v 64x32 + o 64x64 = 12288; gate, up, down 3 x 64 x 128 = 24576
+    assert (t.layer_params, t.num_layers, t.unembed_params) == (36864, 2, 10240)
+    assert (t.attention_width, t.kv_width) == (64, 32)
+    assert t.matmul_params == 2 * 36864 + 10240
+    # B = 8 prompts of P = 16, G = 4, C = 32: tokens 8 * 16 + 32 * 32 = 1152, 1024 scored; query-key pairs
+    # 8 * (16 * 17 / 2) + 32 * (32 * 16 + 32 * 33 / 2) = 1088 + 33280
+    assert t.batch_forward(8, 16, 4, 32) == 2 * (2 * 36864 * 1152 + 10240 * 1024) + 4 * 2 * 64 * 34368 == 208437248
+    # prefill: 128 tokens, 8 scored, 1088 pairs; 31 decode steps of 32 rows at positions 16..46 (keys 17..47)
+    prefill = 2 * (2 * 36864 * 128 + 10240 * 8) + 4 * 2 * 64 * 1088
+    decode = 2 * (2 * 36864 + 10240) * 32 * 31 + 4 * 2 * 64 * 32 * (17 + 47) * 31 // 2
+    assert t.sampling(8, 16, 4, 32) == prefill + decode == 19595264 + 182845440
+    # caches: k and v, 2 layers x 32 per token, f32: 8 x 16 prompt tokens + 32 x 32 generated slots
+    assert t.kv_cache_bytes(8, 16, 4, 32, 4) == 2 * 2 * 32 * 4 * 1152 == 589824
+
+
+def test_model_flops_of_gpt_neox_and_sliding_windows():
+    neox = dict(
+        TINY,
+        architectures=["GPTNeoXForCausalLM"],
+        model_type="gpt_neox",
+        rotary_pct=0.25,
+        layer_norm_eps=1e-5,
+        hidden_act="gelu",
+        num_key_value_heads=4,
+    )
+    t = Transformer.of(config_from_hf(neox))
+    assert t.layer_params == 4 * 64 * 64 + 2 * 64 * 128  # q, k, v, o + up and down (no gate)
+    mistral = dict(TINY, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=8)
+    w = Transformer.of(config_from_hf(mistral))
+    assert w.window == 8
+    full = Transformer.of(config_from_hf(TINY))
+    assert full.batch_forward(1, 16, 2, 16) - w.batch_forward(1, 16, 2, 16) == 4 * 2 * 64 * (
+        brute_pairs(0, 16) + 2 * brute_pairs(16, 16) - brute_pairs(0, 16, 8) - 2 * brute_pairs(16, 16, 8)
+    )
