@@ -34,7 +34,7 @@ from rloo_jax.rloo import (
     token_kl,
 )
 from rloo_jax.sampling import Generation, SamplingConfig, generate, generate_fn
-from rloo_jax.step import RLOOStep, Rollout, StepConfig, TrainState
+from rloo_jax.step import RLOOStep, Rollout, StepConfig, TrainState, completion_width, truncate
 
 __version__ = "0.1.0"
 
@@ -48,6 +48,8 @@ __all__ = [
     "SamplingConfig",
     "StepConfig",
     "TrainState",
+    "completion_width",
+    "truncate",
     "generate",
     "generate_fn",
     "init_causal_lm",

@@ -276,6 +276,15 @@ class RLOOConfig:
         "generation",
         "Maximum length of the generated completion.",
     )
+    completion_bucket: int = _opt(
+        128,
+        "generation",
+        "Run the reference pass and the update at the smallest completion_bucket * 2^k that holds the generation "
+        "batch's longest completion (EOS included; a completion without EOS takes the whole "
+        "max_completion_length), instead of always at max_completion_length: the same results without computing "
+        "on padding, at most log2(max_completion_length / completion_bucket) + 1 compiled widths. 0: always "
+        "max_completion_length.",
+    )
     temperature: float = _opt(
         1.0,
         "generation",
@@ -772,6 +781,8 @@ class RLOOConfig:
         if self.reward_clip_range is not None and not self.reward_clip_range[0] < self.reward_clip_range[1]:
             raise ConfigError(f"reward_clip_range must be (min, max) with min < max (got {self.reward_clip_range})")
         _check(self.soft_overlong_cache >= 0, "soft_overlong_cache", "must be >= 0", self.soft_overlong_cache)
+        _check(self.completion_bucket >= 0, "completion_bucket", "must be >= 0 (0: no bucketing)",
+               self.completion_bucket)
         _check(
             self.num_completions_to_print is None or self.num_completions_to_print >= 0,
             "num_completions_to_print",

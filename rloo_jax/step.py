@@ -163,6 +163,34 @@ def _completion_stats(mask: Array, lengths: Array, is_truncated: Array) -> dict[
     }
 
 
+def completion_width(longest: int, max_length: int, bucket: int) -> int:
+    """The completion width the reference pass and the update run at: the smallest ``bucket * 2^k`` that holds
+    the generation batch's ``longest`` completion, at most ``max_length`` (``bucket`` 0: always ``max_length``).
+
+    Example: bucket 128, max 1024: longest 300 -> 512, 1000 -> 1024, 1 -> 128. At most
+    ``ceil(log2(max_length / bucket)) + 1`` widths, so as many compiled programs of each kind.
+    """
+    if bucket <= 0 or bucket >= max_length:
+        return max_length
+    width = bucket
+    while width < longest:
+        width *= 2
+    return min(width, max_length)
+
+
+def truncate(rollout: Rollout, width: int) -> Rollout:
+    """The first ``width`` completion positions of every ``[N, C]`` array. Nothing is lost when every completion
+    (EOS included) fits: the positions beyond are padding, masked out of every log-prob, loss and metric."""
+
+    def cut(x: Array | None) -> Array | None:
+        return None if x is None else x[:, :width]
+
+    return rollout.replace(
+        completion_ids=cut(rollout.completion_ids), completion_mask=cut(rollout.completion_mask),
+        old_logps=cut(rollout.old_logps), ref_logps=cut(rollout.ref_logps),
+    )
+
+
 def policy_params(state: TrainState) -> nnx.State:
     """The whole policy's parameters: ``state.params``, or with LoRA the frozen base merged with the adapters."""
     return state.params if state.frozen is None else nnx.merge_state(state.frozen, state.params)
@@ -206,18 +234,24 @@ class RLOOStep:
         self.rules = LOGICAL_RULES if rules is None else rules
         self.state_shardings: TrainState | None = None  # set by init_state when there is a mesh
         self._sharded_jits: dict[tuple, Callable] = {}
+        self._longest_jit = jax.jit(self._longest, out_shardings=None if mesh is None else replicated(mesh))
         if mesh is None:
             self.rollout: Callable[..., Rollout] = jax.jit(self._rollout)
+            self.sample: Callable[..., Rollout] = jax.jit(self._sample)
+            self.finish: Callable[..., Rollout] = jax.jit(self._finish, static_argnums=2)
             self.update: Callable[..., tuple[TrainState, dict[str, Array]]] = jax.jit(self._update, donate_argnums=0)
             self.score: Callable[..., tuple[Array, dict[str, Array]]] = jax.jit(self._score)
             self.sync_reference = jax.jit(self._sync_reference, static_argnums=1)
         else:
             self.rollout = self._sharded_rollout
+            self.sample = self._sharded_sample
+            self.finish = self._sharded_finish
             self.update = self._sharded_update
             self.score = self._sharded_score
             self.sync_reference = self._sharded_sync_reference
             # traced under the mesh, so the model's activation constraints (`rloo_jax.mesh.constrain`) apply
             self._rollout, self._update = self._on_mesh(self._rollout), self._on_mesh(self._update)
+            self._sample, self._finish = self._on_mesh(self._sample), self._on_mesh(self._finish)
 
     def init_state(
         self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None
@@ -294,13 +328,16 @@ class RLOOStep:
             self._sharded_jits[(name, *key)] = make()
         return self._sharded_jits[(name, *key)]
 
-    def _rollout_shardings(self, num_prompts: int) -> tuple[NamedSharding, NamedSharding, Rollout]:
-        """Shardings of the prompts ``[B, ..]``, the completions ``[N, ..]`` and a whole ``Rollout``."""
+    def _rollout_shardings(
+        self, num_prompts: int, with_ref: bool = True
+    ) -> tuple[NamedSharding, NamedSharding, Rollout]:
+        """Shardings of the prompts ``[B, ..]``, the completions ``[N, ..]`` (rows only: any width) and a whole
+        ``Rollout`` (``with_ref``: with its reference log-probs when beta != 0; else as ``sample`` returns it)."""
         b = batch_sharding(self.mesh, (num_prompts,))
         n = batch_sharding(self.mesh, (num_prompts * self.cfg.num_generations,))
         ro = Rollout(
             prompt_ids=b, prompt_mask=b, completion_ids=n, completion_mask=n, is_truncated=n, old_logps=n,
-            ref_logps=n if self.cfg.rloo.beta != 0.0 else None,
+            ref_logps=n if self.cfg.rloo.beta != 0.0 and with_ref else None,
         )
         return b, n, ro
 
@@ -314,6 +351,27 @@ class RLOOStep:
 
     def _sharded_rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
         return self._rollout_jit(prompt_ids.shape[0])(state, prompt_ids, prompt_mask, key)
+
+    def _sharded_sample(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
+        b, _, ro = self._rollout_shardings(prompt_ids.shape[0], with_ref=False)
+        fn = self._jit("sample", (b,), lambda: jax.jit(
+            self._sample, in_shardings=(self.state_shardings, b, b, replicated(self.mesh)), out_shardings=ro
+        ))
+        return fn(state, prompt_ids, prompt_mask, key)
+
+    def _sharded_finish(self, state: TrainState, rollout: Rollout, width: int) -> Rollout:
+        num_prompts = rollout.prompt_ids.shape[0]
+        _, n, ro_in = self._rollout_shardings(num_prompts, with_ref=False)
+        _, _, ro = self._rollout_shardings(num_prompts)
+        fn = self._jit("finish", (n, width), lambda: jax.jit(
+            lambda s, r: self._finish(s, r, width), in_shardings=(self.state_shardings, ro_in), out_shardings=ro
+        ))
+        return fn(state, rollout)
+
+    def longest(self, rollout: Rollout) -> int:
+        """The generation batch's longest completion, EOS included (``max_new_tokens`` when one has no EOS): the
+        width ``finish`` must keep (``completion_width``). One small program; every process gets the value."""
+        return int(np.asarray(self._longest_jit(rollout.completion_ids).addressable_data(0)))
 
     def _sharded_score(
         self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
@@ -342,14 +400,17 @@ class RLOOStep:
     ) -> tuple[TrainState, dict[str, Array]]:
         return self._update_jit(rollout.prompt_ids.shape[0])(state, rollout, rewards_per_func, reward_weights)
 
-    def compile_update(self, state: TrainState, prompt_shape: tuple[int, int], reward_weights: Array) -> None:
-        """Compile ``update`` for prompts ``[B, P]`` before its first call; that call then reuses the executable.
+    def compile_update(
+        self, state: TrainState, prompt_shape: tuple[int, int], reward_weights: Array, width: int | None = None
+    ) -> None:
+        """Compile ``update`` for prompts ``[B, P]`` (completions ``width`` wide, default ``max_new_tokens``)
+        before its first call; that call then reuses the executable.
 
         The trainer runs this in a thread while the first rollout compiles and runs: XLA compiles the two
         programs on two cores at once instead of one after the other (the first step's wall time). Rewards are
         ``[B*G, F]`` float32 with ``F = len(reward_weights)``.
         """
-        self.lower_update(state, prompt_shape, reward_weights).compile()
+        self.lower_update(state, prompt_shape, reward_weights, width).compile()
 
     def _batch_sds(self, num_prompts: int) -> Callable[[tuple[int, ...], object], jax.ShapeDtypeStruct]:
         """Abstract batch arrays with the shardings of the real arguments (or jit would compile again)."""
@@ -366,11 +427,16 @@ class RLOOStep:
         return self._rollout_jit(b).lower(state, sds((b, p), jnp.int32), sds((b, p), jnp.int32), key)
 
     def lower_update(
-        self, state: TrainState, prompt_shape: tuple[int, int], reward_weights: Array | jax.ShapeDtypeStruct
+        self,
+        state: TrainState,
+        prompt_shape: tuple[int, int],
+        reward_weights: Array | jax.ShapeDtypeStruct,
+        width: int | None = None,
     ) -> jax.stages.Lowered:
-        """``update`` lowered for prompts ``[B, P]`` and ``len(reward_weights)`` reward functions."""
+        """``update`` lowered for prompts ``[B, P]``, completions ``width`` wide (default ``max_new_tokens``) and
+        ``len(reward_weights)`` reward functions."""
         b, p = prompt_shape
-        n, c = b * self.cfg.num_generations, self.cfg.sampling.max_new_tokens
+        n, c = b * self.cfg.num_generations, width or self.cfg.sampling.max_new_tokens
         sds, i32, f32 = self._batch_sds(b), jnp.int32, jnp.float32
         rollout = Rollout(
             prompt_ids=sds((b, p), i32), prompt_mask=sds((b, p), i32), completion_ids=sds((n, c), i32),
@@ -393,7 +459,14 @@ class RLOOStep:
         return x if self.mesh is None else constrain_batch(x, self.mesh, axis)
 
     # -- rollout ------------------------------------------------------------------------------------------------
+    # rollout = finish(sample(...), max_new_tokens) in one program. The trainer calls the two apart: after
+    # sampling it reads the longest completion and finishes (reference pass) and updates at the smallest
+    # completion width that holds it (``completion_width``), which skips the padding of early-ending batches.
     def _rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
+        return self._finish(state, self._sample(state, prompt_ids, prompt_mask, key), self.cfg.sampling.max_new_tokens)
+
+    def _sample(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
+        """Sample the completions: the rollout without reference log-probs, ``max_new_tokens`` wide."""
         cfg = self.cfg
         sc = cfg.sampling
         gen = generate_fn(self.graphdef, policy_params(state), prompt_ids, prompt_mask, key, sc)
@@ -402,21 +475,6 @@ class RLOOStep:
         mask, truncated = completion_mask(gen.completion_ids, sc.eos_token_ids or (-1,), sc.pad_token_id)
         if cfg.rloo.mask_truncated_completions:
             mask = mask * (~truncated)[:, None].astype(mask.dtype)
-        ref_logps = None
-        if cfg.rloo.beta != 0.0:
-            # in the update's micro-batches: the reference pass never holds more activations than a training step
-            micro = self._micro_batches(prompt_ids, prompt_mask, {"completion_ids": gen.completion_ids, "mask": mask})
-
-            ref = state.frozen if state.ref_params is None else state.ref_params  # LoRA: the base, adapters off
-
-            def ref_pass(i: Array) -> Array:
-                mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
-                return completion_logps(
-                    self.ref_graphdef, ref, mb["prompt_ids"], mb["prompt_mask"],
-                    mb["completion_ids"], mb["mask"], cfg.temperature, cfg.logprob_chunk,
-                )
-
-            ref_logps = _map(ref_pass, cfg.steps_per_generation).reshape(mask.shape) * mask
         return Rollout(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -424,8 +482,37 @@ class RLOOStep:
             completion_mask=mask,
             is_truncated=truncated,
             old_logps=gen.logps * mask,
-            ref_logps=ref_logps,
+            ref_logps=None,
         )
+
+    def _longest(self, completion_ids: Array) -> Array:
+        """[] int32: the longest EOS-cut completion (what ``_score``'s length metrics count)."""
+        sc = self.cfg.sampling
+        eos_mask, _ = completion_mask(completion_ids, sc.eos_token_ids or (-1,), sc.pad_token_id)
+        return jnp.max(jnp.sum(eos_mask, axis=1))
+
+    def _finish(self, state: TrainState, rollout: Rollout, width: int) -> Rollout:
+        """The rollout cut to ``width`` completion positions (``truncate``), with the reference log-probs when
+        beta != 0, computed in the update's micro-batches: the reference pass never holds more activations than
+        a training step."""
+        cfg = self.cfg
+        rollout = truncate(rollout, width)
+        if cfg.rloo.beta == 0.0:
+            return rollout
+        mask = rollout.completion_mask
+        micro = self._micro_batches(
+            rollout.prompt_ids, rollout.prompt_mask, {"completion_ids": rollout.completion_ids, "mask": mask}
+        )
+        ref = state.frozen if state.ref_params is None else state.ref_params  # LoRA: the base, adapters off
+
+        def ref_pass(i: Array) -> Array:
+            mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
+            return completion_logps(
+                self.ref_graphdef, ref, mb["prompt_ids"], mb["prompt_mask"],
+                mb["completion_ids"], mb["mask"], cfg.temperature, cfg.logprob_chunk,
+            )
+
+        return rollout.replace(ref_logps=_map(ref_pass, cfg.steps_per_generation).reshape(mask.shape) * mask)
 
     # -- scoring ------------------------------------------------------------------------------------------------
     def _score(self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array) -> tuple[Array, dict]:

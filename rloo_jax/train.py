@@ -82,7 +82,7 @@ from rloo_jax.models import ModelLoadError, save_adapter, save_pretrained
 from rloo_jax.rewards import compute_rewards, format_reward_error, repeat_per_generation
 from rloo_jax.rloo import RLOOOptions
 from rloo_jax.sampling import generate
-from rloo_jax.step import RLOOStep, StepConfig, policy_params
+from rloo_jax.step import RLOOStep, StepConfig, completion_width, policy_params
 
 logger = logging.getLogger("rloo_jax")
 __all__ = ["CACHE_ROOT", "eos_token_ids", "lr_schedule", "main", "make_optimizer", "train"]  # re-exported: old paths
@@ -108,11 +108,21 @@ def cpu_compile_flags(environ: dict[str, str] = os.environ) -> None:
         environ["XLA_FLAGS"] = f"{flags} --xla_llvm_disable_expensive_passes=true".strip()
 
 
-def compile_quietly(step_fn: RLOOStep, state: Any, prompt_shape: tuple[int, int], weights: jax.Array) -> None:
-    """`RLOOStep.compile_update` for a background thread: a failure here is left to the real call, which
-    compiles again and raises it with its own message."""
+def compile_quietly(
+    step_fn: RLOOStep, state: Any, prompt_shape: tuple[int, int], weights: jax.Array, width: int
+) -> threading.Thread:
+    """`RLOOStep.compile_update` in a background thread (started): a failure there is left to the real call,
+    which compiles again and raises it with its own message."""
+    thread = threading.Thread(target=_compile_update, args=(step_fn, state, prompt_shape, weights, width),
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def _compile_update(step_fn: RLOOStep, state: Any, prompt_shape: tuple[int, int], weights: jax.Array,
+                    width: int) -> None:
     try:
-        step_fn.compile_update(state, prompt_shape, weights)
+        step_fn.compile_update(state, prompt_shape, weights, width)
     except Exception:  # noqa: BLE001 -- reported by the update call itself
         logging.getLogger(__name__).debug("ahead-of-time compile of update failed", exc_info=True)
 
@@ -587,12 +597,18 @@ def train_step(s: Session, first: bool) -> tuple:
     s.truncated_prompts += batch.num_truncated
     key = place.replicate(fold_in(s.base_key, s.step))
     ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
-    compiling = None
-    if first:  # compile update in a thread while the first rollout compiles and runs
-        compiling = threading.Thread(target=compile_quietly, args=(s.step_fn, s.state, ids.shape, s.weights),
-                                     daemon=True)
-        compiling.start()
-    rollout = s.step_fn.rollout(s.state, ids, mask, key)
+    longest = cfg.max_completion_length
+    one_width = completion_width(1, longest, cfg.completion_bucket) == longest
+    # the first step compiles update in a thread while the rollout compiles and runs (from the start when its
+    # width is known: one completion width; else once the samples tell it)
+    compiling = compile_quietly(s.step_fn, s.state, ids.shape, s.weights, longest) if first and one_width else None
+    rollout = s.step_fn.sample(s.state, ids, mask, key)
+    if not one_width:
+        longest = s.step_fn.longest(rollout)
+    width = completion_width(longest, cfg.max_completion_length, cfg.completion_bucket)
+    if first and compiling is None:
+        compiling = compile_quietly(s.step_fn, s.state, ids.shape, s.weights, width)
+    rollout = s.step_fn.finish(s.state, rollout, width)  # cut to `width`, reference log-probs
     scored = decode_and_score(s.run, batch, place.local(rollout.completion_ids), cfg.num_generations)
     local_tokens = int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
     s.num_tokens += int(place.per_process([local_tokens]).sum())

@@ -19,7 +19,7 @@ from flax import nnx
 from rloo_jax.models import init_causal_lm
 from rloo_jax.rloo import RLOOOptions
 from rloo_jax.sampling import SamplingConfig, bucket_prompts
-from rloo_jax.step import RLOOStep, StepConfig
+from rloo_jax.step import RLOOStep, StepConfig, completion_width
 
 COMPILE = "/jax/core/compile/backend_compile_duration"
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
@@ -89,3 +89,32 @@ def test_no_recompilation_after_first_step():
     print(f"first step: {first}; steps 2-8: {later}")
     assert later == {"compiles": 0, "traces": 0}
     assert len(set(prompt_lengths)) > 4  # the prompt lengths really varied
+
+
+def test_bucketed_widths_compile_once_each():
+    """The trainer's path (sample -> longest -> finish and update at the completion width): a program per width
+    the first time that width occurs, nothing after; the widths are the buckets 4, 8, 16 of a 16-token maximum."""
+    from tests.test_step import early_ending
+
+    graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
+    sc = SamplingConfig(max_new_tokens=16, num_generations=2, eos_token_ids=(EOS,), pad_token_id=PAD)
+    step = RLOOStep(graphdef, optax.adamw(1e-3), StepConfig(sampling=sc, rloo=RLOOOptions(beta=0.05)))
+    state = step.init_state(params, jax.tree.map(jnp.copy, params))
+    weights, rng = jnp.ones((1,), jnp.float32), np.random.default_rng(1)
+    ids, mask = _prompts(rng, 3, bucket=8)
+    seen, log = set(), []
+    for i, longest in enumerate([3, 7, 2, 12, 8, 15, 1, 5, 16]):
+        with count_compiles() as counts:
+            sampled = step.sample(state, ids, mask, jax.random.key(i))
+            ends = rng.integers(0, longest, 6)
+            ends[0] = longest - 1
+            no_eos = sampled.replace(completion_ids=sampled.completion_ids.at[0].set(EOS + 1))  # runs to the end
+            sampled = early_ending(sampled, ends, EOS, PAD) if longest < 16 else no_eos
+            width = completion_width(step.longest(sampled), 16, 4)
+            rollout = step.finish(state, sampled, width)
+            state, _ = step.update(state, rollout, jnp.zeros((6, 1), jnp.float32), weights)
+        log.append((width, counts["compiles"]))
+        if i > 0:  # finish and update once per new width (the step's small helpers compiled at step 1)
+            assert counts["compiles"] == (0 if width in seen else 2), log
+        seen.add(width)
+    assert seen == {4, 8, 16} and [w for w, _ in log] == [4, 8, 4, 16, 8, 16, 4, 8, 16]

@@ -168,3 +168,51 @@ def test_sync_reference_mixup(model_parts):
     new = step.sync_reference(state, 0.25)
     for p, r in zip(jax.tree.leaves(params), jax.tree.leaves(new.ref_params), strict=True):
         np.testing.assert_allclose(r, 0.25 * np.asarray(p), rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ widths
+def test_completion_width_goldens():
+    assert [rj.completion_width(n, 1024, 128) for n in (0, 1, 128, 129, 300, 513, 1000, 1024)] == [
+        128, 128, 128, 256, 512, 1024, 1024, 1024]
+    assert rj.completion_width(5, 12, 0) == 12 and rj.completion_width(5, 12, 16) == 12  # off / one width
+    assert rj.completion_width(7, 12, 4) == 8 and rj.completion_width(9, 12, 4) == 12  # capped at the max
+
+
+def early_ending(rollout, ends, eos=EOS, pad=PAD):
+    """The rollout with completion r ending (EOS) at position ends[r], pad after: as a sampler would give it."""
+    ids = np.asarray(rollout.completion_ids).copy()
+    for r, e in enumerate(ends):
+        ids[r, e] = eos
+        ids[r, e + 1:] = pad
+        ids[r, :e] = np.where(ids[r, :e] == eos, eos + 1, ids[r, :e])
+    ids = jnp.asarray(ids)
+    mask, truncated = rj.completion_mask(ids, (eos,), pad)
+    return rollout.replace(completion_ids=ids, completion_mask=mask, is_truncated=truncated,
+                           old_logps=rollout.old_logps * mask)
+
+
+def test_finish_and_update_at_a_bucket_equal_the_full_width(model_parts):
+    """Reference pass and update cut to the bucket that holds the longest completion: the same numbers as at
+    max_new_tokens (positions beyond are padding, masked everywhere)."""
+    graphdef, params = model_parts
+    sampling = SamplingConfig(max_new_tokens=16, num_generations=G, temperature=0.9, eos_token_ids=(EOS,),
+                              pad_token_id=PAD)
+    cfg = StepConfig(sampling=sampling, rloo=rj.RLOOOptions(beta=0.1), steps_per_generation=2)
+    step = RLOOStep(graphdef, optax.sgd(0.5), cfg)  # sgd: parameter changes are the gradients themselves
+    ids, mask = _prompts()
+    state = step.init_state(_copy(params), _copy(params))
+    sampled = early_ending(step.sample(state, ids, mask, jax.random.key(0)), [2, 5, 0, 4, 3, 1, 5, 2])
+    assert step.longest(sampled) == 6
+    width = rj.completion_width(step.longest(sampled), 16, 4)
+    full, cut = step.finish(state, sampled, 16), step.finish(state, sampled, width)
+    assert width == 8 and cut.completion_ids.shape == (8, 8)
+    np.testing.assert_array_equal(np.asarray(full.ref_logps[:, 8:]), 0)
+    np.testing.assert_allclose(np.asarray(cut.ref_logps), np.asarray(full.ref_logps[:, :8]), atol=1e-6)
+    rewards = _rewards(full)
+    out = [step.update(step.init_state(_copy(params), _copy(params)), ro, rewards, jnp.ones((1,))) for ro in
+           (full, cut)]
+    (s_full, m_full), (s_cut, m_cut) = out
+    for name, value in m_full.items():
+        assert float(m_cut[name]) == pytest.approx(float(value), rel=1e-5, abs=1e-6, nan_ok=True), name
+    for a, b in zip(jax.tree.leaves(s_full.params), jax.tree.leaves(s_cut.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
