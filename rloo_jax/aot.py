@@ -183,9 +183,10 @@ class Report:
 
     @property
     def estimated_step_seconds(self) -> float:
-        """One trainer iteration on the device: the rollout, the update and each reward model (the evaluation
-        rollout runs every eval_steps only); host work (reward functions, decoding text) is not included."""
-        return sum(p.estimated_seconds for p in self.programs if p.name != "eval_rollout")
+        """One trainer iteration on the device: the rollout, the update at max_completion_length and each reward
+        model (the evaluation rollout runs every eval_steps only; `update@<width>` is what an early-ending batch
+        runs instead of `update`); host work (reward functions, decoding text) is not included."""
+        return sum(p.estimated_seconds for p in self.programs if p.name != "eval_rollout" and "@" not in p.name)
 
     def to_json(self) -> dict[str, Any]:
         chip = self.topology.chip
@@ -307,7 +308,7 @@ def prompt_length(cfg: Any) -> int:
 def advice(cfg: Any, program: str) -> list[str]:
     """The options that would bring `program`'s per-chip memory down, given what `cfg` already uses."""
     tips = []
-    if program == "update":
+    if program.startswith("update"):
         if cfg.gradient_checkpointing is False:
             tips.append("--gradient_checkpointing true")
         elif cfg.remat_policy not in ("full", "full_offloaded"):
@@ -331,6 +332,16 @@ def advice(cfg: Any, program: str) -> list[str]:
         tips.append("--beta 0 (no reference model)")
     tips.append("a shorter --max_completion_length, or a slice with more chips (--fsdp -1 shards over all)")
     return tips
+
+
+def narrower_widths(max_length: int, bucket: int) -> list[int]:
+    """The completion widths below `max_length` that `step.completion_width` can choose: bucket * 2^k.
+    Example: (1024, 128) -> [128, 256, 512]; (12, 128) -> []; bucket 0 -> []."""
+    widths, w = [], bucket
+    while 0 < w < max_length:
+        widths.append(w)
+        w *= 2
+    return widths
 
 
 def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Report:
@@ -390,8 +401,15 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         decode_floor(b, g))
     # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
     # gradients (2 forwards; the adapters' own matmuls are left out: r / hidden of the projections')
-    update_flops = (2 if cfg.use_peft else 3) * cfg.num_iterations * model.batch_forward(b, p, g, c)
-    add("update", lambda: step.lower_update(state, (b, p), weights), state_bytes + batch, update_flops / chips)
+    def update_flops(width: int) -> float:
+        return (2 if cfg.use_peft else 3) * cfg.num_iterations * model.batch_forward(b, p, g, width) / chips
+
+    add("update", lambda: step.lower_update(state, (b, p), weights), state_bytes + batch, update_flops(c))
+    # the update at each narrower completion width the trainer runs when a generation batch ends early
+    # (completion_bucket): what such a step costs instead of the full-width update above
+    for w in narrower_widths(c, cfg.completion_bucket):
+        add(f"update@{w}", lambda w=w: step.lower_update(state, (b, p), weights, w), state_bytes + batch,
+            update_flops(w))
     if cfg.eval_steps:
         g = cfg.resolved_num_generations_eval
         eval_cfg = StepConfig(sampling=sampling_config(cfg, run, g), rloo=RLOOOptions(beta=0.0))

@@ -117,6 +117,27 @@ def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys): 
     assert not (tmp_path / "out" / "checkpoints").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def test_compile_only_with_lora_and_completion_buckets(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
+    """LoRA: the adapters are the trained state (two forwards of model FLOPs per update: no weight gradients for
+    the base); completion_bucket 8 of 32: the update compiled at every narrower width too, cheaper each."""
+    model = config_only_model(tmp_path, TINY_LLAMA, tiny_checkpoint("tokenizer"))
+    code, out, err = run_main(capsys, common(tmp_path, model) + [
+        "--topology", "v5e-4", "--use_peft", "--lora_target_modules", "all-linear", "--lora_r", "4",
+        "--completion_bucket", "8", "--steps_per_generation", "2"])
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
+    programs = report["programs"]
+    assert set(programs) == {"rollout", "update", "update@8", "update@16"}
+    assert programs["update"]["model_flops"] == 2 * 208437248 / 4
+    flops = [programs[n]["flops"] for n in ("update@8", "update@16", "update")]
+    assert flops == sorted(flops) and flops[0] < 0.6 * flops[2]
+    # the estimated step: the rollout and the full-width update, not the narrower ones
+    assert report["estimated_step_seconds"] == programs["rollout"]["estimated_seconds"] + programs["update"][
+        "estimated_seconds"]
+    # 2 layers x 7 projections x (din + dout) x r 4: the trained parameters
+    assert report["settings"]["trainable_params"] == 2 * 4 * (4 * (64 + 64) - 2 * 32 + 2 * (64 + 128) + (128 + 64))
+
+
 def test_compile_only_says_what_does_not_fit(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
     big = dict(TINY_LLAMA, vocab_size=64000, hidden_size=8192, intermediate_size=22016, num_hidden_layers=1,
                num_attention_heads=64, num_key_value_heads=8)  # ~1.9B parameters: f32 + AdamW > 16 GiB on one chip
