@@ -260,6 +260,7 @@ def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> Sampling
         repetition_penalty=cfg.repetition_penalty,
         eos_token_ids=run.eos_ids,
         pad_token_id=int(run.tokenizer.pad_token_id),
+        gather_weights=cfg.sampler_gather_weights,
     )
 
 

@@ -113,6 +113,14 @@ class RLOOConfig:
         "Storage dtype of AdamW's first moment (optax's mu_dtype); None keeps param_dtype. The second moment "
         "stays in param_dtype.",
     )
+    sampler_gather_weights: bool = _opt(
+        False,
+        "memory",
+        "On a mesh, gather the policy's FSDP-sharded matrices once per generation (one whole compute-dtype copy "
+        "per tensor-parallel shard, held while sampling) instead of at every decode step: decode then reads its "
+        "weights from HBM rather than over ICI. Compile-only measured Qwen2.5-1.5B on v5e-4: decode bytes 1.50x "
+        "-> 1.00x the floor, rollout 12.6 -> 5.9 s estimated, peak 7.6 -> 9.5 GiB per chip (README).",
+    )
     compile_only: bool = _opt(
         False,
         "memory",

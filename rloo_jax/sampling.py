@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from rloo_jax.mesh import LOGICAL_RULES, constrain
+
 __all__ = [
     "Generation",
     "SamplingConfig",
@@ -72,6 +74,10 @@ class SamplingConfig:
     eos_token_ids: tuple[int, ...] = ()
     """Every id here ends a row (the EOS is kept and counts in the mask)."""
     pad_token_id: int = 0
+    gather_weights: bool = False
+    """On a mesh: gather the FSDP-sharded matrices once per call, before the decode loop, instead of in every
+    decode step (tensor-parallel splits stay): decode then reads its weights from HBM rather than over ICI, at
+    the cost of holding one whole compute-dtype copy per tensor-parallel shard (``gathered_for_decode``)."""
     """Emitted after a row has finished; its mask and log-prob are 0."""
 
     def __post_init__(self) -> None:
@@ -322,6 +328,19 @@ def compute_dtype_weights(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.Stat
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
+def gathered_for_decode(params: nnx.State) -> nnx.State:
+    """Every parameter laid out by the rule table without FSDP (``"embed"`` unsharded; tensor parallelism kept),
+    inside a function traced on a mesh: XLA gathers each matrix once here, and a decode loop that follows reads
+    the whole copy instead of all-gathering every layer at every step. A no-op without a mesh."""
+    rules = {**LOGICAL_RULES, "embed": None}
+
+    def one(v: nnx.Variable) -> nnx.Variable:
+        logical = v.get_metadata().get("out_sharding") or (None,) * v[...].ndim
+        return v.replace(constrain(v[...], tuple(logical), rules))
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def generate_fn(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -338,7 +357,8 @@ def generate_fn(
     row has emitted an EOS (finished rows emit pad). ``graphdef`` and ``cfg`` must be static under an outer
     jit.
     """
-    model = nnx.merge(graphdef, compute_dtype_weights(graphdef, params))
+    params = compute_dtype_weights(graphdef, params)
+    model = nnx.merge(graphdef, gathered_for_decode(params) if cfg.gather_weights else params)
     prompt_ids, prompt_mask = _left_align(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32))
     num_prompts = prompt_ids.shape[0]
     group, length, pad = cfg.num_generations, cfg.max_new_tokens, cfg.pad_token_id

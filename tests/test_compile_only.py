@@ -138,6 +138,23 @@ def test_compile_only_with_lora_and_completion_buckets(tmp_path, tiny_checkpoint
     assert report["settings"]["trainable_params"] == 2 * 4 * (4 * (64 + 64) - 2 * 32 + 2 * (64 + 128) + (128 + 64))
 
 
+def test_sampler_gather_weights_moves_decode_off_ici(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
+    """FSDP over 4 chips: by default every decode step all-gathers the weights over ICI; gathered once before the
+    loop, a decode step receives almost nothing over ICI."""
+    model = config_only_model(tmp_path, TINY_LLAMA, tiny_checkpoint("tokenizer"))
+    rollouts = []
+    for gather in ("false", "true"):
+        code, _, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", "--sampler_gather_weights",
+                                                                   gather])
+        assert code == 0, err
+        rollouts.append(json.loads((tmp_path / "out" / "compile_report.json").read_text())["programs"]["rollout"])
+    sharded, gathered = rollouts
+    assert sharded["decode_ici_bytes_per_step"] > 3 * 4 * 83968 / 4  # 3/4 of the f32 matrices, every step
+    # what still crosses: the rows' finished flags and sampled tokens (768 bytes)
+    assert gathered["decode_ici_bytes_per_step"] < 0.01 * sharded["decode_ici_bytes_per_step"]
+    assert gathered["decode_bytes_ratio"] < sharded["decode_bytes_ratio"]
+
+
 def test_compile_only_says_what_does_not_fit(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
     big = dict(TINY_LLAMA, vocab_size=64000, hidden_size=8192, intermediate_size=22016, num_hidden_layers=1,
                num_attention_heads=64, num_key_value_heads=8)  # ~1.9B parameters: f32 + AdamW > 16 GiB on one chip

@@ -143,6 +143,12 @@ else:
     hlo = jitted.lower(*rollout_args).compile().as_text()
     out["cache_shapes"] = sorted(set(re.findall(r"f32\[2,\d+,\d+,6,8\]", hlo)))
     out["single"], out["sharded"] = single, sharded
+    # the sampler with its weights gathered once before decoding: the same samples as sharded decoding
+    import dataclasses
+    g_cfg = dataclasses.replace(CFG, sampling=dataclasses.replace(CFG.sampling, gather_weights=True))
+    g_step = RLOOStep(m_step.graphdef, optax.sgd(0.5), g_cfg, mesh=mesh)
+    g_state = g_step.init_state(*(copy(nnx.split(init_causal_lm(TINY, seed=0))[1]) for _ in range(2)))
+    out["gathered_completions"] = M.local_rows(g_step.rollout(g_state, *rollout_args[1:]).completion_ids).tolist()
     out["lora_single"], _, _, _ = scenario(None, lora=True)
     out["lora_sharded"], l_state, _, _ = scenario(mesh, lora=True)
     a = l_state.params["model"]["layers"]["attn"]["q"]["lora_a"][...]  # [L 2, embed 32, r 4]
@@ -370,6 +376,10 @@ def test_sampler_sharded_equals_single_device(compare):
     assert len({tuple(row) for row in single["completions"]}) == 8  # 8 different samples, not one repeated
     np.testing.assert_allclose(sharded["old_logps"], single["old_logps"], atol=1e-5)
     assert sharded["completions_spec"] == "P(('data', 'fsdp'),)"  # N = 8 rows split over data x fsdp = 4
+
+
+def test_sampler_with_gathered_weights_samples_the_same(compare):
+    assert compare["gathered_completions"] == compare["sharded"]["completions"]
 
 
 def test_kv_cache_is_sharded_in_the_sampler(compare):
