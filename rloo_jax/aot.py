@@ -257,6 +257,10 @@ def table_lines(report: Report) -> list[str]:
                 f"{p.name} decode: {p.decode.trips} steps of {step:.2f} GB/chip (HBM + ICI), "
                 f"{p.decode_bytes_ratio:.2f}x the floor of {floor:.2f} GB (matrices + KV caches)"
             )
+            cost = p.decode.per_iteration
+            if cost.ici_bytes > cost.hbm_bytes and not report.settings.get("sampler_gather_weights", True):
+                lines.append(f"  {p.name}: decode bytes mostly cross ICI (FSDP gathers at every step); "
+                             "--sampler_gather_weights true gathers once")
     chip = slc.chip
     ici = "" if math.isnan(chip.ici_bandwidth) else f", ICI in {chip.ici_bandwidth / 2e9:.0f} GB/s"
     lines.append(
@@ -436,7 +440,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         "model": cfg.model_name_or_path, "mesh": dict(zip(("data", "fsdp", "tensor"), cfg.mesh_shape, strict=True)),
         "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
         "max_completion_length": cfg.max_completion_length, **options, "mu_dtype": cfg.mu_dtype,
-        "beta": cfg.beta,
+        "beta": cfg.beta, "sampler_gather_weights": cfg.sampler_gather_weights,
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
