@@ -1,24 +1,40 @@
-"""Is the model the bottleneck? Our forward (and forward+backward) vs a bare chain of the same matmuls, same run.
+"""How far from the hardware? Plain jitted JAX for the RLOO step's shapes, and our model's forward against it.
 
-    .venv/bin/python bench/bench_forward_floor.py [--size small] [--batch 8] [--tokens 56]
+    .venv/bin/python bench/bench_forward_floor.py [--size small] [--batch 8] [--tokens 56]          # forward check
+    .venv/bin/python bench/bench_forward_floor.py --step [--size small] [--json]                    # step floor
 
-The bare chain has the small Qwen2's per-layer matmuls (q, k, v, o, gate, up, down) and a softmax attention, no
-norms, RoPE, masks or GQA: a lower bound for any implementation's forward on this machine.
+Forward check: our model's forward (and forward+backward) vs a bare chain of the same matmuls, same run. The bare
+chain has the Qwen2's per-layer matmuls (q, k, v, o, gate, up, down) and a softmax attention, no norms, RoPE,
+masks or GQA: a lower bound for any implementation's forward on this machine.
+
+Step floor (`--step`): the work of one RLOO step of bench_rloo_step.py written as plain jitted JAX with no
+trainer around it, each part timed alone (median of repeats) at float32:
+  - decode: prefill 8 rows x 24 prompt tokens, then 31 KV-cache decode steps (32 new tokens), greedy;
+  - forward: the reference log-probs, one causal forward over 8 x 56 tokens with the vocabulary head and
+    log-softmax;
+  - update: forward + backward of the sequence-level policy-gradient loss over 8 x 56 tokens, then AdamW.
+Same layer shapes as the Qwen2 checkpoint (q/k/v/o with grouped kv heads, gated MLP, untied head), no norms or
+RoPE. The floor is the sum of the three: what any trainer of these shapes must at least pay per step here.
 """
 
 import argparse
+import json
 import time
 
 import common  # noqa: F401  (sets JAX_PLATFORMS, sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from rloo_jax.models import init_causal_lm
 
+PROMPT, NEW = 24, 32  # the longest bench prompt and the completion length of bench_rloo_step.py
+
 
 def median_ms(fn, *args, n: int = 10) -> float:
+    """Median wall milliseconds of n calls of fn(*args), after one warm-up (compile) call."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(n):
@@ -28,15 +44,111 @@ def median_ms(fn, *args, n: int = 10) -> float:
     return 1000 * float(np.median(times))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="small", choices=list(common.SIZES))
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=56)
-    args = ap.parse_args()
-    cfg = common.hf_config(args.size)
+def plain_params(cfg: dict, seed: int = 0) -> dict:
+    """Random float32 weights with the checkpoint's shapes: embed [V, d], per layer q/k/v/o/gate/up/down, head."""
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = d // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    shapes = dict(q=(d, d), k=(d, kv), v=(d, kv), o=(d, d), gate=(d, f), up=(d, f), down=(f, d))
+    rng = np.random.default_rng(seed)
+    draw = lambda s: jnp.asarray(rng.normal(size=s) * 0.02, jnp.float32)  # noqa: E731
+    layers = [{k: draw(s) for k, s in shapes.items()} for _ in range(cfg["num_hidden_layers"])]
+    return {"embed": draw((v, d)), "layers": layers, "head": draw((d, v))}
+
+
+def attention(q, k, v, heads: int, causal: bool):
+    """Softmax attention, q [B, T, H*h], k/v [B, S, K*h] (K kv heads repeated to H) -> [B, T, H*h]."""
+    b, t, hh = q.shape
+    s, h = k.shape[1], hh // heads
+    q = q.reshape(b, t, heads, h)
+    k = jnp.repeat(k.reshape(b, s, -1, h), heads // (k.shape[-1] // h), axis=2)
+    v = jnp.repeat(v.reshape(b, s, -1, h), heads // (v.shape[-1] // h), axis=2)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(h)
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((t, s), bool), s - t), scores, -1e30)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, -1), v).reshape(b, t, hh)
+
+
+def mlp(x, w):
+    return (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+
+
+def plain_logps(params: dict, ids, heads: int):
+    """Per-token log-probs of ids[:, 1:] under a causal forward over ids [B, T] -> [B, T-1]."""
+    x = params["embed"][ids]
+    for w in params["layers"]:
+        x = x + attention(x @ w["q"], x @ w["k"], x @ w["v"], heads, causal=True) @ w["o"]
+        x = x + mlp(x, w)
+    logp = jax.nn.log_softmax(x[:, :-1] @ params["head"], -1)
+    return jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+
+
+def plain_update(params: dict, opt_state, ids, adv, heads: int, opt):
+    """One policy-gradient step: loss = -mean_b(A_b * sum_t logp[b, t]) -> grads -> AdamW."""
+    loss = lambda p: -jnp.mean(adv * plain_logps(p, ids, heads).sum(-1))  # noqa: E731
+    grads = jax.grad(loss)(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def plain_decode(params: dict, prompt, heads: int, new: int):
+    """Greedy generation of `new` tokens after prompt [B, P]: prefill, then new-1 KV-cache steps -> [B, new]."""
+    b, p = prompt.shape
+    x = params["embed"][prompt]
+    cache = []
+    for w in params["layers"]:
+        k = jnp.zeros((b, p + new, w["k"].shape[1]), jnp.float32).at[:, :p].set(x @ w["k"])
+        v = jnp.zeros((b, p + new, w["v"].shape[1]), jnp.float32).at[:, :p].set(x @ w["v"])
+        x = x + attention(x @ w["q"], k[:, :p], v[:, :p], heads, causal=True) @ w["o"]
+        x = x + mlp(x, w)
+        cache.append((k, v))
+    first = jnp.argmax(x[:, -1] @ params["head"], -1)
+
+    def step(i, carry):
+        tokens, cache = carry
+        x = params["embed"][tokens[:, i - 1]][:, None]
+        new_cache = []
+        for w, (k, v) in zip(params["layers"], cache, strict=True):
+            k = jax.lax.dynamic_update_slice_in_dim(k, x @ w["k"], p + i - 1, 1)
+            v = jax.lax.dynamic_update_slice_in_dim(v, x @ w["v"], p + i - 1, 1)
+            visible = (jnp.arange(p + new) < p + i)[None, None, None, :]
+            q = (x @ w["q"]).reshape(b, 1, heads, -1)
+            kk = jnp.repeat(k.reshape(b, p + new, -1, q.shape[-1]), heads // (k.shape[-1] // q.shape[-1]), 2)
+            vv = jnp.repeat(v.reshape(b, p + new, -1, q.shape[-1]), heads // (v.shape[-1] // q.shape[-1]), 2)
+            s = jnp.where(visible, jnp.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(q.shape[-1]), -1e30)
+            a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), vv).reshape(b, 1, -1)
+            x = x + a @ w["o"]
+            x = x + mlp(x, w)
+            new_cache.append((k, v))
+        return tokens.at[:, i].set(jnp.argmax(x[:, 0] @ params["head"], -1)), new_cache
+
+    tokens = jnp.zeros((b, new), jnp.int32).at[:, 0].set(first)
+    return jax.lax.fori_loop(1, new, step, (tokens, cache))[0]
+
+
+def step_floor(size: str, batch: int = 8) -> dict:
+    """Milliseconds of the plain decode, reference forward and update for `size` (float32), and their sum."""
+    cfg = common.hf_config(size)
+    heads, params = cfg["num_attention_heads"], plain_params(cfg)
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(2, cfg["vocab_size"], (batch, PROMPT + NEW)), jnp.int32)
+    adv = jnp.asarray(rng.normal(size=batch), jnp.float32)
+    opt = optax.adamw(1e-5, weight_decay=0.0)
+    decode = jax.jit(lambda p, x: plain_decode(p, x, heads, NEW))
+    forward = jax.jit(lambda p, x: plain_logps(p, x, heads))
+    update = jax.jit(lambda p, s, x, a: plain_update(p, s, x, a, heads, opt))
+    out = {"decode_ms": median_ms(decode, params, ids[:, :PROMPT]),
+           "forward_ms": median_ms(forward, params, ids),
+           "update_ms": median_ms(update, params, opt.init(params), ids, adv, n=5)}
+    out["step_s"] = sum(out.values()) / 1000
+    return out
+
+
+def forward_check(size: str, b: int, t: int) -> str:
+    """Our model's forward and forward+backward at [b, t] against the bare matmul chain, one line."""
+    cfg = common.hf_config(size)
     graphdef, params = nnx.split(init_causal_lm(cfg, seed=0))
-    b, t, d, f = args.batch, args.tokens, cfg["hidden_size"], cfg["intermediate_size"]
+    d, f = cfg["hidden_size"], cfg["intermediate_size"]
     ids = jnp.asarray(np.random.default_rng(0).integers(2, 800, (b, t)), jnp.int32)
     mask = jnp.ones((b, t), jnp.int32)
 
@@ -65,8 +177,27 @@ def main() -> None:
     x = jnp.ones((b * t, d), jnp.float32)
     fwd, fb, floor = median_ms(forward, params, ids, mask), median_ms(forward_backward, params, ids, mask, n=5), \
         median_ms(bare, x, ws)
-    print(f"{args.size} [{b}, {t}]: forward {fwd:.1f} ms | bare matmul chain {floor:.1f} ms | "
-          f"ratio {fwd / floor:.2f} | forward+backward {fb:.1f} ms")
+    return (f"{size} [{b}, {t}]: forward {fwd:.1f} ms | bare matmul chain {floor:.1f} ms | "
+            f"ratio {fwd / floor:.2f} | forward+backward {fb:.1f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="small", choices=list(common.SIZES))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=56)
+    ap.add_argument("--step", action="store_true", help="time the plain-JAX RLOO step floor instead")
+    ap.add_argument("--json", action="store_true", help="with --step: print one `RESULT {json}` line")
+    args = ap.parse_args()
+    if not args.step:
+        print(forward_check(args.size, args.batch, args.tokens))
+        return
+    floor = step_floor(args.size, args.batch)
+    if args.json:
+        print("RESULT", json.dumps(floor))
+    else:
+        print(f"{args.size} plain-JAX step floor: decode {floor['decode_ms']:.1f} ms + forward "
+              f"{floor['forward_ms']:.1f} ms + update {floor['update_ms']:.1f} ms = {floor['step_s']:.3f} s")
 
 
 if __name__ == "__main__":
