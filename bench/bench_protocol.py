@@ -100,8 +100,9 @@ def run_round(names: list[str], r: int, size: str, model_dir: str, data: str, ar
     }
     out = {}
     for name in rotated(names, r):
-        out[name] = calls[name]()
-        print(f"  {size} round {r + 1} {name:5s} {out[name]['step_s']:.4f} s/step", flush=True)
+        out[name] = dict(calls[name](), load_1min=os.getloadavg()[0])
+        print(f"  {size} round {r + 1} {name:5s} {out[name]['step_s']:.4f} s/step (load average "
+              f"{out[name]['load_1min']:.2f} after)", flush=True)
     return out
 
 
