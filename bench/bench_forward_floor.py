@@ -9,12 +9,15 @@ masks or GQA: a lower bound for any implementation's forward on this machine.
 
 Step floor (`--step`): the work of one RLOO step of bench_rloo_step.py written as plain jitted JAX with no
 trainer around it, each part timed alone (median of repeats) at float32:
-  - decode: prefill 8 rows x 24 prompt tokens, then 31 KV-cache decode steps (32 new tokens), greedy;
+  - decode: prefill 8 rows x 24 prompt tokens, then 31 KV-cache decode steps (32 new tokens), greedy, the cache
+    kv-head-major so attention reads it in place;
   - forward: the reference log-probs, one causal forward over 8 x 56 tokens with the vocabulary head and
     log-softmax;
   - update: forward + backward of the sequence-level policy-gradient loss over 8 x 56 tokens, then AdamW.
 Same layer shapes as the Qwen2 checkpoint (q/k/v/o with grouped kv heads, gated MLP, untied head), no norms or
-RoPE. The floor is the sum of the three: what any trainer of these shapes must at least pay per step here.
+RoPE. The floor is the sum of the three: the step's model work written plainly, with no trainer, sampler
+bookkeeping, reward or logging around it. It is not a strict lower bound: a trainer can beat it with less work (ours
+prefills each prompt once for its G completions) or better kernels.
 """
 
 import argparse
@@ -56,30 +59,41 @@ def plain_params(cfg: dict, seed: int = 0) -> dict:
     return {"embed": draw((v, d)), "layers": layers, "head": draw((d, v))}
 
 
-def attention(q, k, v, heads: int, causal: bool):
-    """Softmax attention, q [B, T, H*h], k/v [B, S, K*h] (K kv heads repeated to H) -> [B, T, H*h]."""
+def attention(q, k, v, heads: int, visible):
+    """Softmax attention, q [B, T, H*h], k/v [B, S, K*h] (K kv heads repeated to H), visible [T, S] -> [B*T, H*h]."""
     b, t, hh = q.shape
     s, h = k.shape[1], hh // heads
     q = q.reshape(b, t, heads, h)
     k = jnp.repeat(k.reshape(b, s, -1, h), heads // (k.shape[-1] // h), axis=2)
     v = jnp.repeat(v.reshape(b, s, -1, h), heads // (v.shape[-1] // h), axis=2)
-    scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(h)
-    if causal:
-        scores = jnp.where(jnp.tril(jnp.ones((t, s), bool), s - t), scores, -1e30)
-    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, -1), v).reshape(b, t, hh)
+    scores = jnp.where(visible, jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(h), -1e30)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, -1), v).reshape(b * t, hh)
 
 
-def mlp(x, w):
-    return (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+def block(x, w, k, v, heads: int, visible):
+    """One pre-norm-free block on rows x [B*T, d] attending to k/v [B, S, K*h] -> [B*T, d]."""
+    b = k.shape[0]
+    x = x + attention((x @ w["q"]).reshape(b, -1, x.shape[-1]), k, v, heads, visible) @ w["o"]
+    return x + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+
+
+def prefill(params: dict, ids, heads: int):
+    """Causal forward over ids [B, T] (matmuls on [B*T, d] rows) -> hidden rows [B*T, d], per-layer (k, v)."""
+    b, t = ids.shape
+    x = params["embed"][ids.reshape(-1)]
+    causal, kv = jnp.tril(jnp.ones((t, t), bool)), []
+    for w in params["layers"]:
+        k, v = (x @ w["k"]).reshape(b, t, -1), (x @ w["v"]).reshape(b, t, -1)
+        x = block(x, w, k, v, heads, causal)
+        kv.append((k, v))
+    return x, kv
 
 
 def plain_logps(params: dict, ids, heads: int):
     """Per-token log-probs of ids[:, 1:] under a causal forward over ids [B, T] -> [B, T-1]."""
-    x = params["embed"][ids]
-    for w in params["layers"]:
-        x = x + attention(x @ w["q"], x @ w["k"], x @ w["v"], heads, causal=True) @ w["o"]
-        x = x + mlp(x, w)
-    logp = jax.nn.log_softmax(x[:, :-1] @ params["head"], -1)
+    b, t = ids.shape
+    x = prefill(params, ids, heads)[0].reshape(b, t, -1)[:, :-1]
+    logp = jax.nn.log_softmax(x.reshape(b * (t - 1), -1) @ params["head"], -1).reshape(b, t - 1, -1)
     return jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
 
 
@@ -91,36 +105,36 @@ def plain_update(params: dict, opt_state, ids, adv, heads: int, opt):
     return optax.apply_updates(params, updates), opt_state
 
 
+def decode_layer(x, w, k, v, pos, visible):
+    """One block for one new token per row: x [B, d], cache k/v [B, K, S, h] (kv-head-major, read in place)
+    gets this token's k/v at `pos` -> (x, k, v)."""
+    b, (kh, h) = x.shape[0], k.shape[1::2]
+    k = jax.lax.dynamic_update_slice_in_dim(k, (x @ w["k"]).reshape(b, kh, 1, h), pos, 2)
+    v = jax.lax.dynamic_update_slice_in_dim(v, (x @ w["v"]).reshape(b, kh, 1, h), pos, 2)
+    q = (x @ w["q"]).reshape(b, kh, -1, h)
+    s = jnp.where(visible, jnp.einsum("bkgh,bksh->bkgs", q, k) / np.sqrt(h), -1e30)
+    x = x + jnp.einsum("bkgs,bksh->bkgh", jax.nn.softmax(s, -1), v).reshape(b, -1) @ w["o"]
+    return x + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"], k, v
+
+
 def plain_decode(params: dict, prompt, heads: int, new: int):
     """Greedy generation of `new` tokens after prompt [B, P]: prefill, then new-1 KV-cache steps -> [B, new]."""
     b, p = prompt.shape
-    x = params["embed"][prompt]
-    cache = []
-    for w in params["layers"]:
-        k = jnp.zeros((b, p + new, w["k"].shape[1]), jnp.float32).at[:, :p].set(x @ w["k"])
-        v = jnp.zeros((b, p + new, w["v"].shape[1]), jnp.float32).at[:, :p].set(x @ w["v"])
-        x = x + attention(x @ w["q"], k[:, :p], v[:, :p], heads, causal=True) @ w["o"]
-        x = x + mlp(x, w)
-        cache.append((k, v))
-    first = jnp.argmax(x[:, -1] @ params["head"], -1)
+    x, kv = prefill(params, prompt, heads)
+    h = x.shape[-1] // heads
+    to_cache = lambda a: jnp.pad(a.reshape(b, p, -1, h).transpose(0, 2, 1, 3),  # noqa: E731
+                                 ((0, 0), (0, 0), (0, new), (0, 0)))
+    cache = [(to_cache(k), to_cache(v)) for k, v in kv]
+    first = jnp.argmax(x.reshape(b, p, -1)[:, -1] @ params["head"], -1)
 
     def step(i, carry):
         tokens, cache = carry
-        x = params["embed"][tokens[:, i - 1]][:, None]
-        new_cache = []
+        x, new_cache = params["embed"][tokens[:, i - 1]], []
+        visible = jnp.arange(p + new) < p + i
         for w, (k, v) in zip(params["layers"], cache, strict=True):
-            k = jax.lax.dynamic_update_slice_in_dim(k, x @ w["k"], p + i - 1, 1)
-            v = jax.lax.dynamic_update_slice_in_dim(v, x @ w["v"], p + i - 1, 1)
-            visible = (jnp.arange(p + new) < p + i)[None, None, None, :]
-            q = (x @ w["q"]).reshape(b, 1, heads, -1)
-            kk = jnp.repeat(k.reshape(b, p + new, -1, q.shape[-1]), heads // (k.shape[-1] // q.shape[-1]), 2)
-            vv = jnp.repeat(v.reshape(b, p + new, -1, q.shape[-1]), heads // (v.shape[-1] // q.shape[-1]), 2)
-            s = jnp.where(visible, jnp.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(q.shape[-1]), -1e30)
-            a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), vv).reshape(b, 1, -1)
-            x = x + a @ w["o"]
-            x = x + mlp(x, w)
+            x, k, v = decode_layer(x, w, k, v, p + i - 1, visible)
             new_cache.append((k, v))
-        return tokens.at[:, i].set(jnp.argmax(x[:, 0] @ params["head"], -1)), new_cache
+        return tokens.at[:, i].set(jnp.argmax(x @ params["head"], -1)), new_cache
 
     tokens = jnp.zeros((b, new), jnp.int32).at[:, 0].set(first)
     return jax.lax.fori_loop(1, new, step, (tokens, cache))[0]
