@@ -112,12 +112,13 @@ def spread(values: list[float]) -> dict:
 
 
 def summarize(rounds: list[dict]) -> dict:
-    """Per-round ratios peer / ours for each peer and ours / floor, each as median with min-max."""
+    """Per-round ratios peer / ours for each peer, ours / floor, and each contender's s/step: median, min-max."""
     names = rounds[0].keys()
     out = {f"{peer}/ours": spread([r[peer]["step_s"] / r["ours"]["step_s"] for r in rounds])
            for peer in names if peer in ("trl", "tunix")}
     if "floor" in names:
         out["ours/floor"] = spread([r["ours"]["step_s"] / r["floor"]["step_s"] for r in rounds])
+    out.update({f"{name} s/step": spread([r[name]["step_s"] for r in rounds]) for name in names})
     return out
 
 
@@ -128,8 +129,8 @@ def table(size: str, rounds: list[dict], summary: dict) -> str:
              "|---|" + "---:|" * len(names)]
     lines += [f"| {i + 1} | " + " | ".join(f"{r[n]['step_s']:.4f}" for n in names) + " |"
               for i, r in enumerate(rounds)]
-    lines += [f"{size} {k}: median {v['median']:.2f}x (min {v['min']:.2f}, max {v['max']:.2f})"
-              for k, v in summary.items()]
+    lines += [f"{size} {k}: median {v['median']:.4g}{'' if 's/step' in k else 'x'} (min {v['min']:.4g}, "
+              f"max {v['max']:.4g})" for k, v in summary.items()]
     return "\n".join(lines)
 
 
