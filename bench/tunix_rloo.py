@@ -101,7 +101,8 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("data")
     ap.add_argument("--steps", type=int, default=11)
-    ap.add_argument("--remat", action="store_true", help="rematerialise each block (tunix RematConfig.BLOCK)")
+    ap.add_argument("--remat", action="store_true",
+                    help="rematerialise each block (RematConfig.BLOCK; tunix 0.1.7 fails with flax 0.12.8)")
     args = ap.parse_args()
     rl, actor = cluster(args.model_dir, args.steps, args.remat)
     algo = grpo_learner.GRPOConfig(num_generations=SETTINGS["num_generations"], num_iterations=1,
