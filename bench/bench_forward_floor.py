@@ -70,11 +70,16 @@ def attention(q, k, v, heads: int, visible):
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, -1), v).reshape(b * t, hh)
 
 
+def mlp(x, w):
+    """The gated MLP on rows x [N, d]: down(silu(gate(x)) * up(x))."""
+    return (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+
+
 def block(x, w, k, v, heads: int, visible):
     """One pre-norm-free block on rows x [B*T, d] attending to k/v [B, S, K*h] -> [B*T, d]."""
     b = k.shape[0]
     x = x + attention((x @ w["q"]).reshape(b, -1, x.shape[-1]), k, v, heads, visible) @ w["o"]
-    return x + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+    return x + mlp(x, w)
 
 
 def prefill(params: dict, ids, heads: int):
@@ -114,7 +119,7 @@ def decode_layer(x, w, k, v, pos, visible):
     q = (x @ w["q"]).reshape(b, kh, -1, h)
     s = jnp.where(visible, jnp.einsum("bkgh,bksh->bkgs", q, k) / np.sqrt(h), -1e30)
     x = x + jnp.einsum("bkgs,bksh->bkgh", jax.nn.softmax(s, -1), v).reshape(b, -1) @ w["o"]
-    return x + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"], k, v
+    return x + mlp(x, w), k, v
 
 
 def plain_decode(params: dict, prompt, heads: int, new: int):
