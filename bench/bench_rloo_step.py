@@ -1,4 +1,4 @@
-"""End-to-end RLOO step: rloo_jax (`python -m rloo_jax.train`) vs TRL 1.16 `RLOOTrainer`, same run.
+"""End-to-end RLOO step: rloo_jax (`python -m rloo_jax.train`) vs TRL 1.16 `RLOOTrainer`, one round.
 
 Same offline checkpoints (Qwen2 tiny and small, built here with fixed seeds), same 256 synthetic prompts, same
 Python reward, G=4, 8 completions per step, 32 new tokens, beta=0.05 (reference model on), lr 1e-5, float32, CPU,
@@ -6,9 +6,13 @@ Python reward, G=4, 8 completions per step, 32 new tokens, beta=0.05 (reference 
 step including generation) and the first step (compile for us).
 
     .venv/bin/python bench/bench_rloo_step.py [--sizes tiny small] [--steps 11] [--bf16] [--threads 2]
+                                              [--gradient_checkpointing]
 
-Each library runs in its own subprocess (fresh process, no shared caches); ours with the persistent compilation
-cache off unless --cache. Results are printed as a table and as JSON (for BENCHMARKS.md).
+Gradient checkpointing is off for both trainers unless --gradient_checkpointing (then on for both): TRL's
+`RLOOConfig` defaults to True (one more forward per block in the backward), ours is off on CPU, so the
+default here sets TRL's to False for the same work. Each library runs in its own subprocess (fresh process, no
+shared caches); ours with the persistent compilation cache off unless --cache. Results are printed as a table and
+as JSON. One round only: bench_protocol.py runs the rounds, tunix and the plain-JAX floor the figures come from.
 """
 
 import argparse
@@ -69,7 +73,13 @@ def reward(prompts, completions, **kwargs):
     return out
 
 
+def step_stats(times: list[float], wall: float) -> dict:
+    """First step, mean of the other steps (s/step) and the process's wall seconds."""
+    return {"first_step_s": times[0], "step_s": sum(times[1:]) / len(times[1:]), "wall_s": wall}
+
+
 def run_ours(model_dir: str, data: str, steps: int, bf16: bool, cache: bool, extra: list[str] = ()) -> dict:
+    """`python -m rloo_jax.train` in a fresh process; step times from its metrics.jsonl."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "rloo_jax.train", "--model_name_or_path", model_dir, "--dataset_name", data,
                "--reward_funcs", "bench_rloo_step:reward", "--output_dir", out, "--max_steps", str(steps),
@@ -87,7 +97,7 @@ def run_ours(model_dir: str, data: str, steps: int, bf16: bool, cache: bool, ext
             raise RuntimeError(f"rloo_jax failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         times = [r["step_time"] for r in rows if "step_time" in r and "reward" in r]
-    return {"first_step_s": times[0], "step_s": sum(times[1:]) / len(times[1:]), "wall_s": wall}
+    return step_stats(times, wall)
 
 
 TRL_SCRIPT = r"""
@@ -106,7 +116,7 @@ class Timer(TrainerCallback):
     def on_step_begin(self, *a, **k): self.t = time.perf_counter()
     def on_step_end(self, *a, **k): times.append(time.perf_counter() - self.t)
 args = trl.RLOOConfig(output_dir={out!r}, max_steps={steps}, report_to=[], use_cpu=True, bf16={bf16}, seed=0,
-                      save_strategy="no", lr_scheduler_type="constant", **SETTINGS)
+                      save_strategy="no", lr_scheduler_type="constant", gradient_checkpointing={gc}, **SETTINGS)
 tr = trl.RLOOTrainer(model={model!r}, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
 tr.add_callback(Timer())
 tr.train()
@@ -114,17 +124,18 @@ print("RESULT", json.dumps(times))
 """
 
 
-def run_trl(model_dir: str, data: str, steps: int, bf16: bool, threads: int) -> dict:
+def run_trl(model_dir: str, data: str, steps: int, bf16: bool, threads: int, gc: bool = False) -> dict:
+    """TRL's RLOOTrainer in a fresh process, torch on `threads` threads, gradient checkpointing `gc`."""
     with tempfile.TemporaryDirectory() as out:
         script = TRL_SCRIPT.format(here=HERE, threads=threads, model=model_dir, data=data, out=out, steps=steps,
-                                   bf16=bf16)
+                                   bf16=bf16, gc=gc)
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
         wall = time.perf_counter() - t0
         if proc.returncode:
             raise RuntimeError(f"TRL failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         times = json.loads(proc.stdout.split("RESULT", 1)[1])
-    return {"first_step_s": times[0], "step_s": sum(times[1:]) / len(times[1:]), "wall_s": wall}
+    return step_stats(times, wall)
 
 
 def main() -> None:
@@ -135,6 +146,7 @@ def main() -> None:
     ap.add_argument("--cache", action="store_true", help="use our persistent compilation cache")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--gradient_checkpointing", action="store_true", help="on for both trainers (default: off)")
     ap.add_argument("--ours-args", default="", help="extra options for rloo_jax, e.g. '--gradient_checkpointing false'")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,15 +155,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for size in args.sizes:
             model_dir, data = build_assets(os.path.join(root, size), size)
-            ours = run_ours(model_dir, data, args.steps, args.bf16, args.cache, args.ours_args.split())
-            theirs = None if args.skip_trl else run_trl(model_dir, data, args.steps, args.bf16, args.threads)
+            gc = ["--gradient_checkpointing", str(args.gradient_checkpointing).lower()]
+            ours = run_ours(model_dir, data, args.steps, args.bf16, args.cache, gc + args.ours_args.split())
+            theirs = None if args.skip_trl else run_trl(model_dir, data, args.steps, args.bf16, args.threads,
+                                                       args.gradient_checkpointing)
             results[size] = {"rloo_jax": ours, "trl": theirs}
             line = f"{size:6s} rloo_jax {ours['step_s']:.4f} s/step (first {ours['first_step_s']:.2f} s)"
             if theirs:
                 line += (f" | TRL {theirs['step_s']:.4f} s/step (first {theirs['first_step_s']:.2f} s)"
                          f" | speed-up x{theirs['step_s'] / ours['step_s']:.2f}")
             print(line, flush=True)
-    print(json.dumps({"dtype": "bf16" if args.bf16 else "f32", "steps": args.steps, "results": results}, indent=1))
+    print(json.dumps({"dtype": "bf16" if args.bf16 else "f32", "steps": args.steps,
+                      "gradient_checkpointing": args.gradient_checkpointing, "results": results}, indent=1))
 
 
 if __name__ == "__main__":
