@@ -28,10 +28,12 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 __all__ = [
     "BATCH_AXES",
+    "KV_CACHE_AXES",
     "LOGICAL_RULES",
     "MESH_AXES",
     "batch_sharding",
@@ -49,6 +51,7 @@ __all__ = [
     "process_slice",
     "replicate",
     "replicated",
+    "row_major",
     "shard_params",
     "state_shardings",
 ]
@@ -192,10 +195,26 @@ def constrain(x: jax.Array, logical: Sequence[str | None], rules: Rules = LOGICA
     return jax.lax.with_sharding_constraint(x, fit_spec(logical, x.shape, mesh, rules))
 
 
+KV_CACHE_AXES = (None, "batch", "kv", None, None)  # [L, rows, K heads, slots, Dh]
+
+
 def kv_cache_sharding(mesh: Mesh, shape: Sequence[int], rules: Rules = LOGICAL_RULES) -> NamedSharding:
-    """A KV cache ``[L, B, S, K, Dh]`` (prompt: S = P; generated: B = N, S = C): rows over data x fsdp, K heads
-    over tensor (the heads split the same way as the k/v projections), where they divide."""
-    return NamedSharding(mesh, fit_spec((None, "batch", None, "kv", None), shape, mesh, rules))
+    """A KV cache ``[L, rows, K, S, Dh]`` (kv-head-major; prompt: rows = B, S = P; generated: rows = N, S = C):
+    rows over data x fsdp, K heads over tensor (split as the k/v projections are), where they divide."""
+    return NamedSharding(mesh, fit_spec(KV_CACHE_AXES, shape, mesh, rules))
+
+
+def row_major(x: jax.Array, logical: Sequence[str | None], rules: Rules = LOGICAL_RULES) -> jax.Array:
+    """Inside a jit: ``x`` kept in row-major memory layout (last dimension minor), laid out over the context mesh
+    by its logical axis names as in `constrain`. The layout is pinned on each device's shard (``shard_map``): XLA's
+    SPMD partitioner does not split a layout constraint and would gather the whole array onto every device."""
+    layout = Layout(major_to_minor=tuple(range(x.ndim)))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return with_layout_constraint(x, layout)
+    spec = fit_spec(logical, x.shape, mesh, rules)
+    pin = jax.shard_map(lambda a: with_layout_constraint(a, layout), mesh=mesh, in_specs=spec, out_specs=spec)
+    return pin(jax.lax.with_sharding_constraint(x, spec))
 
 
 def _is_variable(x: Any) -> bool:

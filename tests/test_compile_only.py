@@ -299,3 +299,57 @@ def test_hlo_bytes_match_xla_and_count_every_loop_iteration():
     c = compiled(lambda a, b: a @ b, sds((256, 512), jnp.bfloat16), sds((512, 1024), jnp.bfloat16))
     logical = 2 * (256 * 512 + 512 * 1024 + 256 * 1024)
     assert hlo.bytes_accessed(c.as_text()) == logical < c.cost_analysis()["bytes accessed"]
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_decode_step_reads_its_kv_cache_once(scan_layers):
+    """One decode step of a model whose KV caches do not fit on-chip memory (v5e, fsdp over 4 chips, gathered
+    bf16 weights): it moves <= 1.1x the floor (its rows' caches + the matrices) through HBM, and nothing of the
+    caches over ICI. Two traps this pins, both measured on the 8B case: splitting the cache rows into (prompt,
+    sample) in the attention dots made the compiler copy each layer's cache slice first (2.3x), and the RoPE'd
+    key slot let it pick a key-cache layout its dots cannot read in place (one more copy); a layout constraint
+    that the SPMD partitioner sees whole gathers every cache onto every chip (70x)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rloo_jax import hlo
+    from rloo_jax.models.config import ModelConfig
+    from rloo_jax.models.transformer import CausalLM, DecodeCache, PromptCache
+    from rloo_jax.tpu import quiet_stderr, topology_devices
+
+    layers, rows, heads, slots, dh, b, p = 2, 64, 8, 1024, 128, 8, 16
+    cfg = ModelConfig(family="llama", model_type="llama", vocab_size=256, hidden_size=256, num_layers=layers,
+                      num_heads=heads, num_kv_heads=heads, head_dim=dh, intermediate_size=512, norm_eps=1e-5,
+                      hidden_act="silu", rope_theta=1e4, rotary_dim=dh, dtype="bfloat16", param_dtype="bfloat16",
+                      scan_layers=scan_layers)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))))
+    mesh = Mesh(np.array(topology_devices(parse_slice("v5e-4"))).reshape(1, 4, 1), ("data", "fsdp", "tensor"))
+
+    def sds(shape, dtype, *spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+
+    params = jax.tree.map(lambda x: sds(x.shape, x.dtype), params)  # gathered: whole on every chip
+    batch = ("data", "fsdp")
+    rows_spec = (None, batch)
+    cache = DecodeCache(
+        prompt=PromptCache(k=sds((layers, b, heads, p, dh), jnp.bfloat16, *rows_spec),
+                           v=sds((layers, b, heads, p, dh), jnp.bfloat16, *rows_spec),
+                           mask=sds((b, p), jnp.int32, batch), lengths=sds((b,), jnp.int32, batch)),
+        k=sds((layers, rows, heads, slots, dh), jnp.bfloat16, *rows_spec),
+        v=sds((layers, rows, heads, slots, dh), jnp.bfloat16, *rows_spec))
+
+    def step(params, tokens, i, cache):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return nnx.merge(graphdef, params).decode_step(tokens, i, cache)
+
+    with quiet_stderr():
+        compiled = jax.jit(step, donate_argnums=3).lower(
+            params, sds((rows,), jnp.int32, batch), sds((), jnp.int32), cache).compile()
+    cost = hlo.analyze(compiled.as_text()).total
+    matrices = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2) * 2
+    caches = (2 * layers * rows * heads * slots * dh + 2 * layers * b * heads * p * dh) * 2 // 4
+    assert cost.hbm_bytes <= 1.1 * (matrices + caches)
+    assert cost.ici_bytes < 0.01 * caches

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from rloo_jax.mesh import constrain
+from rloo_jax.mesh import KV_CACHE_AXES, constrain, row_major
 from rloo_jax.models.config import ModelConfig, ModelLoadError, rope_inv_freq
 
 _NEG = -1e30  # finite "minus infinity": a fully masked (padding) query row gives a uniform softmax, not NaN
@@ -110,9 +110,12 @@ def attend_shared_prompt(
     """T queries per row over its prompt's shared keys plus its own keys, one joint softmax (f32).
 
     q [B, G, T, H, Dh]; prompt pk/pv [B, K, P, Dh] (NOT repeated G times), p_allowed [B, G, T, P];
-    own keys gk/gv [B, G, K, S, Dh], g_allowed [B, G, T, S]  ->  [B, G, T, H, Dh].
-    Keys are kv-head-major ([.., K, S, Dh]) so both score contractions have (b, [g,] k) as batch dimensions with
-    each head's keys contiguous: a decode step then reads the caches in place (no per-step transpose copy).
+    own keys gk/gv [N, K, S, Dh] with N = B*G rows (row n continues prompt n // G), g_allowed [B, G, T, S]
+    ->  [B, G, T, H, Dh].
+    Keys are kv-head-major ([.., K, S, Dh]) so both score contractions have ([b, g] or n, k) as batch dimensions
+    with each head's keys contiguous. The own keys keep one row axis: a decode step's dots then read its layer of
+    the stacked [L, N, K, C, Dh] cache in place, where splitting the rows into (b, g) made the TPU compiler copy
+    each layer's slice first (2.3x the KV-cache bytes per decode step, BENCHMARKS.md).
     Decoding uses T = 1 and S = C cache slots; the training forward uses T = S = C completion tokens.
     """
     b, g, t, h, dh = q.shape
@@ -120,14 +123,16 @@ def attend_shared_prompt(
     qg = q.reshape(b, g, t, kh, h // kh, dh)
     scale = dh**-0.5
     sp = jnp.einsum("bgtkhd,bkpd->bgkhtp", qg, pk, preferred_element_type=jnp.float32) * scale
-    sc = jnp.einsum("bgtkhd,bgksd->bgkhts", qg, gk, preferred_element_type=jnp.float32) * scale
+    sc = jnp.einsum("ntkhd,nksd->nkhts", qg.reshape(b * g, *qg.shape[2:]), gk, preferred_element_type=jnp.float32)
+    sc = sc.reshape(b, g, *sc.shape[1:]) * scale
     sp = jnp.where(p_allowed[:, :, None, None], sp, _NEG)
     sc = jnp.where(g_allowed[:, :, None, None], sc, _NEG)
     m = jnp.maximum(sp.max(-1, keepdims=True), sc.max(-1, keepdims=True))
     ep, ec = jnp.exp(sp - m), jnp.exp(sc - m)
     z = ep.sum(-1, keepdims=True) + ec.sum(-1, keepdims=True)
     o = jnp.einsum("bgkhtp,bkpd->bgtkhd", (ep / z).astype(pv.dtype), pv)
-    o = o + jnp.einsum("bgkhts,bgksd->bgtkhd", (ec / z).astype(gv.dtype), gv)
+    pc = (ec / z).reshape(b * g, *ec.shape[2:]).astype(gv.dtype)
+    o = o + jnp.einsum("nkhts,nksd->ntkhd", pc, gv).reshape(o.shape)
     return o.reshape(b, g, t, h, dh)
 
 
@@ -538,15 +543,15 @@ class Transformer(nnx.Module):
             # q [B, P + G*C, H, Dh], k/v [B, P + G*C, K, Dh]
             kh, dh = k.shape[2:]
             pk, pv = k[:, :p], v[:, :p]
-            own = (b, g, c, kh, dh)
+            own = (n, c, kh, dh)
             o_prompt = attend(q[:, :p], pk, pv, pp_allowed)
             o_comp = attend_shared_prompt(
                 q[:, p:].reshape(b, g, c, *q.shape[2:]),
                 pk.swapaxes(1, 2),
                 pv.swapaxes(1, 2),
                 cp_allowed,
-                k[:, p:].reshape(own).swapaxes(2, 3),
-                v[:, p:].reshape(own).swapaxes(2, 3),
+                k[:, p:].reshape(own).swapaxes(1, 2),
+                v[:, p:].reshape(own).swapaxes(1, 2),
                 cc_allowed,
             )
             return jnp.concatenate([o_prompt, o_comp.reshape(b, g * c, *q.shape[2:])], axis=1), carry, None
@@ -575,14 +580,17 @@ class Transformer(nnx.Module):
             start = (layer, 0, 0, step, 0)
             gk = jax.lax.dynamic_update_slice(gk, k.swapaxes(1, 2)[None].astype(gk.dtype), start)
             gv = jax.lax.dynamic_update_slice(gv, v.swapaxes(1, 2)[None].astype(gv.dtype), start)
-            kshape = (b, g, *gk.shape[2:])
+            # Keep the caches row-major. Left free, the TPU compiler lays the key cache out [.., C, K, Dh] (the
+            # tiling its RoPE'd one-slot update prefers), and its attention dots then cannot read a layer's slice
+            # in place: one more copy of the key cache per decode step (BENCHMARKS.md, section 8).
+            gk, gv = row_major(gk, KV_CACHE_AXES), row_major(gv, KV_CACHE_AXES)
             o = attend_shared_prompt(
                 q.reshape(b, g, 1, *q.shape[2:]),
                 pk,
                 pv,
                 p_allowed,
-                gk[layer].reshape(kshape),
-                gv[layer].reshape(kshape),
+                gk[layer],
+                gv[layer],
                 g_allowed,
             )
             return o.reshape(bg, 1, *q.shape[2:]), (gk, gv), None
