@@ -233,6 +233,14 @@ def _num(x: float, fmt: str) -> str:
     return "-" if math.isnan(x) else format(x, fmt)
 
 
+def _ici_bound(cost: Any, chip: Any) -> bool:
+    """Whether a loop step's ICI bytes take longer than its HBM bytes at the chip's rates (the roofline's
+    half-duplex ICI figure); by bytes where the chip publishes no ICI rate."""
+    if math.isnan(chip.ici_bandwidth):
+        return cost.ici_bytes > cost.hbm_bytes
+    return cost.ici_bytes / (chip.ici_bandwidth / 2) > cost.hbm_bytes / chip.hbm_bandwidth
+
+
 def table_lines(report: Report) -> list[str]:
     """The per-program table as text lines: what stays resident (train state + inputs), the program's
     temporaries, the peak against the chip's HBM, compiler FLOPs per call and their ratio to the model's, HBM and
@@ -257,10 +265,10 @@ def table_lines(report: Report) -> list[str]:
                 f"{p.name} decode: {p.decode.trips} steps of {step:.2f} GB/chip (HBM + ICI), "
                 f"{p.decode_bytes_ratio:.2f}x the floor of {floor:.2f} GB (matrices + KV caches)"
             )
-            cost = p.decode.per_iteration
-            if cost.ici_bytes > cost.hbm_bytes and not report.settings.get("sampler_gather_weights", True):
-                lines.append(f"  {p.name}: decode bytes mostly cross ICI (FSDP gathers at every step); "
-                             "--sampler_gather_weights true gathers once")
+            gathered = report.settings.get("sampler_gather_weights", True)
+            if _ici_bound(p.decode.per_iteration, slc.chip) and not gathered:
+                lines.append(f"  {p.name} decode is ICI-bound (FSDP gathers the weights at every step); "
+                             "--sampler_gather_weights true: once")
     chip = slc.chip
     ici = "" if math.isnan(chip.ici_bandwidth) else f", ICI in {chip.ici_bandwidth / 2e9:.0f} GB/s"
     lines.append(

@@ -142,12 +142,16 @@ def test_sampler_gather_weights_moves_decode_off_ici(tmp_path, tiny_checkpoint, 
     """FSDP over 4 chips: by default every decode step all-gathers the weights over ICI; gathered once before the
     loop, a decode step receives almost nothing over ICI."""
     model = config_only_model(tmp_path, TINY_LLAMA, tiny_checkpoint("tokenizer"))
-    rollouts = []
+    rollouts, outs = [], []
     for gather in ("false", "true"):
-        code, _, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", "--sampler_gather_weights",
-                                                                   gather])
+        code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", "--sampler_gather_weights",
+                                                                     gather])
         assert code == 0, err
         rollouts.append(json.loads((tmp_path / "out" / "compile_report.json").read_text())["programs"]["rollout"])
+        outs.append(out)
+    # the report names the option where the decode steps wait on ICI, and only there
+    advice = "decode is ICI-bound (FSDP gathers the weights at every step); --sampler_gather_weights true: once"
+    assert advice in outs[0] and advice not in outs[1]
     sharded, gathered = rollouts
     assert sharded["decode_ici_bytes_per_step"] > 3 * 4 * 83968 / 4  # 3/4 of the f32 matrices, every step
     # what still crosses: the rows' finished flags and sampled tokens (768 bytes)
