@@ -233,7 +233,7 @@ def _num(x: float, fmt: str) -> str:
     return "-" if math.isnan(x) else format(x, fmt)
 
 
-def _ici_bound(cost: Any, chip: Any) -> bool:
+def _ici_bound(cost: hlo.Cost, chip: Chip) -> bool:
     """Whether a loop step's ICI bytes take longer than its HBM bytes at the chip's rates (the roofline's
     half-duplex ICI figure); by bytes where the chip publishes no ICI rate."""
     if math.isnan(chip.ici_bandwidth):

@@ -309,10 +309,10 @@ def test_hlo_bytes_match_xla_and_count_every_loop_iteration():
 def test_a_decode_step_reads_its_kv_cache_once(scan_layers):
     """One decode step of a model whose KV caches do not fit on-chip memory (v5e, fsdp over 4 chips, gathered
     bf16 weights): it moves <= 1.1x the floor (its rows' caches + the matrices) through HBM, and nothing of the
-    caches over ICI. Two traps this pins, both measured on the 8B case: splitting the cache rows into (prompt,
-    sample) in the attention dots made the compiler copy each layer's cache slice first (2.3x), and the RoPE'd
-    key slot let it pick a key-cache layout its dots cannot read in place (one more copy); a layout constraint
-    that the SPMD partitioner sees whole gathers every cache onto every chip (70x)."""
+    caches over ICI. The traps it pins (BENCHMARKS.md): splitting the cache rows into (prompt, sample) in the
+    attention dots made the compiler copy each layer's cache slice first, and the RoPE'd key slot let it pick a
+    key-cache layout its dots cannot read in place (one more copy): 3.40x here together; a layout constraint the
+    SPMD partitioner sees whole gathers every cache onto every chip: 14x here, 72x on the 8B."""
     import jax
     import jax.numpy as jnp
     import numpy as np

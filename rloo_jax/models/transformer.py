@@ -115,7 +115,7 @@ def attend_shared_prompt(
     Keys are kv-head-major ([.., K, S, Dh]) so both score contractions have ([b, g] or n, k) as batch dimensions
     with each head's keys contiguous. The own keys keep one row axis: a decode step's dots then read its layer of
     the stacked [L, N, K, C, Dh] cache in place, where splitting the rows into (b, g) made the TPU compiler copy
-    each layer's slice first (2.3x the KV-cache bytes per decode step, BENCHMARKS.md).
+    each layer's slice first (BENCHMARKS.md, "Decode reads the KV cache in place").
     Decoding uses T = 1 and S = C cache slots; the training forward uses T = S = C completion tokens.
     """
     b, g, t, h, dh = q.shape
@@ -582,7 +582,7 @@ class Transformer(nnx.Module):
             gv = jax.lax.dynamic_update_slice(gv, v.swapaxes(1, 2)[None].astype(gv.dtype), start)
             # Keep the caches row-major. Left free, the TPU compiler lays the key cache out [.., C, K, Dh] (the
             # tiling its RoPE'd one-slot update prefers), and its attention dots then cannot read a layer's slice
-            # in place: one more copy of the key cache per decode step (BENCHMARKS.md, section 8).
+            # in place: one more copy of the key cache per decode step (BENCHMARKS.md, Session 3).
             gk, gv = row_major(gk, KV_CACHE_AXES), row_major(gv, KV_CACHE_AXES)
             o = attend_shared_prompt(
                 q.reshape(b, g, 1, *q.shape[2:]),
