@@ -376,7 +376,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     devices = topology_devices(slc)
     run = prepare(cfg, abstract=True)
     mesh = make_mesh(*cfg.mesh_shape, devices=devices)
-    scfg = step_config(cfg, run)
+    scfg = step_config(cfg, run, slc.chip.hbm_bytes)
     optimizer, _ = make_optimizer(cfg, max(cfg.max_steps, 1))
     pol = policy(cfg, run.model)
     step = RLOOStep(pol.graphdef, optimizer, scfg, mesh=mesh, ref_graphdef=pol.ref_graphdef)
@@ -424,7 +424,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
             update_flops(w))
     if cfg.eval_steps:
         g = cfg.resolved_num_generations_eval
-        eval_cfg = StepConfig(sampling=sampling_config(cfg, run, g), rloo=RLOOOptions(beta=0.0))
+        eval_cfg = StepConfig(sampling=sampling_config(cfg, run, g, hbm), rloo=RLOOOptions(beta=0.0))
         sampler = RLOOStep(pol.graphdef, optimizer, eval_cfg, mesh=mesh)
         sampler.state_shardings = step.state_shardings
         eb = cfg.eval_batch_size // g
@@ -448,7 +448,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         "model": cfg.model_name_or_path, "mesh": dict(zip(("data", "fsdp", "tensor"), cfg.mesh_shape, strict=True)),
         "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
         "max_completion_length": cfg.max_completion_length, **options, "mu_dtype": cfg.mu_dtype,
-        "beta": cfg.beta, "sampler_gather_weights": cfg.sampler_gather_weights,
+        "beta": cfg.beta, "sampler_gather_weights": scfg.sampling.gather_weights,
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,

@@ -249,7 +249,33 @@ def prepare(cfg: RLOOConfig, abstract: bool = False) -> Run:
     return Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, eos, reward_models, model_dir)
 
 
-def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> SamplingConfig:
+GATHER_FRACTION = 0.2  # of a device's memory: the most the sampler's gathered weights may take by default
+
+
+def device_memory_bytes() -> int | None:
+    """The memory of this process's first device (TPU/GPU `memory_stats()["bytes_limit"]`); None on CPU."""
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else stats.get("bytes_limit")
+
+
+def gather_for_decode(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> bool:
+    """`sampler_gather_weights` resolved. None: on where the mesh splits the weights over fsdp and one
+    compute-dtype copy of the policy (÷ tensor parallelism) takes at most GATHER_FRACTION of `device_bytes` (this
+    process's device by default; the compile-only slice's chip). Every process decides alike (same devices)."""
+    if cfg.sampler_gather_weights is not None:
+        return cfg.sampler_gather_weights
+    device_bytes = device_memory_bytes() if device_bytes is None else device_bytes
+    if cfg.mesh_shape[1] == 1 or not device_bytes:
+        return False
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
+    copy = params * (2 if cfg.bf16 else 4) / cfg.mesh_shape[2]
+    return copy <= GATHER_FRACTION * device_bytes
+
+
+def sampling_config(
+    cfg: RLOOConfig, run: Run, num_generations: int, device_bytes: int | None = None
+) -> SamplingConfig:
+    """`device_bytes`: the memory per device the run is sized for (None: this process's device)."""
     return SamplingConfig(
         max_new_tokens=cfg.max_completion_length,
         num_generations=num_generations,
@@ -260,13 +286,13 @@ def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> Sampling
         repetition_penalty=cfg.repetition_penalty,
         eos_token_ids=run.eos_ids,
         pad_token_id=int(run.tokenizer.pad_token_id),
-        gather_weights=cfg.sampler_gather_weights,
+        gather_weights=gather_for_decode(cfg, run, device_bytes),
     )
 
 
-def step_config(cfg: RLOOConfig, run: Run) -> StepConfig:
+def step_config(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> StepConfig:
     return StepConfig(
-        sampling=sampling_config(cfg, run, cfg.num_generations),
+        sampling=sampling_config(cfg, run, cfg.num_generations, device_bytes),
         rloo=RLOOOptions(
             beta=cfg.beta,
             epsilon=cfg.epsilon,

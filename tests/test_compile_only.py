@@ -113,6 +113,7 @@ def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys): 
     # the mesh is the slice's: fsdp over its 4 chips; the batch validated for them (4 x 4 x 2 completions)
     assert report["settings"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert report["settings"]["completions_per_generation"] == 32 and report["settings"]["remat_policy"] == "full"
+    assert report["settings"]["sampler_gather_weights"] is True  # the default, resolved for a v5e chip
     assert "FITS: every program fits v5e-4" in out and "update" in out
     assert not (tmp_path / "out" / "checkpoints").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
 
@@ -357,3 +358,40 @@ def test_a_decode_step_reads_its_kv_cache_once(scan_layers):
     caches = (2 * layers * rows * heads * slots * dh + 2 * layers * b * heads * p * dh) * 2 // 4
     assert cost.hbm_bytes <= 1.1 * (matrices + caches)
     assert cost.ici_bytes < 0.01 * caches
+
+
+def test_sampler_gather_weights_default_follows_device_memory():
+    """None (the default): gather where FSDP splits the weights and one compute-dtype copy (÷ tensor) is at most
+    1/5 of a device's memory; an explicit value wins; off on one fsdp shard and without a device figure (CPU)."""
+    import types
+
+    import jax
+    from flax import nnx
+
+    from rloo_jax.build import gather_for_decode
+    from rloo_jax.config import config_from_dict
+    from rloo_jax.models.config import ModelConfig
+    from rloo_jax.models.transformer import CausalLM
+
+    cfg = ModelConfig(family="llama", model_type="llama", vocab_size=100, hidden_size=16, num_layers=1, num_heads=2,
+                      num_kv_heads=2, head_dim=8, intermediate_size=32, norm_eps=1e-5, hidden_act="silu",
+                      rope_theta=1e4, rotary_dim=8)
+    run = types.SimpleNamespace(model=nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))))
+    # embed + head 2 x 100 x 16, q/k/v/o 4 x 16 x 16, gate/up/down 3 x 16 x 32, two norms and the final one
+    params = 2 * 1600 + 4 * 256 + 3 * 512 + 3 * 16
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(run.model, nnx.Param))) == params
+
+    def resolved(device_bytes, **options):
+        values = {"model_name_or_path": "demo", "dataset_name": "demo", "reward_funcs": ["format"],
+                  "per_device_train_batch_size": 4,
+                  "num_generations": 4, **options}
+        return gather_for_decode(config_from_dict(values, device_count=4), run, device_bytes)
+
+    copy_bf16 = 2 * params
+    assert resolved(5 * copy_bf16, bf16=True) is True  # exactly 1/5
+    assert resolved(5 * copy_bf16 - 1, bf16=True) is False
+    assert resolved(5 * copy_bf16 - 1, bf16=False) is False and resolved(10 * copy_bf16, bf16=False) is True
+    assert resolved(5 * copy_bf16 // 2, bf16=True, fsdp=2, tensor_parallel=2) is True  # a copy per tensor shard
+    assert resolved(10**12, fsdp=1, data_parallel=4) is False  # nothing to gather: the weights are whole
+    assert resolved(None) is False  # this process's device: the CPU reports no memory figure
+    assert resolved(1, sampler_gather_weights=True) is True and resolved(10**12, sampler_gather_weights=False) is False
