@@ -1,14 +1,13 @@
 # Two entry points, both self-installing into .venv on first use:
-#   make run    -> python -m rloo_jax.train on the built-in default (no network); installs the package only
+#   make run    -> python -m rloo_jax.train on the built-in default (needs no network); installs the package only
 #                  (EXTRAS=tpu on a TPU VM, EXTRAS=cuda on a GPU node)
 #   make test   -> ruff + the whole pytest suite; adds the test extra (CPU torch, TRL, peft, libtpu, ...)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 EXTRAS ?=
-export HF_HUB_OFFLINE ?= 1
-export TRANSFORMERS_OFFLINE ?= 1
-export HF_DATASETS_OFFLINE ?= 1
+# the tests never reach the hub (tiny models are built locally); `make run` may (a hub id in ARGS downloads)
+OFFLINE = HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 .PHONY: run test lint install install-test bench clean
 
@@ -38,7 +37,7 @@ lint: $(VENV)/.installed-test
 
 # JAX_PLATFORMS=cpu: libtpu (test extra) is installed, but tests run on the CPU and compile for TPUs ahead of time
 test: lint
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(OFFLINE) JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -38,11 +38,23 @@ from rloo_jax.step import RLOOStep, Rollout, StepConfig, TrainState, completion_
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """`rloo_jax.RLOOTrainer`, imported on first use: it imports the training loop (`rloo_jax.train`), which
+    `python -m rloo_jax.train` must find not yet imported."""
+    if name == "RLOOTrainer":
+        from rloo_jax.trainer import RLOOTrainer
+
+        return RLOOTrainer
+    raise AttributeError(f"module 'rloo_jax' has no attribute {name!r}")
+
+
 __all__ = [
     "CausalLM",
     "Generation",
     "ModelLoadError",
     "RLOOStep",
+    "RLOOTrainer",
     "RewardModel",
     "Rollout",
     "SamplingConfig",

@@ -33,6 +33,7 @@ from rloo_jax.rewards import (
     builtin_rewards,
     load_reward_model_scorer,
     resolve_reward_funcs,
+    warn_missing_extras,
 )
 from rloo_jax.rloo import RLOOOptions
 from rloo_jax.sampling import SamplingConfig, compute_dtype_weights
@@ -77,11 +78,17 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
+def warmup_steps(cfg: RLOOConfig, total_steps: int) -> int:
+    """Warmup in optimizer steps: warmup_steps >= 1 as is, a fraction in [0, 1) (warmup_steps or warmup_ratio)
+    of `total_steps` rounded up (transformers' rule). warmup_steps 0.1 of 25 steps -> 3."""
+    if cfg.warmup_steps >= 1:
+        return int(cfg.warmup_steps)
+    return math.ceil((cfg.warmup_steps or cfg.warmup_ratio) * total_steps)
+
+
 def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
     """clip_by_global_norm -> AdamW (first moment in `mu_dtype`; decay on matrices only)."""
-    schedule = lr_schedule(
-        cfg.lr_scheduler_type, cfg.learning_rate, math.ceil(cfg.warmup_ratio * total_steps), total_steps
-    )
+    schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, warmup_steps(cfg, total_steps), total_steps)
     adamw = optax.adamw(
         schedule,
         b1=cfg.adam_beta1,
@@ -203,12 +210,28 @@ class Run:
     model_dir: str = ""  # the policy's local folder (a LoRA adapter names it as its base unless given a hub id)
 
 
-def prepare(cfg: RLOOConfig, abstract: bool = False) -> Run:
+@dataclasses.dataclass
+class Given:
+    """Objects the Python API (`rloo_jax.RLOOTrainer`) passes instead of what the config names; None: load what
+    the config names."""
+
+    tokenizer: Any = None  # the policy's tokenizer (TRL's processing_class)
+    train_dataset: Any = None  # datasets.Dataset with a `prompt` column
+    eval_dataset: Any = None
+    reward_funcs: list[Any] | None = None  # callables and/or reward_funcs strings, in scoring order
+    reward_tokenizers: list[Any] | None = None  # one per reward_funcs entry (None: a reward model's own)
+
+
+def prepare(cfg: RLOOConfig, abstract: bool = False, given: Given | None = None) -> Run:
     """Resolve the demo, load tokenizer, policy, data and reward functions; check the first batch encodes.
 
     `abstract`: the policy and reward models as shapes from their `config.json` (no weights read), no dataset;
-    Python reward functions are still imported (a wrong name fails here, as in training).
+    Python reward functions are still imported (a wrong name fails here, as in training). `given`: objects
+    that replace what the config names (the Python API).
     """
+    given = given or Given()
+    sources = cfg.reward_sources if given.reward_funcs is None else list(given.reward_funcs)
+    cfg.require_sources(len(sources))
     model_path, dataset = cfg.model_name_or_path, cfg.dataset_name
     if model_path == "demo":
         model_path = demo.prepare_model(demo.model_dir(CACHE_ROOT, cfg.seed), cfg.seed)
@@ -221,32 +244,55 @@ def prepare(cfg: RLOOConfig, abstract: bool = False) -> Run:
     reward_models = [str(resolve_checkpoint(p, weights=not abstract)) for p in cfg.reward_model_name_or_path or []]
     for reward_model in reward_models:
         refuse_custom_code(reward_model)
-    tokenizer = load_tokenizer(model_dir, padding_side="left")
+    tokenizer = load_tokenizer(model_dir, padding_side="left") if given.tokenizer is None else \
+        given_tokenizer(given.tokenizer)
     options = model_options(cfg, "tpu" if abstract else jax.default_backend())
     model = abstract_model(model_dir, **options) if abstract else load_causal_lm(model_dir, **options)
     encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
     train_ds = eval_ds = None
     if not abstract:
-        sources = {"config": cfg.dataset_config, "tfds_data_dir": cfg.tfds_data_dir}
-        train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, **sources)
-        if cfg.eval_steps:
-            eval_ds = load_prompt_dataset(dataset, cfg.dataset_test_split, **sources)
+        train_ds = given.train_dataset
+        eval_ds = given.eval_dataset if cfg.eval_steps else None
+        where = {"config": cfg.dataset_config, "tfds_data_dir": cfg.tfds_data_dir}
+        if train_ds is None:
+            train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, **where)
+        if cfg.eval_steps and eval_ds is None:
+            eval_ds = load_prompt_dataset(dataset, cfg.dataset_test_split, **where)
         encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
     builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
+    reward_tokenizers = {s: t for s, t in zip(sources, given.reward_tokenizers or [], strict=False)
+                         if isinstance(s, str) and t is not None}
     reward_funcs = resolve_reward_funcs(
-        cfg.reward_sources,
+        sources,
         builtins,
         lambda path: load_reward_model_scorer(
-            path, "bfloat16" if cfg.bf16 else "float32", cfg.prompt_bucket, cfg.chat_template_kwargs
+            path, "bfloat16" if cfg.bf16 else "float32", cfg.prompt_bucket, cfg.chat_template_kwargs,
+            tokenizer=reward_tokenizers.get(path),
         )
         if not abstract
         else (lambda **kwargs: None),  # compiled, never called, in compile-only mode
     )
+    if not abstract:
+        warn_missing_extras(reward_funcs)
     check_report_to(cfg.report_to)
     eos = eos_token_ids(model_dir, tokenizer)
     if not eos:
         raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
     return Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, eos, reward_models, model_dir)
+
+
+def given_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer passed in (TRL's processing_class) made ready as `load_tokenizer` makes its own: left padding
+    and a pad token (eos when it has none, as TRL)."""
+    if not hasattr(tokenizer, "apply_chat_template") or not hasattr(tokenizer, "batch_decode"):
+        raise ConfigError(f"processing_class must be a transformers tokenizer (got {type(tokenizer).__name__}); "
+                          "processors of multimodal models are not supported")
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError("processing_class has neither a pad nor an eos token; set tokenizer.pad_token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 GATHER_FRACTION = 0.2  # of a device's memory: the most the sampler's gathered weights may take by default

@@ -7,6 +7,7 @@ overrides; values are parsed from the dataclass annotations. Every check runs on
 
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ from rloo_jax.data import parse_tfds_name
 from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.mesh import _resolve_mesh_shape
 from rloo_jax.tpu import parse_slice
+from rloo_jax.trl_options import DECISIONS, is_trl_only, split_options
 
 logger = logging.getLogger("rloo_jax")
 
@@ -60,7 +62,8 @@ class RLOOConfig:
         None,
         "model",
         "Reward model(s) (sequence classification with one label): local folders or hub ids, "
-        "comma-separated. Scored after the functions of `reward_funcs`, in this order.",
+        "comma-separated. Scored before the functions of `reward_funcs` (as TRL's `trl rloo` script), in this "
+        "order.",
     )
     trust_remote_code: bool = _opt(
         False,
@@ -179,14 +182,17 @@ class RLOOConfig:
     reward_funcs: list[str] | None = _opt(
         None,
         "rewards",
-        "Comma-separated reward functions: dotted paths `module:function` (called as `f(prompts, "
-        "completions, completion_ids, **columns) -> list[float | None]`, sync or async), built-in names "
-        "(`accuracy`, `format`, `soft_overlong`) or reward-model paths.",
+        "Comma-separated reward functions: `module:function` or TRL's dotted `module.function` (called with "
+        "TRL's keyword arguments: prompts, completions, completion_ids, trainer_state, log_extra, log_metric and "
+        "the dataset's other columns; returning list[float | None]; sync or async), built-in names (`accuracy`, "
+        "`format`, `soft_overlong`, or TRL's `accuracy_reward`, `think_format_reward`, "
+        "`get_soft_overlong_punishment`) or reward-model paths. `accuracy` compares answers with math-verify, the "
+        "`math` extra (pip install 'rloo_jax[math]'); without it, by the last \\boxed{}, #### or number.",
     )
     reward_weights: list[float] | None = _opt(
         None,
         "rewards",
-        "Weights for each reward function, in the order of `reward_funcs` then `reward_model_name_or_path`. "
+        "Weights for each reward function, in the order of `reward_model_name_or_path` then `reward_funcs`. "
         "Must match the number of reward functions. If None, all rewards are weighted equally with weight "
         "1.0.",
     )
@@ -403,7 +409,14 @@ class RLOOConfig:
     warmup_ratio: float = _opt(
         0.0,
         "optimization",
-        "Fraction of the optimizer steps used for a linear warmup from 0.",
+        "Fraction of the optimizer steps used for a linear warmup from 0 (older transformers' name; see "
+        "warmup_steps).",
+    )
+    warmup_steps: float = _opt(
+        0,
+        "optimization",
+        "Linear warmup from 0 (transformers 5 / TRL 1.16): an integer >= 1 is a number of optimizer steps, a "
+        "float in [0, 1) a fraction of them. Set warmup_steps or warmup_ratio, not both.",
     )
     weight_decay: float = _opt(
         0.0,
@@ -489,6 +502,12 @@ class RLOOConfig:
         None,
         "logging",
         "Number of completions to print when log_completions is set. If None, all are printed.",
+    )
+    run_name: str | None = _opt(
+        None,
+        "logging",
+        "A name for the run: the W&B run name (the run id is kept in output_dir/wandb_run_id, so a resumed run "
+        "continues the same W&B run).",
     )
     report_to: list[str] = _opt(
         ["none"],
@@ -634,8 +653,8 @@ class RLOOConfig:
 
     @property
     def reward_sources(self) -> list[str]:
-        """Reward functions in scoring order: reward_funcs, then reward_model_name_or_path."""
-        return list(self.reward_funcs or []) + list(self.reward_model_name_or_path or [])
+        """Reward functions in scoring order: reward_model_name_or_path, then reward_funcs (TRL's script order)."""
+        return list(self.reward_model_name_or_path or []) + list(self.reward_funcs or [])
 
     @property
     def resolved_reward_weights(self) -> list[float]:
@@ -650,16 +669,6 @@ class RLOOConfig:
         """Check every invariant once; raise one `ConfigError` naming the option and the fix."""
         for f in dataclasses.fields(self):
             setattr(self, f.name, coerce(getattr(self, f.name), _hints()[f.name], f.name))
-        _require(
-            self.model_name_or_path,
-            "model_name_or_path is required: pass --model_name_or_path "
-            "PATH_OR_HUB_ID (or run with no arguments for the built-in demo)",
-        )
-        _require(
-            self.dataset_name,
-            "dataset_name is required: pass --dataset_name HUB_ID_OR_PATH (a local "
-            ".jsonl with a `prompt` column works)",
-        )
         if self.num_generations < 2:
             raise ConfigError(
                 f"num_generations must be >= 2 for the leave-one-out baseline (got "
@@ -744,6 +753,10 @@ class RLOOConfig:
         _check(self.num_train_epochs > 0, "num_train_epochs", "must be > 0", self.num_train_epochs)
         _check(self.learning_rate > 0, "learning_rate", "must be > 0", self.learning_rate)
         _check(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)", self.warmup_ratio)
+        _check(self.warmup_steps >= 0 and (self.warmup_steps < 1 or float(self.warmup_steps).is_integer()),
+               "warmup_steps", "must be an integer >= 1 (steps) or a float in [0, 1) (a fraction)", self.warmup_steps)
+        if self.warmup_steps and self.warmup_ratio:
+            raise ConfigError("set warmup_steps or warmup_ratio, not both (warmup_steps < 1 is a fraction too)")
         _check(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
         _check(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)", self.max_grad_norm)
         for name in ("adam_beta1", "adam_beta2"):
@@ -800,17 +813,6 @@ class RLOOConfig:
             "must be >= 0 or None",
             self.num_completions_to_print,
         )
-        if not self.reward_sources:
-            raise ConfigError(
-                "no reward: set --reward_funcs (functions `module:function` or built-in names) "
-                "and/or --reward_model_name_or_path"
-            )
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_sources):
-            raise ConfigError(
-                f"reward_weights has {len(self.reward_weights)} values but there are "
-                f"{len(self.reward_sources)} reward functions ({', '.join(self.reward_sources)}); give one "
-                "weight per function, in that order"
-            )
         for sink in self.report_to:
             if sink not in REPORT_TO_CHOICES:
                 raise ConfigError(f"report_to: unknown sink {sink!r}; choose from {', '.join(REPORT_TO_CHOICES)}")
@@ -818,7 +820,7 @@ class RLOOConfig:
             raise ConfigError("compile_only needs a TPU slice to compile for: pass --topology, e.g. v5e-8 or v5p-8")
         if self.topology is not None:
             parse_slice(self.topology)  # one line listing the slice names when it is not one
-        if self.dataset_name.startswith("tfds:"):
+        if (self.dataset_name or "").startswith("tfds:"):
             try:
                 parse_tfds_name(self.dataset_name[len("tfds:") :], self.dataset_config)
             except DataError as e:
@@ -827,6 +829,34 @@ class RLOOConfig:
             raise ConfigError(
                 f"tfds_data_dir is only read for `tfds:` datasets (dataset_name is {self.dataset_name!r}); drop "
                 "--tfds_data_dir or pass --dataset_name tfds:<name>"
+            )
+
+    def require_sources(self, num_rewards: int | None = None) -> None:
+        """What a run needs beyond valid options: a model, a dataset and at least one reward, with one weight per
+        reward. `num_rewards`: the reward functions given some other way (the Python API); default: the ones
+        named by reward_model_name_or_path and reward_funcs. The CLI checks this when it reads its config;
+        `RLOOTrainer` once its arguments are in."""
+        _require(
+            self.model_name_or_path,
+            "model_name_or_path is required: pass --model_name_or_path "
+            "PATH_OR_HUB_ID (or run with no arguments for the built-in demo)",
+        )
+        _require(
+            self.dataset_name,
+            "dataset_name is required: pass --dataset_name HUB_ID_OR_PATH (a local "
+            ".jsonl with a `prompt` column works)",
+        )
+        count = len(self.reward_sources) if num_rewards is None else num_rewards
+        if not count:
+            raise ConfigError(
+                "no reward: set --reward_funcs (functions `module:function` or built-in names) "
+                "and/or --reward_model_name_or_path"
+            )
+        if self.reward_weights is not None and len(self.reward_weights) != count:
+            names = f" ({', '.join(self.reward_sources)})" if num_rewards is None else ""
+            raise ConfigError(
+                f"reward_weights has {len(self.reward_weights)} values but there are {count} reward functions"
+                f"{names}; give one weight per function, in that order"
             )
 
     def _validate_distributed(self) -> None:
@@ -841,6 +871,29 @@ class RLOOConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+def _take_trl_options(init: Any) -> Any:
+    """`RLOOConfig(**kwargs)` also takes TRL's option names (`use_vllm=False`, `push_to_hub=False`, ...), decided
+    by `rloo_jax.trl_options` as the YAML and the command line are, so a TRL script's config line runs here.
+    Without device_count, the batch sizes and mesh are checked for the devices and processes JAX sees (with
+    several processes, call `jax.distributed.initialize()` first)."""
+
+    @functools.wraps(init)
+    def __init__(self: "RLOOConfig", *args: Any, **kwargs: Any) -> None:
+        if "device_count" not in kwargs:  # built in Python: checked for the devices JAX sees (TRL: its processes)
+            import jax
+
+            kwargs.update(device_count=jax.device_count(), process_count=jax.process_count())
+        ours, checks = split_options(kwargs, _hints())
+        init(self, *args, **ours)
+        for check in checks:
+            check(self)
+
+    return __init__
+
+
+RLOOConfig.__init__ = _take_trl_options(RLOOConfig.__init__)
 
 
 def _require(value: Any, message: str) -> None:
@@ -970,7 +1023,7 @@ def canonical_name(name: str, source: str) -> str:
         new = ALIASES[name]
         logger.warning("note: `%s` is the old TRL name of `%s` (TRL <= 0.21); using %s", name, new, new)
         return new
-    if name in field_names():
+    if name in field_names() or name in DECISIONS:  # ours, or one of TRL's (decided in trl_options)
         return name
     near = difflib.get_close_matches(name, field_names() + list(ALIASES), n=1, cutoff=0.6)
     hint = f"; did you mean --{near[0]}?" if near else "; see --help for the list"
@@ -1006,7 +1059,8 @@ def parse_argv(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
             raise ConfigError(f"unexpected argument {arg!r}; options look like --name value or --name=value")
         key, has_eq, value = arg[2:].partition("=")
         if not has_eq:
-            takes_flag = key.replace("-", "_") in hints and hints[key.replace("-", "_")] is bool
+            name = key.replace("-", "_")
+            takes_flag = hints.get(name) in (bool, bool | None) or is_trl_only(name)
             if i + 1 < len(argv) and not (takes_flag and argv[i + 1].startswith("--")):
                 value, i = argv[i + 1], i + 1
             elif takes_flag:
@@ -1063,8 +1117,13 @@ def config_from_dict(values: dict[str, Any], device_count: int = 1, process_coun
     """Build a validated config from {name: raw value}; values are coerced to the annotated types."""
     hints = _hints()
     parsed = {canonical_name(k, "the config"): v for k, v in values.items()}
+    parsed, checks = split_options(parsed, hints)  # TRL's options: refused, dropped with a note, or translated
     parsed = {k: coerce(v, hints[k], k) for k, v in parsed.items()}
-    return RLOOConfig(**parsed, device_count=device_count, process_count=process_count)
+    cfg = RLOOConfig(**parsed, device_count=device_count, process_count=process_count)
+    for check in checks:
+        check(cfg)
+    cfg.require_sources()
+    return cfg
 
 
 def format_help() -> str:

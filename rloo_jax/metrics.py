@@ -8,6 +8,7 @@ Outputs other tools rely on: `metrics.jsonl` (one object per logged step: `step`
 import json
 import math
 import os
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -151,10 +152,30 @@ def check_report_to(report_to: Sequence[str]) -> None:
                 ) from None
 
 
-class Sinks:
-    """metrics.jsonl plus the optional TensorBoard / W&B writers named in `report_to`."""
+WANDB_RUN_ID = "wandb_run_id"  # in output_dir: the W&B run a resumed run continues
 
-    def __init__(self, output_dir: str, report_to: Sequence[str], config: dict[str, Any]) -> None:
+
+def wandb_run_id(output_dir: str) -> str:
+    """The W&B run id of the run in `output_dir`: read from `output_dir/wandb_run_id`, or made and written there on
+    the first start, so every restart of the run (resume) logs to the same W&B run."""
+    path = os.path.join(output_dir, WANDB_RUN_ID)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            run_id = f.read().strip()
+        if run_id:
+            return run_id
+    run_id = uuid.uuid4().hex[:16]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(run_id + "\n")
+    return run_id
+
+
+class Sinks:
+    """metrics.jsonl plus the optional TensorBoard / W&B writers named in `report_to` (W&B: the run named
+    `run_name`, with the id kept in output_dir so a resumed run continues it)."""
+
+    def __init__(self, output_dir: str, report_to: Sequence[str], config: dict[str, Any],
+                 run_name: str | None = None) -> None:
         self.jsonl = JsonlWriter(os.path.join(output_dir, "metrics.jsonl"))
         self.tensorboard = self.wandb = None
         if "tensorboard" in report_to:
@@ -164,7 +185,8 @@ class Sinks:
         if "wandb" in report_to:
             import wandb
 
-            self.wandb = wandb.init(dir=output_dir, config=config, resume="allow")
+            self.wandb = wandb.init(dir=output_dir, config=config, id=wandb_run_id(output_dir), name=run_name,
+                                    resume="allow")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.jsonl.write({"step": step, **metrics})
@@ -195,9 +217,11 @@ def rollout_records(
     advantages: np.ndarray,
     lengths: np.ndarray,
     truncated: np.ndarray,
+    extra: dict[str, Sequence[Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """One `rollouts.jsonl` object per completion (NaN rewards become null)."""
-    return [
+    """One `rollouts.jsonl` object per completion (NaN rewards become null); `extra`: columns the reward functions
+    logged with TRL's log_extra (one value per completion), under "extra" when there are any."""
+    records = [
         {
             "step": step,
             "prompt": prompts[i],
@@ -210,6 +234,9 @@ def rollout_records(
         }
         for i in range(len(completions))
     ]
+    for i, record in enumerate(records if extra else []):
+        record["extra"] = {column: values[i] if i < len(values) else None for column, values in extra.items()}
+    return records
 
 
 def weighted_rewards(rewards_per_func: np.ndarray, weights: Sequence[float]) -> np.ndarray:
@@ -226,8 +253,11 @@ def console_line(step: int, total: int, metrics: dict[str, float]) -> str:
         return metrics.get(key, float("nan"))
 
     kl = f" | kl {get('kl'):.4f}" if math.isfinite(get("kl")) else ""  # no KL when beta == 0
+    phases = ("sample", "reference", "reward", "update")
+    timing = "" if "timing/sample" not in metrics else " (" + ", ".join(
+        f"{p[:3] if p == 'reference' else p} {get(f'timing/{p}'):.2f}" for p in phases) + ")"
     return (
         f"step {step}/{total} | reward {get('reward'):.3f} ± {get('reward_std'):.3f}{kl} | "
         f"entropy {get('entropy'):.3f} | len {get('completions/mean_length'):.1f} | "
-        f"lr {get('learning_rate'):.2e} | {get('step_time'):.2f} s/step"
+        f"lr {get('learning_rate'):.2e} | {get('step_time'):.2f} s/step{timing}"
     )

@@ -1,13 +1,16 @@
 """Host-side rewards: Python reward functions, built-ins and reward models -> `rewards_per_func [N, F]`.
 
-TRL's convention: `f(prompts, completions, completion_ids, **columns) -> list[float | None]`, plain or
-`async def`, called with keyword arguments; `columns` are the dataset's other columns, repeated per
-completion. Conversational prompts get completions as `[{"role": "assistant", "content": text}]`. `None`, NaN
-and inf become NaN ("unscorable", see `rloo.combine_rewards`), with a warning once per function.
+TRL 1.16's convention: `f(prompts=, completions=, completion_ids=, trainer_state=, log_extra=, log_metric=,
+**columns) -> list[float | None]`, plain or `async def`, called with keyword arguments; `columns` are the
+dataset's other columns, repeated per completion; `trainer_state`, `log_extra` and `log_metric` come from the
+trainer (`rloo_jax.train`: the step counters, extra rollout columns, extra scalar metrics). Conversational
+prompts get completions as `[{"role": "assistant", "content": text}]`. `None`, NaN and inf become NaN
+("unscorable", see `rloo.combine_rewards`), with a warning once per function.
 """
 
 import asyncio
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -40,6 +43,50 @@ class RewardFunction:
         return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(call)
 
 
+@dataclasses.dataclass
+class TrainerState:
+    """What a reward function gets as `trainer_state` (TRL passes transformers' `TrainerState`): the fields of it
+    that describe where training stands, under the same names, for reward shaping over training (e.g. a weight
+    ramped by `global_step / max_steps`). Updated by the trainer before each generation's rewards."""
+
+    global_step: int = 0  # optimizer steps done
+    max_steps: int = 0
+    epoch: float = 0.0  # fractional epochs of the prompt set done
+    num_train_epochs: float = 0.0
+    logging_steps: int = 0
+    eval_steps: int | None = None
+    save_steps: int = 0
+    train_batch_size: int = 0  # completions per device per micro-step (per_device_train_batch_size)
+    is_world_process_zero: bool = True
+    log_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # logged records, this process's run
+
+
+class RewardLogs:
+    """TRL's `log_extra(column, values)` and `log_metric(name, value)` for reward functions: extra columns of the
+    rollout records (one value per completion of this process) and scalar metrics (averaged per generation, then
+    over the logging window, as TRL does). The trainer takes them after every generation's rewards."""
+
+    def __init__(self) -> None:
+        self.extra: dict[str, list[Any]] = {}
+        self.metrics: dict[str, list[float]] = {}
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        self.extra.setdefault(column, []).extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def context(self, state: TrainerState) -> dict[str, Any]:
+        """The keyword arguments TRL passes every reward function besides the per-completion ones."""
+        return {"trainer_state": state, "log_extra": self.log_extra, "log_metric": self.log_metric}
+
+    def take(self) -> tuple[dict[str, list[Any]], dict[str, tuple[float, int]]]:
+        """(extra columns, {metric: (sum, count)}) logged since the last call; clears them."""
+        extra, metrics = self.extra, {k: (sum(v), len(v)) for k, v in self.metrics.items()}
+        self.extra, self.metrics = {}, {}
+        return extra, metrics
+
+
 # ------------------------------------------------------------------------------------------------ resolving
 def resolve_reward_funcs(
     sources: Sequence[str],
@@ -48,14 +95,17 @@ def resolve_reward_funcs(
 ) -> list[RewardFunction]:
     """Turn `reward_funcs` entries (then reward-model paths) into named callables, in order.
 
-    An entry is a built-in name (a key of `builtins`), `module:function` / `path/to/file.py:function`, or a
-    reward model (a local folder or a hub id `org/name`), loaded with `load_reward_model(path)`. Raises
-    `ConfigError` naming the entry that cannot be resolved.
+    An entry is a built-in name (a key of `builtins`), `module:function` / `path/to/file.py:function` (or TRL's
+    dotted `package.module.function`), a reward model (a local folder or a hub id `org/name`), loaded with
+    `load_reward_model(path)`, or already a callable (the Python API). Raises `ConfigError` naming the entry that
+    cannot be resolved.
     """
     builtins = builtins or {}
     out: list[RewardFunction] = []
     for spec in sources:
-        if spec in builtins:
+        if callable(spec):
+            fn, name = spec, callable_name(spec)
+        elif spec in builtins:
             fn, name = builtins[spec], spec
         elif ":" in spec and not os.path.isdir(spec):
             fn = import_function(spec)
@@ -64,6 +114,9 @@ def resolve_reward_funcs(
             if load_reward_model is None:
                 raise ConfigError(f"reward {spec!r} looks like a reward model, but no model loader was given")
             fn, name = load_reward_model(spec), spec.rstrip("/").split("/")[-1]
+        elif re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", spec):  # TRL's `package.module.function`
+            module, attr = spec.rsplit(".", 1)
+            fn, name = import_function(f"{module}:{attr}"), attr
         else:
             known = ", ".join(sorted(builtins)) or "none"
             raise ConfigError(
@@ -77,6 +130,24 @@ def resolve_reward_funcs(
         if seen[r.name] > 1:
             r.name = f"{r.name}_{seen[r.name]}"
     return out
+
+
+def callable_name(fn: Any) -> str:
+    """A reward callable's metric name, as TRL's `get_callable_name`: the function's name, a partial's function,
+    or the class name of a callable object."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def warn_missing_extras(funcs: Sequence[RewardFunction]) -> None:
+    """The `accuracy` reward without math-verify compares answers by their last \\boxed{}, #### or number: say
+    so once, at the start, with the command that installs it."""
+    if any(f.fn is accuracy_reward for f in funcs) and importlib.util.find_spec("math_verify") is None:
+        logger.warning(
+            "note: math-verify is not installed, so the accuracy reward compares the last \\boxed{}, #### or number "
+            "of each answer as text or numbers (no symbolic equivalence): pip install 'rloo_jax[math]'"
+        )
 
 
 def import_function(spec: str) -> Callable[..., Any]:
@@ -115,20 +186,23 @@ def compute_rewards(
     completions: Sequence[Any],
     completion_ids: Sequence[Sequence[int]],
     columns: dict[str, Sequence[Any]],
+    context: dict[str, Any] | None = None,
 ) -> np.ndarray:
     """Call every reward function on N completions -> `[N, F]` float32, NaN where unscorable.
 
-    `prompts`, `completion_ids` and each column have one entry per completion. Async functions run
-    concurrently. A function that raises or returns the wrong number of values stops the run with a
+    `prompts`, `completion_ids` and each column have one entry per completion; `context` holds the keyword
+    arguments that are not per completion (TRL's `trainer_state`, `log_extra`, `log_metric`). Async functions
+    run concurrently. A function that raises or returns the wrong number of values stops the run with a
     `RewardError` naming it (and, for an exception, the first sample that fails on its own).
     """
     n = len(completions)
-    kwargs = {
+    rows = {
         "prompts": list(prompts),
         "completions": list(completions),
         "completion_ids": [list(c) for c in completion_ids],
-        **{k: list(v) for k, v in columns.items()},
+        **{k: list(v) for k, v in columns.items() if k not in ("prompt", "completion", "completion_ids")},
     }
+    kwargs = {**rows, **(context or {})}
     out = np.zeros((n, len(funcs)), np.float32)
     pending: list[tuple[int, RewardFunction]] = []
     for i, func in enumerate(funcs):
@@ -164,9 +238,10 @@ def _failure(func: RewardFunction, kwargs: dict[str, Any], error: Exception) -> 
     """A `RewardError` naming the function, the first sample that fails alone, and the user traceback."""
     first = None
     if not func.is_async:
-        for j in range(len(kwargs["completions"])):
-            try:
-                func.fn(**{k: v[j : j + 1] for k, v in kwargs.items()})
+        n = len(kwargs["completions"])
+        for j in range(n):
+            try:  # per-completion arguments sliced to sample j; the context (trainer_state, ...) as it is
+                func.fn(**{k: v[j : j + 1] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()})
             except Exception:  # noqa: BLE001
                 first = j
                 break
@@ -342,12 +417,16 @@ def make_soft_overlong_reward(max_completion_length: int, cache: int) -> Callabl
 def builtin_rewards(
     format_pattern: str, max_completion_length: int, soft_overlong_cache: int
 ) -> dict[str, Callable[..., Any]]:
-    """The built-in reward functions by name."""
-    return {
+    """The built-in reward functions by name, also under TRL's names (`trl rloo --reward_funcs`); TRL's script fixes
+    get_soft_overlong_punishment at 1280 / 256 tokens, here it reads max_completion_length / soft_overlong_cache."""
+    found = {
         "accuracy": accuracy_reward,
         "format": make_format_reward(format_pattern),
         "soft_overlong": make_soft_overlong_reward(max_completion_length, soft_overlong_cache),
     }
+    trl_names = {"accuracy_reward": "accuracy", "think_format_reward": "format",
+                 "get_soft_overlong_punishment": "soft_overlong"}
+    return found | {trl: found[ours] for trl, ours in trl_names.items()}
 
 
 # ------------------------------------------------------------------------------------------- reward models
@@ -411,9 +490,11 @@ class RewardModelScorer:
 
 
 def load_reward_model_scorer(
-    path: str, dtype: str = "float32", bucket: int = 64, chat_template_kwargs: dict | None = None
+    path: str, dtype: str = "float32", bucket: int = 64, chat_template_kwargs: dict | None = None,
+    tokenizer: Any = None,
 ) -> RewardModelScorer:
-    """Load a reward model and its tokenizer (rloo_jax.models) and wrap them as a jitted reward function."""
+    """Load a reward model and its tokenizer (rloo_jax.models; `tokenizer` given: that one, right-padded, as TRL's
+    reward_processing_classes) and wrap them as a jitted reward function."""
     import jax
     from flax import nnx
 
@@ -422,9 +503,13 @@ def load_reward_model_scorer(
     model = load_reward_model(path, dtype=dtype)
     graphdef, state = nnx.split(model)
     score = jax.jit(lambda s, ids, mask: nnx.merge(graphdef, s)(ids, mask))
+    if tokenizer is not None:
+        tokenizer.padding_side = "right"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
     return RewardModelScorer(
         lambda ids, mask: score(state, ids, mask),
-        load_tokenizer(path, padding_side="right"),
+        load_tokenizer(path, padding_side="right") if tokenizer is None else tokenizer,
         bucket=bucket,
         chat_template_kwargs=chat_template_kwargs,
     )

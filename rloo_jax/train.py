@@ -15,6 +15,7 @@ all processes together through orbax).
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -38,6 +39,7 @@ from rich.table import Table
 from rloo_jax import aot, demo
 from rloo_jax.build import (
     CACHE_ROOT,
+    Given,
     Run,
     eos_token_ids,
     lr_schedule,
@@ -79,7 +81,7 @@ from rloo_jax.metrics import (
     weighted_rewards,
 )
 from rloo_jax.models import ModelLoadError, save_adapter, save_pretrained
-from rloo_jax.rewards import compute_rewards, format_reward_error, repeat_per_generation
+from rloo_jax.rewards import RewardLogs, TrainerState, compute_rewards, format_reward_error, repeat_per_generation
 from rloo_jax.rloo import RLOOOptions
 from rloo_jax.sampling import generate
 from rloo_jax.step import RLOOStep, StepConfig, completion_width, policy_params
@@ -241,6 +243,32 @@ class Placement:
         """True on every process when `flag` is true on any (one process: `flag`)."""
         return bool(self.per_process([int(flag)]).max())
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every process's JSON-ready `obj`, in process order, on every process (one process: `[obj]`)."""
+        if not self.multi_process:
+            return [obj]
+        data = np.frombuffer(json.dumps(obj, default=lambda v: getattr(v, "tolist", lambda: str(v))()).encode(),
+                             np.uint8)
+        sizes = self.per_process([len(data)])[:, 0]
+        padded = np.zeros((1, int(sizes.max())), np.uint8)
+        padded[0, : len(data)] = data
+        rows = self.gather(padded)
+        return [json.loads(bytes(row[:n])) for row, n in zip(rows, sizes, strict=True)]
+
+    def reward_logs(self, logs: RewardLogs, rows: int) -> tuple[dict[str, list[Any]], dict[str, float]]:
+        """What the reward functions logged on every process, for this process's `rows` completions: (extra
+        columns over all rows in global order, None where a process logged none; the mean of each metric over all
+        processes' values, as TRL's gather). Every process must call it."""
+        taken = self.gather_objects([*logs.take(), rows])
+        columns = sorted({c for extra, _, _ in taken for c in extra})
+        extra = {c: [v for e, _, n in taken for v in e.get(c, [None] * n)] for c in columns}
+        sums: dict[str, list[float]] = {}
+        for _, metrics, _ in taken:
+            for name, (total, count) in metrics.items():
+                acc = sums.setdefault(name, [0.0, 0])
+                acc[0], acc[1] = acc[0] + total, acc[1] + count
+        return extra, {name: total / count for name, (total, count) in sums.items() if count}
+
 
 def encode_rows(run: "Run", place: Placement, rows: dict[str, list[Any]]) -> PromptBatch:
     """Encode this process's prompt rows. With several processes, every process left-pads to the widest prompt
@@ -291,25 +319,32 @@ def decode(
     return Scored(repeat_per_generation(prompts, num_generations), completions, lengths, truncated, rewards_per_func)
 
 
-def decode_and_score(run: Run, batch: PromptBatch, completion_ids: np.ndarray, num_generations: int) -> Scored:
-    """Decode completions (special tokens skipped, as TRL) and call every reward function."""
+def decode_and_score(run: Run, batch: PromptBatch, completion_ids: np.ndarray, num_generations: int,
+                     context: dict[str, Any] | None = None) -> Scored:
+    """Decode completions (special tokens skipped, as TRL) and call every reward function (`context`: TRL's
+    trainer_state, log_extra and log_metric arguments)."""
     scored = decode(run, batch.prompts, completion_ids, num_generations, np.zeros((0, 0), np.float32))
     ids = [completion_ids[i, :n].tolist() for i, n in enumerate(scored.lengths)]
     columns = {k: repeat_per_generation(v, num_generations) for k, v in batch.columns.items()}
-    scored.rewards_per_func = compute_rewards(run.reward_funcs, scored.prompts, scored.completions, ids, columns)
+    scored.rewards_per_func = compute_rewards(run.reward_funcs, scored.prompts, scored.completions, ids, columns,
+                                              context)
     return scored
 
 
 def evaluate(
-    run: Run, place: Placement, graphdef: Any, state: Any, key: jax.Array, names: list[str], sampler: Any = None
+    run: Run, place: Placement, graphdef: Any, state: Any, key: jax.Array, names: list[str], sampler: Any = None,
+    trainer_state: TrainerState | None = None,
 ) -> dict[str, float]:
-    """Sample num_generations_eval completions per test prompt and report reward / length statistics.
+    """Sample num_generations_eval completions per test prompt and report reward / length statistics (and the
+    means of what the reward functions logged with log_metric; their log_extra columns are not recorded).
 
     `sampler`: None on one device (the plain `generate` on the merged policy); with a mesh, an `RLOOStep` whose
     rollout samples with the evaluation `SamplingConfig` on the sharded state (no parameter gather). Every process
     encodes, samples for and rewards its share of each evaluation batch; the statistics use all rows.
     """
     cfg = run.cfg
+    logs = RewardLogs()
+    logged: dict[str, list[float]] = {}
     g = cfg.resolved_num_generations_eval
     sc = sampling_config(cfg, run, g)
     model = nnx.merge(graphdef, policy_params(state)) if sampler is None else None
@@ -340,7 +375,9 @@ def evaluate(
         else:
             ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
             completion_ids = place.local(sampler.rollout(state, ids, mask, place.replicate(batch_key)).completion_ids)
-        scored = decode_and_score(run, batch, completion_ids, g)
+        scored = decode_and_score(run, batch, completion_ids, g, logs.context(trainer_state or TrainerState()))
+        for name, value in place.reward_logs(logs, len(completion_ids))[1].items():
+            logged.setdefault(name, []).append(value)
         keep = slice(0, real * g)  # drop the rows padding the last batch (global row order)
         per_func.append(place.gather(scored.rewards_per_func)[keep])
         lengths.append(place.gather(scored.lengths)[keep])
@@ -353,6 +390,7 @@ def evaluate(
         out[f"rewards/{name}/std"] = float(np.nanstd(per_func[:, f], ddof=1))
     out["completions/mean_length"] = float(lengths.mean())
     out["completions/clipped_ratio"] = float(truncated.mean())
+    out.update({name: float(np.mean(values)) for name, values in logged.items()})
     return {f"eval_{k}": v for k, v in out.items()}
 
 
@@ -408,13 +446,43 @@ class Session:
     saved: int | None = None  # the step of the newest checkpoint
     stopped_by: str | None = None  # the signal that stopped the loop
     window: WindowMean = dataclasses.field(default_factory=WindowMean)
+    trainer_state: TrainerState = dataclasses.field(default_factory=TrainerState)  # reward functions' view
+    reward_logs: RewardLogs = dataclasses.field(default_factory=RewardLogs)  # their log_extra / log_metric
+    reward_metrics: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # log_metric, per generation
+    last_logged: dict[str, float] = dataclasses.field(default_factory=dict)  # what `train` returns
     ckpt: Checkpointer | None = None
     sinks: Sinks | None = None
     rollouts: JsonlWriter | None = None
 
 
-def setup(cfg: RLOOConfig) -> Session:
-    """Build the run, its step and its fresh state; nothing is written."""
+@dataclasses.dataclass
+class StepOutcome:
+    """One generation batch after its update(s): what logging and the rollout records read."""
+
+    idx: np.ndarray  # [B] the prompts' row indices
+    rollout: Any  # Rollout (device)
+    scored: Scored
+    rewards: jax.Array  # [N, F]
+    extra: dict[str, list[Any]]  # log_extra columns, N values each
+    timings: dict[str, float]  # timing/sample|reference|reward|update, seconds
+    consecutive_skips: int  # updates skipped for non-finite values: in a row, and in all
+    skipped: int
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `train` returns: the metrics of the last logged step (with the last evaluation's eval_* metrics), the
+    optimizer steps done, whether a SIGTERM stopped the run early, and the output paths."""
+
+    metrics: dict[str, float]
+    step: int
+    stopped: bool
+    paths: dict[str, str]
+
+
+def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
+    """Build the run, its step and its fresh state (`given`: objects of the Python API instead of what the config
+    names); nothing is written."""
     start_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     cfg = for_this_machine(cfg)
     enable_compilation_cache(cfg)
@@ -422,7 +490,7 @@ def setup(cfg: RLOOConfig) -> Session:
         # (None, the default, leaves checkpointing off on the CPU)
         raise ConfigError("remat_policy full_offloaded moves block inputs to host memory, which needs a TPU or GPU; "
                           "on CPU use --remat_policy full")
-    run = prepare(cfg)
+    run = prepare(cfg, given=given)
     place = Placement(make_mesh(*cfg.mesh_shape) if cfg.device_count > 1 else None)
     iterator = PromptIterator(len(run.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
     scfg = step_config(cfg, run)
@@ -460,6 +528,11 @@ def setup(cfg: RLOOConfig) -> Session:
         lr_at=lr_at, weights=place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32)),
         names=[f.name for f in run.reward_funcs], eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
         eval_sampler=eval_sampler, paths=paths, state=state, base_key=jax.random.key(cfg.seed),
+        trainer_state=TrainerState(
+            max_steps=total, num_train_epochs=cfg.num_train_epochs, logging_steps=cfg.logging_steps,
+            eval_steps=cfg.eval_steps, save_steps=cfg.save_steps, train_batch_size=cfg.per_device_train_batch_size,
+            is_world_process_zero=place.is_main,
+        ),
     )
 
 
@@ -480,6 +553,7 @@ def resume(s: Session) -> None:
         s.num_tokens = int(counters.get("num_tokens", 0))
         s.truncated_prompts = int(counters.get("num_truncated_prompts", 0))
         s.window.load_state_dict(meta.get("window", {}))
+        s.reward_metrics = meta.get("reward_metrics", {})
         if s.place.mesh is not None and s.window.total is not None:  # onto the mesh, like the metrics added to it
             s.window.total = s.place.replicate(s.window.total)
     if not s.place.is_main:
@@ -496,7 +570,7 @@ def resume(s: Session) -> None:
         print(f"No checkpoint in {s.paths['checkpoints']}: starting over (dropped {dropped} records of an earlier run)")
     with open(s.paths["config"], "w", encoding="utf-8") as f:
         f.write(s.cfg.to_yaml())
-    s.sinks = Sinks(os.path.abspath(s.cfg.output_dir), s.cfg.report_to, json_safe(s.cfg.to_dict()))
+    s.sinks = Sinks(os.path.abspath(s.cfg.output_dir), s.cfg.report_to, json_safe(s.cfg.to_dict()), s.cfg.run_name)
     s.rollouts = JsonlWriter(s.paths["rollouts"])
 
 
@@ -530,6 +604,7 @@ def save(s: Session) -> None:
         "step": s.step,
         "counters": {"num_tokens": s.num_tokens, "num_truncated_prompts": s.truncated_prompts},
         "window": s.window.state_dict(),
+        "reward_metrics": s.reward_metrics,  # log_metric values of the unlogged window
     }
     # the frozen base (LoRA) is not saved: resume reads it from model_name_or_path again
     s.ckpt.save(s.step, s.state.replace(frozen=None), s.place.replicate(s.base_key), meta)
@@ -552,30 +627,31 @@ def loop(s: Session, stop: "StopRequest") -> bool:
         task = progress.add_task("train", total=s.total_steps, completed=s.step)
         while s.step < s.total_steps and not stop_requested():
             t0, prev = time.perf_counter(), s.step
-            idx, batch, rollout, scored, rewards, metrics = train_step(s, first=s.step == start)
-            consecutive, skipped = skipped_updates(s.state.opt_state)  # skipped params/moments: unchanged
-            diverged = consecutive >= s.cfg.max_consecutive_nonfinite
+            out = train_step(s, t0, first=s.step == start)
+            diverged = out.consecutive_skips >= s.cfg.max_consecutive_nonfinite
             if s.cfg.sync_ref_model and crossed(prev, s.step, s.cfg.ref_model_sync_steps):
                 s.state = s.step_fn.sync_reference(s.state, s.cfg.ref_model_mixup_alpha)
             last = s.step >= s.total_steps
             # every record of a step is written before its checkpoint is started: a resume drops the records
             # after the checkpoint and redoes them, so none is lost or doubled
             if crossed(prev, s.step, s.cfg.logging_steps) or last or diverged:
-                log_step(s, progress, prev, t0, skipped)
+                log_step(s, progress, prev, t0, out)
                 if s.cfg.log_completions or last:
-                    record_rollouts(s, progress, idx, rollout, scored, rewards)
+                    record_rollouts(s, progress, out)
             if diverged:  # logged above; nothing is evaluated or saved
                 raise NonFiniteError(
-                    f"{consecutive} consecutive optimizer updates had a non-finite loss or gradients "
-                    f"(step {s.step}, {skipped} skipped in all; max_consecutive_nonfinite = "
+                    f"{out.consecutive_skips} consecutive optimizer updates had a non-finite loss or gradients "
+                    f"(step {s.step}, {out.skipped} skipped in all; max_consecutive_nonfinite = "
                     f"{s.cfg.max_consecutive_nonfinite}); lower --learning_rate or --max_grad_norm, check the "
                     "rewards for extreme values, or resume from an earlier checkpoint"
                 )
             if s.run.eval_ds is not None and (crossed(prev, s.step, s.cfg.eval_steps) or last):
                 eval_metrics = evaluate(s.run, s.place, s.graphdef, s.state, jax.random.fold_in(s.eval_key, s.step),
-                                        s.names, s.eval_sampler)
+                                        s.names, s.eval_sampler, s.trainer_state)
+                s.last_logged.update(eval_metrics)
                 if s.place.is_main:
                     s.sinks.log(s.step, eval_metrics)
+                    s.trainer_state.log_history.append({"step": s.step, **eval_metrics})
                     progress.console.print(
                         f"eval step {s.step}: reward {eval_metrics['eval_reward']:.3f} "
                         f"(len {eval_metrics['eval_completions/mean_length']:.1f})"
@@ -589,8 +665,9 @@ def loop(s: Session, stop: "StopRequest") -> bool:
     return stopped
 
 
-def train_step(s: Session, first: bool) -> tuple:
-    """One generation batch: prompts -> rollout -> decode and rewards (host) -> update(s)."""
+def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
+    """One generation batch: prompts -> sample -> (reference pass on the device while the host decodes and
+    rewards) -> update(s), timed where the host waits anyway (`phase_timings`)."""
     cfg, place = s.cfg, s.place
     idx = next(s.iterator)  # the same global batch on every process; each one handles its rows
     batch = encode_rows(s.run, place, s.run.train_ds[idx[place.rows(len(idx))]])
@@ -602,59 +679,120 @@ def train_step(s: Session, first: bool) -> tuple:
     # the first step compiles update in a thread while the rollout compiles and runs (from the start when its
     # width is known: one completion width; else once the samples tell it)
     compiling = compile_quietly(s.step_fn, s.state, ids.shape, s.weights, longest) if first and one_width else None
-    rollout = s.step_fn.sample(s.state, ids, mask, key)
+    sampled = s.step_fn.sample(s.state, ids, mask, key)
     if not one_width:
-        longest = s.step_fn.longest(rollout)
+        longest = s.step_fn.longest(sampled)  # waits for the sampler
     width = completion_width(longest, cfg.max_completion_length, cfg.completion_bucket)
     if first and compiling is None:
         compiling = compile_quietly(s.step_fn, s.state, ids.shape, s.weights, width)
-    rollout = s.step_fn.finish(s.state, rollout, width)  # cut to `width`, reference log-probs
-    scored = decode_and_score(s.run, batch, place.local(rollout.completion_ids), cfg.num_generations)
+    rollout = s.step_fn.finish(s.state, sampled, width)  # cut to `width`, reference log-probs (dispatched)
+    reference = ReadyTime(rollout.ref_logps)  # when the reference pass ends, seen from a watcher thread
+    # the sampler's own completion ids: on the host as soon as sampling ends, while the reference pass runs
+    completion_ids = place.local(sampled.completion_ids)
+    t_sampled = time.perf_counter()
+    s.trainer_state.global_step, s.trainer_state.epoch = s.step, epoch_of(s.iterator)
+    scored = decode_and_score(s.run, batch, completion_ids, cfg.num_generations, s.reward_logs.context(s.trainer_state))
+    extra, logged = place.reward_logs(s.reward_logs, len(completion_ids))
+    for name, value in logged.items():
+        s.reward_metrics.setdefault(name, []).append(value)
     local_tokens = int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
     s.num_tokens += int(place.per_process([local_tokens]).sum())
     rewards = place.to_global(scored.rewards_per_func)
+    t_rewarded = time.perf_counter()
     if compiling is not None:
         compiling.join()  # before update donates the state it reads
     s.state, metrics = s.step_fn.update(s.state, rollout, rewards, s.weights)
     s.step += s.step_fn.cfg.updates_per_generation
     s.window.add(metrics)
-    return idx, batch, rollout, scored, rewards, metrics
+    consecutive, skipped = skipped_updates(s.state.opt_state)  # waits for the update; skipped ones changed nothing
+    timings = phase_timings(t0, t_sampled, t_rewarded, reference.join(), time.perf_counter())
+    return StepOutcome(idx, rollout, scored, rewards, extra, timings, consecutive, skipped)
 
 
-def log_step(s: Session, progress: Progress, prev: int, t0: float, skipped: int) -> None:
-    """The logging window's means, with the host counters, to every sink (process 0) and the console."""
+class ReadyTime:
+    """When an array's computation ends, taken by a watcher thread that blocks on it, so the loop itself never
+    waits for it (`join()`: that time, `time.perf_counter` clock; None for no array)."""
+
+    def __init__(self, x: jax.Array | None) -> None:
+        self.time: float | None = None
+        self._thread = None
+        if x is not None:
+            self._thread = threading.Thread(target=self._wait, args=(x,), daemon=True)
+            self._thread.start()
+
+    def _wait(self, x: jax.Array) -> None:
+        x.block_until_ready()
+        self.time = time.perf_counter()
+
+    def join(self) -> float | None:
+        if self._thread is not None:
+            self._thread.join()
+        return self.time
+
+
+def phase_timings(start: float, sampled: float, rewarded: float, reference: float | None, updated: float
+                  ) -> dict[str, float]:
+    """A step's wall time split where the host waits anyway, summing to `updated - start`:
+
+    sample = sampled - start (prompts encoded, the sampler run, its completion ids read back);
+    reward = rewarded - sampled (decoding and the reward functions on the host, while the reference pass runs on
+    the device); reference = max(0, reference - rewarded) (the part of the reference pass the rewards did not
+    hide; 0 without one); update = updated - max(rewarded, reference) (the update(s), read back as the optimizer's
+    skip counters). E.g. (0, 2, 5, 6, 9) -> sample 2, reward 3, reference 1, update 3; (0, 2, 5, 4, 9) -> 2, 3, 0, 4.
+    """
+    reference = sampled if reference is None else reference
+    return {
+        "timing/sample": sampled - start,
+        "timing/reference": max(0.0, reference - rewarded),
+        "timing/reward": rewarded - sampled,
+        "timing/update": updated - max(rewarded, reference),
+    }
+
+
+def epoch_of(it: PromptIterator) -> float:
+    """Epochs of the prompt set done, fractional (TRL's `epoch`)."""
+    return it.epoch + it.index / (it.batches_per_epoch * it.batch_size)
+
+
+def log_step(s: Session, progress: Progress, prev: int, t0: float, out: StepOutcome) -> None:
+    """The logging window's means, with the host counters and this step's phase timings, to every sink (process
+    0) and the console."""
     logged = rename_reward_metrics(s.window.read(), s.names)
     per_gen = s.step_fn.cfg.updates_per_generation
-    it = s.iterator
+    logged.update({name: float(np.nanmean(values)) for name, values in s.reward_metrics.items()})  # log_metric
+    s.reward_metrics = {}
     logged.update(
         num_tokens=float(s.num_tokens),
-        skipped_steps=skipped,
-        step_time=time.perf_counter() - t0,
+        skipped_steps=out.skipped,
         learning_rate=float(s.lr_at(prev + per_gen - 1)),
-        epoch=it.epoch + it.index / (it.batches_per_epoch * it.batch_size),
+        epoch=epoch_of(s.iterator),
         num_truncated_prompts=s.truncated_prompts,
+        **out.timings,
+        step_time=time.perf_counter() - t0,
     )
+    s.last_logged = dict(logged)
     if s.place.is_main:
         s.sinks.log(s.step, logged)
+        s.trainer_state.log_history.append({"step": s.step, **logged})
         progress.console.print(console_line(s.step, s.total_steps, logged), soft_wrap=True)
 
 
-def record_rollouts(s: Session, progress: Progress, idx: np.ndarray, rollout: Any, scored: "Scored",
-                    rewards: jax.Array) -> None:
+def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
     """Every completion of this step to rollouts.jsonl (process 0 gathers every process's rows) and a sample."""
-    adv, _ = s.step_fn.score(rollout, rewards, s.weights)
+    scored = out.scored
+    adv, _ = s.step_fn.score(out.rollout, out.rewards, s.weights)
     adv = s.place.gather(adv)
     if s.place.multi_process:  # every process takes part in the gathers; process 0 decodes
-        all_ids = s.place.gather(rollout.completion_ids)
+        all_ids = s.place.gather(out.rollout.completion_ids)
         all_rewards = s.place.gather(scored.rewards_per_func)
         if s.place.is_main:
-            prompts = list(s.run.train_ds[idx]["prompt"])
+            prompts = list(s.run.train_ds[out.idx]["prompt"])
             scored = decode(s.run, prompts, all_ids, s.cfg.num_generations, all_rewards)
     if s.place.is_main:
         records = rollout_records(
             s.step, scored.prompts, scored.completions, s.names, scored.rewards_per_func,
             weighted_rewards(scored.rewards_per_func, s.cfg.resolved_reward_weights),
-            adv, scored.lengths, scored.truncated,
+            adv, scored.lengths, scored.truncated, out.extra,
         )  # fmt: skip
         s.rollouts.write(records)
         print_completions(progress.console, records, s.cfg.num_completions_to_print)
@@ -705,10 +843,11 @@ def export(s: Session) -> None:
         save_pretrained(merge_adapters(model), s.paths["final_merged"], tokenizer=s.run.tokenizer)
 
 
-def train(cfg: RLOOConfig) -> dict[str, str]:
-    """Run training; returns the output paths (also after a SIGTERM, once the checkpoint is saved)."""
+def train(cfg: RLOOConfig, given: Given | None = None) -> TrainResult:
+    """Run training (resuming from output_dir's newest checkpoint); returns the last logged metrics and the output
+    paths (also after a SIGTERM, once the checkpoint is saved). `given`: the Python API's objects (RLOOTrainer)."""
     with StopRequest() as stop:
-        s = setup(cfg)
+        s = setup(cfg, given)
         try:
             resume(s)
             stopped = loop(s, stop)
@@ -720,7 +859,7 @@ def train(cfg: RLOOConfig) -> dict[str, str]:
                 s.rollouts.close()
         s.stopped_by = stop.signal
         finish(s, stopped)
-    return s.paths
+    return TrainResult(s.last_logged, s.step, stopped, s.paths)
 
 
 def print_completions(console: Any, records: list[dict[str, Any]], limit: int | None) -> None:
@@ -773,7 +912,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         start_distributed(*distributed_options(argv))
         cfg = build_config(argv, jax.device_count(), jax.process_count())
         debug = cfg.debug
-        train(cfg)
+        from rloo_jax.trainer import RLOOTrainer  # the Python API; the CLI is that class on a config from argv
+
+        RLOOTrainer(cfg.model_name_or_path, cfg.reward_sources, args=cfg).train()
     except (ConfigError, DataError, ModelLoadError) as e:
         if debug:
             traceback.print_exc()

@@ -114,7 +114,7 @@ def test_derived_values():
         num_generations_eval=1,
         per_device_eval_batch_size=3,
     )
-    assert cfg.reward_sources == ["pkg.mod:f", "a/rm"] and cfg.resolved_epsilon_high == 0.28
+    assert cfg.reward_sources == ["a/rm", "pkg.mod:f"] and cfg.resolved_epsilon_high == 0.28  # TRL: the model first
     assert cfg.resolved_soft_overlong_cache == 128
 
 

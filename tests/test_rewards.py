@@ -76,7 +76,7 @@ def test_resolve_errors_name_the_entry():
         resolve_reward_funcs(["nosuchmodule_xyz:f"], BUILTINS)
     with pytest.raises(ConfigError, match="module 'tests.test_rewards' has no callable 'missing'"):
         import_function("tests.test_rewards:missing")
-    with pytest.raises(ConfigError, match="'acurracy' is not a built-in .accuracy, format, soft_overlong."):
+    with pytest.raises(ConfigError, match="'acurracy' is not a built-in .accuracy, accuracy_reward, format, get_soft_overlong_punishment"):
         resolve_reward_funcs(["acurracy"], BUILTINS)
     with pytest.raises(ConfigError, match="no such file"):
         import_function("/nonexistent/r.py:f")

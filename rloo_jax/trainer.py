@@ -1,0 +1,232 @@
+"""`RLOOTrainer`: TRL 1.16's Python API (`RLOOTrainer(model=..., reward_funcs=..., args=RLOOConfig(...),
+train_dataset=...).train()`) on the JAX trainer of `rloo_jax.train`.
+
+It turns TRL's arguments into a run config and the objects the run uses instead of what a config names (`Given`):
+the model as a path or hub id, reward functions as callables and/or strings, datasets as objects, tokenizers,
+a peft `LoraConfig`. `train()` then runs `rloo_jax.train.train`, the same loop as `python -m rloo_jax.train`
+(which is this class on a config read from YAML and the command line), resuming from `args.output_dir`.
+"""
+
+import dataclasses
+import itertools
+import math
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import datasets
+import jax
+
+from rloo_jax import train as training
+from rloo_jax.build import Given
+from rloo_jax.config import RLOOConfig
+from rloo_jax.data import check_prompt_dataset
+from rloo_jax.errors import ConfigError, DataError
+from rloo_jax.rewards import TrainerState
+
+IN_MEMORY = "<train_dataset>"  # dataset_name recorded in config.yaml for a dataset passed as an object
+
+
+class RLOOTrainer:
+    """RLOO training with TRL 1.16's constructor.
+
+    Args:
+      model: the policy, a local Hugging Face folder or a hub id (`demo`: the built-in tiny model). Loaded models
+        (`PreTrainedModel`) are not taken: the safetensors are read into the Flax model.
+      reward_funcs: one or a list of: a callable called with TRL's keyword arguments (prompts, completions,
+        completion_ids, trainer_state, log_extra, log_metric and the dataset's other columns) returning one float or
+        None per completion, sync or async; a reward model's folder or hub id; a built-in name (`accuracy`,
+        `format`, `soft_overlong` or TRL's names); `module:function` or `package.module.function`. Scored in this
+        order (reward_weights follow it).
+      args: an `rloo_jax.RLOOConfig` (it also takes TRL's option names; see the README's migration table). None:
+        `RLOOConfig(output_dir="<model name>-RLOO")`, as TRL.
+      train_dataset / eval_dataset: a `datasets.Dataset`, an `IterableDataset` (read in stream order, up to the
+        prompts max_steps needs; max_steps must be set, as in TRL) or a list of dicts, with a `prompt` column (text
+        or chat messages). None: `args.dataset_name` is loaded, as the CLI does. eval_dataset is used every
+        `args.eval_steps`.
+      processing_class: the policy's tokenizer (None: the model folder's). Its padding side is set to left and a
+        missing pad token to eos, as TRL does.
+      reward_processing_classes: one tokenizer per reward function (or one for a single reward model); None
+        entries, and entries of callables, mean the reward model's own.
+      peft_config: a peft `LoraConfig` (r, lora_alpha, lora_dropout, target_modules, use_rslora), or a dict with
+        those names or ours (lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora): trains LoRA
+        adapters on the frozen base.
+      callbacks, optimizers, quantization_config: TRL's torch hooks, refused unless None (the step is one jitted
+        program; the optimizer is optax AdamW from args; no quantised base yet).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        reward_funcs: Any,
+        args: RLOOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+    ) -> None:
+        if not isinstance(model, str | os.PathLike):
+            raise ConfigError(f"model must be a local folder or a hub id (got a {type(model).__name__}): rloo_jax "
+                              "reads the checkpoint's safetensors into its own Flax model; save_pretrained it first")
+        for name, value in (("callbacks", callbacks), ("quantization_config", quantization_config)):
+            if value:
+                raise ConfigError(f"{name} is not supported: the step is one jitted program (metrics go to "
+                                  "metrics.jsonl and report_to); no quantised base yet")
+        if any(o is not None for o in optimizers):
+            raise ConfigError("optimizers is not supported: the optimizer is optax AdamW configured by args "
+                              "(learning_rate, lr_scheduler_type, warmup_steps, weight_decay, adam_*)")
+        model = os.fspath(model)
+        if args is None:
+            args = RLOOConfig(output_dir=f"{os.path.basename(model.rstrip('/'))}-RLOO")
+        funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+        tokenizers = reward_tokenizers(reward_processing_classes, len(funcs))
+        overrides: dict[str, Any] = {"model_name_or_path": model, **lora_options(peft_config)}
+        if funcs != args.reward_sources:  # given here, not named by args (the CLI passes args' own)
+            overrides.update(reward_funcs=[describe(f) for f in funcs], reward_model_name_or_path=None)
+        if train_dataset is not None:
+            overrides["dataset_name"] = IN_MEMORY
+            if isinstance(train_dataset, datasets.IterableDataset):
+                overrides["shuffle_dataset"] = False  # a stream is read in order, as TRL reads it
+        elif not args.dataset_name:
+            raise ConfigError("train_dataset is required (or set args.dataset_name to a dataset to load)")
+        # checked again for this machine's devices, as the run will use them
+        self.args = dataclasses.replace(args, device_count=jax.device_count(), process_count=jax.process_count(),
+                                        **overrides)
+        if self.args.eval_steps and eval_dataset is None and train_dataset is not None:
+            raise ConfigError("args.eval_steps is set but no eval_dataset was given; pass one, or eval_steps=None")
+        self.model = model
+        self.reward_funcs = funcs
+        self.processing_class = processing_class
+        self.train_dataset = None if train_dataset is None else prompt_dataset(
+            train_dataset, "train_dataset", self.args, stream_rows=prompts_needed(self.args))
+        self.eval_dataset = None if eval_dataset is None else prompt_dataset(eval_dataset, "eval_dataset", self.args)
+        self.given = Given(processing_class, self.train_dataset, self.eval_dataset, funcs, tokenizers)
+        self.state = TrainerState()
+        self.result: training.TrainResult | None = None
+
+    def train(self) -> dict[str, float]:
+        """Train (resuming from the newest checkpoint in args.output_dir, as the CLI does) and export final/;
+        returns the metrics of the last logged step (with the last evaluation's eval_* metrics)."""
+        self.result = training.train(self.args, self.given)
+        self.state = dataclasses.replace(self.state, global_step=self.result.step)
+        return self.result.metrics
+
+    def save_model(self, output_dir: str | None = None) -> str:
+        """The trained policy (final/: a Hugging Face folder, or with LoRA a PEFT adapter folder), copied to
+        `output_dir` when that is another folder; returns where it is."""
+        final = os.path.join(os.path.abspath(self.args.output_dir), "final")
+        if not os.path.isdir(final):
+            raise ConfigError(f"no trained policy in {final} yet: call train() first")
+        if output_dir is None or os.path.abspath(output_dir) == final:
+            return final
+        shutil.copytree(final, output_dir, dirs_exist_ok=True)
+        return output_dir
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+def describe(func: Any) -> str:
+    """A reward for config.yaml: strings as given, callables as `module:qualname` (importable for top-level
+    functions, so the recorded config can be rerun with the CLI)."""
+    if isinstance(func, str):
+        return func
+    if not callable(func):
+        raise ConfigError(f"reward_funcs entries must be callables or strings (got a {type(func).__name__})")
+    inner = func.func if hasattr(func, "func") else func
+    name = getattr(inner, "__qualname__", None) or type(inner).__name__
+    return f"{getattr(inner, '__module__', None) or 'python'}:{name}"
+
+
+def reward_tokenizers(classes: Any, count: int) -> list[Any] | None:
+    """TRL's reward_processing_classes: one per reward function (a single one for a single function)."""
+    if classes is None:
+        return None
+    classes = list(classes) if isinstance(classes, list | tuple) else [classes]
+    if len(classes) != count:
+        raise ConfigError(f"reward_processing_classes has {len(classes)} entries but there are {count} reward "
+                          "functions; give one per function (None for callables)")
+    return classes
+
+
+# peft LoraConfig attribute -> our option; the values of the others that ask for nothing
+LORA_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+               "target_modules": "lora_target_modules", "use_rslora": "use_rslora"}
+LORA_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "use_dora": lambda v: not v,
+    "modules_to_save": lambda v: not v,
+    "target_parameters": lambda v: not v,
+    "layers_to_transform": lambda v: v is None,
+    "rank_pattern": lambda v: not v,
+    "alpha_pattern": lambda v: not v,
+    "bias": lambda v: v in (None, "none"),
+    "init_lora_weights": lambda v: v is True,
+    "task_type": lambda v: v is None or str(getattr(v, "value", v)).upper() == "CAUSAL_LM",
+}
+
+
+def lora_options(peft_config: Any) -> dict[str, Any]:
+    """peft's `LoraConfig` (or a dict with its names or ours) -> our LoRA options (use_peft on); None -> {}."""
+    if peft_config is None:
+        return {}
+    if isinstance(peft_config, dict):
+        values = dict(peft_config)
+    else:
+        kind = str(getattr(getattr(peft_config, "peft_type", "LORA"), "value", getattr(peft_config, "peft_type", "")))
+        if kind.upper() != "LORA":
+            raise ConfigError(f"peft_config: only LoRA is supported (got {type(peft_config).__name__})")
+        values = {k: getattr(peft_config, k) for k in (*LORA_FIELDS, *LORA_UNSUPPORTED) if hasattr(peft_config, k)}
+    for name, ok in LORA_UNSUPPORTED.items():
+        if name in values and not ok(values[name]):
+            raise ConfigError(f"peft_config: {name}={values[name]!r} is not supported (LoRA on the projections of "
+                              "the blocks, A as peft initialises it, B zero; no DoRA, bias or extra modules)")
+    ours = {"use_peft": True}
+    for key, value in values.items():
+        name = LORA_FIELDS.get(key, key)
+        if name in LORA_FIELDS.values():
+            ours[name] = sorted(value) if isinstance(value, set) else value
+        elif key not in LORA_UNSUPPORTED and key not in ("use_peft",):
+            raise ConfigError(f"peft_config: unknown LoRA option {key!r}; use r, lora_alpha, lora_dropout, "
+                              "target_modules, use_rslora")
+    if isinstance(ours.get("lora_target_modules"), str) and ours["lora_target_modules"] != "all-linear":
+        raise ConfigError("peft_config: target_modules as a regular expression is not supported; list the modules")
+    if isinstance(ours.get("lora_target_modules"), str):
+        ours["lora_target_modules"] = [ours["lora_target_modules"]]
+    return ours
+
+
+def prompts_needed(cfg: RLOOConfig) -> int | None:
+    """Prompts a run of max_steps reads (generations x prompts per generation on this machine's devices); None
+    when max_steps is not set."""
+    if cfg.max_steps <= 0:
+        return None
+    cfg = training.for_this_machine(cfg)
+    updates = cfg.resolved_steps_per_generation // cfg.gradient_accumulation_steps * cfg.num_iterations
+    return math.ceil(cfg.max_steps / updates) * cfg.prompts_per_generation
+
+
+def prompt_dataset(data: Any, name: str, cfg: RLOOConfig, stream_rows: int | None = None) -> datasets.Dataset:
+    """A `datasets.Dataset` with a `prompt` column from a Dataset, an IterableDataset (its first `stream_rows`
+    rows; all of an evaluation set) or a list of dicts."""
+    if isinstance(data, datasets.DatasetDict | datasets.IterableDatasetDict | dict):
+        raise DataError(f"{name} must be one split (a Dataset), not a {type(data).__name__}; pick a split, e.g. "
+                        "ds['train']")
+    if isinstance(data, datasets.IterableDataset):
+        if name == "train_dataset" and stream_rows is None:
+            raise ConfigError("an IterableDataset has no length: set args.max_steps (as TRL requires)")
+        data = datasets.Dataset.from_list(list(itertools.islice(iter(data), stream_rows)))
+    elif isinstance(data, Sequence) and not isinstance(data, datasets.Dataset | str):
+        if not all(isinstance(row, dict) for row in data):
+            raise DataError(f"{name}: a list must hold one dict per row, with a `prompt` key")
+        data = datasets.Dataset.from_list(list(data))
+    if not isinstance(data, datasets.Dataset):
+        raise DataError(f"{name} must be a datasets.Dataset, an IterableDataset or a list of dicts (got a "
+                        f"{type(data).__name__})")
+    check_prompt_dataset(data, name)
+    return data
+
+
+__all__ = ["RLOOTrainer"]
