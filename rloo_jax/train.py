@@ -548,7 +548,7 @@ def resume(s: Session) -> None:
         s.state = restored.replace(frozen=s.state.frozen)
         s.base_key = s.place.host_key(key)
         s.iterator.load_state_dict(meta["data"])
-        s.step = s.saved = int(meta["step"])
+        s.step = s.saved = s.trainer_state.global_step = int(meta["step"])
         counters = meta.get("counters", {})
         s.num_tokens = int(counters.get("num_tokens", 0))
         s.truncated_prompts = int(counters.get("num_truncated_prompts", 0))
@@ -703,6 +703,7 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
         compiling.join()  # before update donates the state it reads
     s.state, metrics = s.step_fn.update(s.state, rollout, rewards, s.weights)
     s.step += s.step_fn.cfg.updates_per_generation
+    s.trainer_state.global_step, s.trainer_state.epoch = s.step, epoch_of(s.iterator)  # as evaluation sees it
     s.window.add(metrics)
     consecutive, skipped = skipped_updates(s.state.opt_state)  # waits for the update; skipped ones changed nothing
     timings = phase_timings(t0, t_sampled, t_rewarded, reference.join(), time.perf_counter())

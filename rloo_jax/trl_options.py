@@ -112,6 +112,10 @@ def _same_generation_batch(cfg: Any, v: Any) -> None:
     )
 
 
+def _activation_checkpointing(v: Any) -> dict[str, Any]:
+    return {} if off(v) else {"gradient_checkpointing": v}
+
+
 def _bf16(v: Any) -> dict[str, Any]:
     return {} if is_none(v) else {"bf16": v}  # None: TRL's "on where supported"; the default here
 
@@ -193,8 +197,10 @@ _GROUPS: list[tuple[str, str, Decision]] = [
      accepted("runs are deterministic on CPU and TPU for a given seed (see docs/numerics.md for GPUs)")),
     ("gradient_checkpointing", "gradient_checkpointing",
      supported("per-block rematerialisation, what a block keeps is remat_policy; None: on for TPU/GPU, off on CPU")),
-    ("activation checkpointing extras", "gradient_checkpointing_kwargs activation_checkpointing "
-     "activation_checkpointing_kwargs", accepted("use gradient_checkpointing and remat_policy")),
+    ("activation_checkpointing", "activation_checkpointing", accepted(
+        "transformers 5's new name of gradient_checkpointing: true turns it on", translate=_activation_checkpointing)),
+    ("checkpointing extras", "gradient_checkpointing_kwargs activation_checkpointing_kwargs",
+     accepted("what a block keeps is remat_policy")),
     ("torch.compile", "torch_compile torch_compile_backend torch_compile_mode",
      accepted("every step is already one XLA-compiled program")),
     ("Liger kernels", "use_liger_kernel liger_kernel_config",
@@ -320,6 +326,7 @@ def split_options(values: dict[str, Any], fields: Iterable[str]
     checks to run on the built config (`check(cfg)`: options that must agree with it)."""
     fields = set(fields)
     ours: dict[str, Any] = {}
+    translated: dict[str, Any] = {}  # applied last: `eval_strategy: no` wins over an eval_steps set anywhere
     checks: list[Callable[[Any], None]] = []
     ignored: list[str] = []
     for name, value in values.items():
@@ -333,11 +340,12 @@ def split_options(values: dict[str, Any], fields: Iterable[str]
         if decision.check is not None:
             checks.append(lambda cfg, check=decision.check, value=value: check(cfg, value))
         if decision.translate is not None:
-            ours.update(decision.translate(value))
+            translated.update(decision.translate(value))
         elif name in fields:
             ours[name] = value
-        elif not off(value) and decision.check is None:
+        elif not off(value) and not decision.takes_text:  # (values taken conditionally are what happens here)
             ignored.append(name)
+    ours.update(translated)
     if ignored:
         logger.warning("note: TRL options with no effect here: %s (see the migration table in the README)",
                        ", ".join(ignored))

@@ -22,9 +22,12 @@ from rloo_jax.rewards import (
     make_soft_overlong_reward,
     normalize_answer,
     repeat_per_generation,
+    RewardLogs,
+    TrainerState,
     resolve_reward_funcs,
     reward_model_texts,
     right_pad,
+    warn_missing_extras,
 )
 
 BUILTINS = builtin_rewards(r"^<think>(?!.*<think>)(.*?)</think>.*$", 10, 4)
@@ -80,6 +83,44 @@ def test_resolve_errors_name_the_entry():
         resolve_reward_funcs(["acurracy"], BUILTINS)
     with pytest.raises(ConfigError, match="no such file"):
         import_function("/nonexistent/r.py:f")
+
+
+def test_trl_names_dotted_paths_and_callables_resolve():
+    funcs = resolve_reward_funcs(
+        ["accuracy_reward", "think_format_reward", "tests.test_rewards.length_reward", length_reward], BUILTINS
+    )
+    assert [f.name for f in funcs] == ["accuracy_reward", "think_format_reward", "length_reward", "length_reward_2"]
+    assert funcs[0].fn is accuracy_reward and funcs[1].fn is BUILTINS["format"] and funcs[3].fn is length_reward
+
+
+def test_trls_context_arguments_and_what_rewards_log():
+    """trainer_state, log_extra and log_metric reach every function; a failure still names the sample (the context
+    is not sliced per sample)."""
+    logs, state = RewardLogs(), TrainerState(global_step=3, max_steps=10)
+
+    def shaped(completions, trainer_state, log_metric, log_extra, **kwargs):
+        log_metric("progress", trainer_state.global_step / trainer_state.max_steps)
+        log_extra("n", [len(c) for c in completions])
+        return [float(len(c)) * trainer_state.global_step for c in completions]
+
+    out = compute_rewards([RewardFunction("shaped", shaped)], ["p", "p"], ["ab", "c"], [[1], [2]], {},
+                          logs.context(state))
+    np.testing.assert_array_equal(out[:, 0], [6.0, 3.0])
+    assert logs.take() == ({"n": [2, 1]}, {"progress": (0.3, 1)}) and logs.take() == ({}, {})
+    with pytest.raises(RewardError, match="on sample 1"):
+        compute_rewards([RewardFunction("fails", fails_on_b)], ["p", "p"], ["a", "b"], [[1], [2]], {},
+                        logs.context(state))
+
+
+def test_accuracy_without_math_verify_warns_once_naming_the_extra(monkeypatch, caplog):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with caplog.at_level(logging.WARNING, logger="rloo_jax"):
+        warn_missing_extras(resolve_reward_funcs(["accuracy", "format"], BUILTINS))
+        warn_missing_extras(resolve_reward_funcs(["format", "soft_overlong"], BUILTINS))
+    assert caplog.text.count("math-verify is not installed") == 1 and "pip install 'rloo_jax[math]'" in caplog.text
 
 
 def test_values_kwargs_and_columns():

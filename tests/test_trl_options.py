@@ -1,0 +1,146 @@
+"""Every option of TRL 1.16's RLOO is decided (supported / accepted / refused) in rloo_jax.trl_options, the loader
+applies the decisions to YAML, the command line and RLOOConfig(...), and the README's table is generated from them."""
+
+import dataclasses
+import logging
+import os
+import re
+import sys
+
+import pytest
+import trl
+import yaml
+from trl.scripts.rloo import RLOOScriptArguments
+
+from rloo_jax.config import RLOOConfig, field_names, load_config, parse_argv
+from rloo_jax.errors import ConfigError
+from rloo_jax.train import main
+from rloo_jax.trl_options import DECISIONS, SOURCES, split_options
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED = ["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "pkg.mod:f"]
+CLASSES = (trl.RLOOConfig, trl.ModelConfig, RLOOScriptArguments, trl.DatasetMixtureConfig)
+
+
+def trl_defaults(cls):
+    """{field: class default} (dataclass defaults, before TRL's __post_init__)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def test_every_trl_option_has_a_decision():
+    assert len(SOURCES) == len(CLASSES)
+    rloo_fields = [f.name for f in dataclasses.fields(trl.RLOOConfig)]
+    assert trl.__version__.startswith("1.16") and len(rloo_fields) >= 160  # ~115 of them from TrainingArguments
+    undecided = sorted({f.name for c in CLASSES for f in dataclasses.fields(c)} - set(DECISIONS))
+    assert undecided == [], f"decide these TRL options in rloo_jax/trl_options.py: {undecided}"
+    stale = sorted(set(DECISIONS) - {f.name for c in CLASSES for f in dataclasses.fields(c)})
+    assert stale == [], f"not TRL options (any more): {stale}"
+
+
+def test_supported_means_our_field_and_only_then():
+    ours = set(field_names())
+    for name, decision in DECISIONS.items():
+        if decision.status == "supported":
+            assert name in ours, f"{name} is marked supported but is no RLOOConfig field"
+        else:
+            assert name not in ours, f"{name} is an RLOOConfig field now: mark it supported in rloo_jax/trl_options.py"
+        assert decision.why or decision.status == "supported", name
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_trl_defaults_ask_for_nothing_refused(cls):
+    """TRL's default of every accepted or refused option passes: only asking for a missing feature fails."""
+    for name, default in trl_defaults(cls).items():
+        if DECISIONS[name].status != "supported":
+            split_options({name: default}, field_names())
+
+
+def test_a_full_trl_config_dump_loads(tmp_path, caplog):
+    """`trl.RLOOConfig(...).to_dict()` (every field, after TRL's __post_init__) as a YAML config."""
+    dump = trl.RLOOConfig(output_dir=str(tmp_path / "trl"), bf16=False).to_dict()  # bf16 True needs a GPU in TRL
+    path = tmp_path / "trl.yaml"
+    path.write_text(yaml.safe_dump(dump))
+    with caplog.at_level(logging.WARNING, logger="rloo_jax"):
+        cfg = load_config(["--config", str(path), *REQUIRED])
+    assert (cfg.output_dir, cfg.gradient_checkpointing, cfg.fsdp, cfg.debug) == (str(tmp_path / "trl"), True, -1, False)
+    assert (cfg.learning_rate, cfg.beta, cfg.num_generations, cfg.report_to) == (1e-6, 0.05, 2, [])
+    assert "TRL options with no effect here:" in caplog.text and "vllm_mode" in caplog.text
+
+
+def test_a_trl_yaml_with_its_usual_options_loads(tmp_path, caplog):
+    path = tmp_path / "trl.yaml"
+    path.write_text(
+        "use_vllm: false\nvllm_mode: colocate\npush_to_hub: false\nrun_name: my-run\nreport_to: none\n"
+        "eval_strategy: 'no'\neval_steps: 50\nlogging_strategy: steps\noptim: adamw_torch_fused\n"
+        "warmup_steps: 0.1\nbf16: null\nfsdp: full_shard auto_wrap\ndtype: bfloat16\ngeneration_batch_size: 8\n"
+    )
+    with caplog.at_level(logging.WARNING, logger="rloo_jax"):
+        cfg = load_config(["--config", str(path), *REQUIRED])
+    assert (cfg.run_name, cfg.eval_steps, cfg.warmup_steps, cfg.fsdp, cfg.param_dtype) == (
+        "my-run", None, 0.1, -1, "bfloat16")  # eval_strategy no -> no evaluation; TRL's fsdp switch keeps ours
+    assert "no effect here: vllm_mode (" in caplog.text  # set to something: named; off values and optim: not
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ("use_vllm: true", "use_vllm=True is not supported here: generation runs on the JAX sampler"),
+        ("push_to_hub: true", "push_to_hub=True is not supported here: nothing is uploaded"),
+        ("fp16: true", "fp16=True is not supported here: float16 needs loss scaling"),
+        ("optim: sgd", "optim='sgd' cannot be honoured here: the optimizer is optax AdamW .accepted: an AdamW name"),
+        ("eval_strategy: epoch", "eval_strategy='epoch' cannot be honoured here"),
+        ("generation_batch_size: 16", r"generation_batch_size=16 is not this run's generation batch .* = 8\)"),
+        ("debug: underflow_overflow", "debug: 'underflow_overflow' is one of transformers' torch debug modes"),
+    ],
+)
+def test_refused_values_exit_2_with_the_reason(option, message, tmp_path, capsys):
+    path = tmp_path / "trl.yaml"
+    path.write_text(option + "\n")
+    assert main(["--config", str(path), *REQUIRED, "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert re.search(message, err[0]), err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_command_line_and_python_take_trl_names():
+    # a bare TRL flag means true (refused here), an optional bool of ours too
+    assert parse_argv(["--gradient_checkpointing", "--seed", "1"])[1] == {"gradient_checkpointing": "true", "seed": "1"}
+    with pytest.raises(ConfigError, match="push_to_hub='true' is not supported"):
+        load_config([*REQUIRED, "--push_to_hub"])
+    assert load_config([*REQUIRED, "--use_vllm", "false", "--run_name", "r"]).run_name == "r"
+    cfg = RLOOConfig(output_dir="o", use_vllm=False, vllm_mode="server", report_to="none", logging_steps=5)
+    assert (cfg.output_dir, cfg.report_to, cfg.logging_steps, cfg.model_name_or_path) == ("o", ["none"], 5, None)
+    with pytest.raises(ConfigError, match="use_vllm=True is not supported"):
+        RLOOConfig(use_vllm=True)
+
+
+def test_warmup_steps_are_steps_or_a_fraction():
+    from rloo_jax.build import warmup_steps
+
+    def of(**kw):
+        return load_config(REQUIRED + [x for k, v in kw.items() for x in (f"--{k}", str(v))])
+
+    assert [warmup_steps(of(warmup_steps=w), 25) for w in (0, 3, 0.1)] == [0, 3, 3]  # 0.1 x 25 rounded up
+    assert warmup_steps(of(warmup_ratio=0.1), 25) == 3
+    with pytest.raises(ConfigError, match="set warmup_steps or warmup_ratio, not both"):
+        of(warmup_steps=2, warmup_ratio=0.1)
+    with pytest.raises(ConfigError, match="warmup_steps must be an integer >= 1 .steps. or a float in"):
+        of(warmup_steps=2.5)
+
+
+def test_the_tables_are_generated_from_the_decisions():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import trl_table
+    finally:
+        sys.path.pop(0)
+    assert trl_table.main(["--check"]) == 0, "run python scripts/trl_table.py"
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert "| `use_vllm` | refused (`false` accepted) | generation runs on the JAX sampler" in readme
