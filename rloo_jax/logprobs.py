@@ -3,7 +3,7 @@
 All functions are pure and jittable. Log-softmax is always taken in float32 over the full vocabulary of
 ``logits / temperature`` (TRL semantics: sampling filters such as top-k/top-p never touch the log-probs).
 
-Shapes: B rows, T positions, V vocabulary, D hidden size, C completion length.
+Shapes: N rows (completions), T positions, V vocabulary, D hidden size, C completion length.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ def per_token_logps(logits: Array, token_ids: Array, temperature: float = 1.0) -
     """Log-probability of each chosen token: ``log_softmax(logits / T)[b, t, token_ids[b, t]]``.
 
     Computed as ``x[id] - logsumexp(x)`` with ``x = float32(logits) / T``, so no float32 copy of the full
-    ``[B, T, V]`` log-softmax is materialised (XLA fuses the cast, scale and reduction).
+    ``[N, T, V]`` log-softmax is materialised (XLA fuses the cast, scale and reduction).
 
     Args:
-      logits: ``[B, T, V]`` (any float dtype); ``logits[:, t]`` scores ``token_ids[:, t]``.
-      token_ids: ``[B, T]`` integer ids.
+      logits: ``[N, T, V]`` (any float dtype); ``logits[:, t]`` scores ``token_ids[:, t]``.
+      token_ids: ``[N, T]`` integer ids.
       temperature: the sampling temperature (> 0); the same value must be used for policy, old and reference.
 
     Returns:
-      ``[B, T]`` float32.
+      ``[N, T]`` float32.
 
     Example: ``per_token_logps(jnp.log(jnp.array([[[0.25, 0.75]]])), jnp.array([[1]]))`` -> ``[[-0.2877]]``.
     """
@@ -68,26 +68,26 @@ def per_token_logps_from_hidden(
     token_ids: Array,
     temperature: float = 1.0,
     *,
-    chunk_size: int = 128,
+    chunk_size: int = 64,
     with_entropy: bool = False,
 ) -> Array | tuple[Array, Array]:
-    """Per-token log-probs straight from hidden states, never holding the full ``[B, T, V]`` logits.
+    """Per-token log-probs straight from hidden states, never holding the full ``[N, T, V]`` logits.
 
     The sequence axis is cut into chunks of ``chunk_size`` positions; each chunk is unembedded, reduced to
     ``x[id] - logsumexp(x)`` and dropped. The chunk function is rematerialised (``jax.checkpoint``) so the backward
-    pass also holds one chunk of logits at a time: peak extra memory is ``B * chunk_size * V`` floats instead of
-    ``B * T * V``.
+    pass also holds one chunk of logits at a time: peak extra memory is ``N * chunk_size * V`` floats instead of
+    ``N * T * V``.
 
     Args:
-      hidden: ``[B, T, D]`` final hidden states (after the final norm).
+      hidden: ``[N, T, D]`` final hidden states (after the final norm).
       unembed: ``h [..., D] -> logits [..., V]`` (the model's lm head; a closure over its parameters).
-      token_ids: ``[B, T]``; ``hidden[:, t]`` predicts ``token_ids[:, t]``.
+      token_ids: ``[N, T]``; ``hidden[:, t]`` predicts ``token_ids[:, t]``.
       temperature: > 0.
       chunk_size: positions per chunk (T is padded up to a multiple internally).
-      with_entropy: also return the entropy ``[B, T]`` (no gradient flows through it).
+      with_entropy: also return the entropy ``[N, T]`` (no gradient flows through it).
 
     Returns:
-      ``[B, T]`` float32 log-probs, or ``(logps, entropy)`` when ``with_entropy``.
+      ``[N, T]`` float32 log-probs, or ``(logps, entropy)`` when ``with_entropy``.
     """
     chex.assert_rank(hidden, 3)
     chex.assert_rank(token_ids, 2)
@@ -97,7 +97,7 @@ def per_token_logps_from_hidden(
     pad = n * chunk - t
     h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
     ids = jnp.pad(token_ids, ((0, 0), (0, pad)))
-    h = h.reshape(b, n, chunk, d).swapaxes(0, 1)  # [n, B, chunk, D]
+    h = h.reshape(b, n, chunk, d).swapaxes(0, 1)  # [n, N, chunk, D]
     ids = ids.reshape(b, n, chunk).swapaxes(0, 1)
 
     @jax.checkpoint
@@ -125,12 +125,12 @@ def completion_mask(
     nor ``pad_token_id`` (TRL: ``ids[-1] not in eos_and_pad``), i.e. the row hit the length limit.
 
     Args:
-      completion_ids: ``[B, C]`` right-padded completions.
+      completion_ids: ``[N, C]`` right-padded completions.
       eos_token_ids: one or more EOS ids.
       pad_token_id: the pad id, or None.
 
     Returns:
-      ``(mask [B, C] int32, is_truncated [B] bool)``.
+      ``(mask [N, C] int32, is_truncated [N] bool)``.
 
     Example: ids ``[[5, 2, 0, 0], [5, 6, 7, 8]]``, eos ``(2,)`` -> mask ``[[1, 1, 0, 0], [1, 1, 1, 1]]``,
     truncated ``[False, True]``.
@@ -138,7 +138,7 @@ def completion_mask(
     chex.assert_rank(completion_ids, 2)
     eos = jnp.atleast_1d(jnp.asarray(eos_token_ids, dtype=completion_ids.dtype))
     c = completion_ids.shape[1]
-    is_eos = jnp.any(completion_ids[..., None] == eos, axis=-1)  # [B, C]
+    is_eos = jnp.any(completion_ids[..., None] == eos, axis=-1)  # [N, C]
     pos = jnp.arange(c)
     first_eos = jnp.min(jnp.where(is_eos, pos, c), axis=1)  # C when there is none
     mask = (pos[None, :] <= first_eos[:, None]).astype(jnp.int32)

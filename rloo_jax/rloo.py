@@ -3,7 +3,7 @@
 Semantics follow TRL 1.16's ``RLOOTrainer`` exactly (see ``shared/DESIGN.md`` section 1). Rows of a batch are
 grouped contiguously: rows ``g*G .. g*G+G-1`` are the G completions of prompt g.
 
-Shapes: B completions, G completions per prompt, C completion length, F reward functions.
+Shapes: N = B*G completions (B prompts, G completions per prompt), C completion length, F reward functions.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def token_kl(per_token_logps: Array, ref_per_token_logps: Array, estimator: KLEs
     - ``k3``: ``exp(-d) - 1 + d`` (unbiased, always >= 0; TRL's GRPO).
 
     Args:
-      per_token_logps, ref_per_token_logps: ``[B, C]``.
+      per_token_logps, ref_per_token_logps: ``[N, C]``.
 
     Returns:
-      ``[B, C]`` float32. Example: ``d = log 2`` -> k1 0.6931, k2 0.2402, k3 0.1931.
+      ``[N, C]`` float32. Example: ``d = log 2`` -> k1 0.6931, k2 0.2402, k3 0.1931.
     """
     chex.assert_equal_shape((per_token_logps, ref_per_token_logps))
     d = per_token_logps - ref_per_token_logps
@@ -78,10 +78,10 @@ def sequence_kl(
     """Sequence KL: ``sum_t token_kl_t * mask_t`` with no length normalisation (TRL's RLOO penalty).
 
     Args:
-      per_token_logps, ref_per_token_logps, mask: ``[B, C]``.
+      per_token_logps, ref_per_token_logps, mask: ``[N, C]``.
 
     Returns:
-      ``[B]`` float32. Example: logps ``[[-1, -2]]``, ref ``[[-1.5, -1]]``, mask ``[[1, 1]]`` -> ``[-0.5]``.
+      ``[N]`` float32. Example: logps ``[[-1, -2]]``, ref ``[[-1.5, -1]]``, mask ``[[1, 1]]`` -> ``[-0.5]``.
     """
     chex.assert_equal_shape((per_token_logps, mask))
     return jnp.sum(token_kl(per_token_logps, ref_per_token_logps, estimator) * mask, axis=-1)
@@ -96,11 +96,11 @@ def combine_rewards(rewards_per_func: Array, weights: Array | None = None) -> Ar
     A row where every function gave NaN (TRL: returned None) is unscorable and stays NaN.
 
     Args:
-      rewards_per_func: ``[B, F]`` float, NaN for "no reward".
+      rewards_per_func: ``[N, F]`` float, NaN for "no reward".
       weights: ``[F]``, default all ones.
 
     Returns:
-      ``[B]`` float32. Example: ``[[1, nan], [nan, nan]]``, w ``[2, 1]`` -> ``[2, nan]``.
+      ``[N]`` float32. Example: ``[[1, nan], [nan, nan]]``, w ``[2, 1]`` -> ``[2, nan]``.
     """
     chex.assert_rank(rewards_per_func, 2)
     r = rewards_per_func.astype(jnp.float32)
@@ -122,11 +122,11 @@ def rloo_advantages(rewards: Array, num_generations: int) -> Array:
     G == 1 gives 0 (no siblings).
 
     Args:
-      rewards: ``[B]``, B a multiple of G.
+      rewards: ``[N]``, N a multiple of G.
       num_generations: G.
 
     Returns:
-      ``[B]`` float32. Example: ``[1, 0, 2.5, -1]``, G=4 -> ``[0.5, -0.8333, 2.5, -2.1667]``.
+      ``[N]`` float32. Example: ``[1, 0, 2.5, -1]``, G=4 -> ``[0.5, -0.8333, 2.5, -2.1667]``.
     """
     chex.assert_rank(rewards, 1)
     if rewards.shape[0] % num_generations:
@@ -146,10 +146,10 @@ def normalize_advantages(advantages: Array) -> Array:
     """Batch-wide whitening ignoring NaN: ``(a - mean(a)) / (std(a, ddof=1) + 1e-4)``.
 
     Args:
-      advantages: ``[B]``.
+      advantages: ``[N]``.
 
     Returns:
-      ``[B]``; NaN entries stay NaN. Example: ``[1, 3]`` -> ``[-0.70706, 0.70706]``.
+      ``[N]``; NaN entries stay NaN. Example: ``[1, 3]`` -> ``[-0.70706, 0.70706]``.
     """
     chex.assert_rank(advantages, 1)
     return (advantages - _nanmean(advantages)) / (nanstd(advantages) + _NORM_EPS)
@@ -164,11 +164,11 @@ def grpo_advantages(
     rewards of the batch, ``"none"`` not at all (Dr. GRPO). NaN rows are ignored in the statistics and stay NaN.
 
     Args:
-      rewards: ``[B]``.
+      rewards: ``[N]``.
       num_generations: G.
 
     Returns:
-      ``[B]`` float32. Example: ``[1, 3, 0, 0]``, G=2, "none" -> ``[-1, 1, 0, 0]``.
+      ``[N]`` float32. Example: ``[1, 3, 0, 0]``, G=2, "none" -> ``[-1, 1, 0, 0]``.
     """
     chex.assert_rank(rewards, 1)
     r = rewards.astype(jnp.float32)
@@ -202,14 +202,14 @@ def clipped_objective(
     ``level="sequence"`` (TRL's RLOO): ``rho_i = exp(sum_t m_t (logp_t - old_t))``, loss = mean over sequences.
     ``level="token"`` (TRL's GRPO): ``rho_it = exp(logp_t - old_t)`` per token, aggregated by
     ``grpo`` (per-sequence token mean, then mean), ``bnpo`` (token mean over the batch), ``dr_grpo``
-    (token sum / (B * C)) or ``dapo`` (token sum / ``num_items``, the token count of the whole generation batch;
+    (token sum / (N * C)) or ``dapo`` (token sum / ``num_items``, the token count of the whole generation batch;
     defaults to this batch's).
 
     Args:
-      per_token_logps: ``[B, C]`` current policy (gradients flow through it).
-      old_per_token_logps: ``[B, C]`` behaviour policy (treated as constant).
-      advantages: ``[B]``.
-      mask: ``[B, C]`` completion mask.
+      per_token_logps: ``[N, C]`` current policy (gradients flow through it).
+      old_per_token_logps: ``[N, C]`` behaviour policy (treated as constant).
+      advantages: ``[N]``.
+      mask: ``[N, C]`` completion mask.
       epsilon, epsilon_high: clip range ``[1 - epsilon, 1 + epsilon_high]``; epsilon_high defaults to epsilon.
 
     Returns:
@@ -228,7 +228,7 @@ def clipped_objective(
     log_ratio = (per_token_logps - old) * m
 
     if level == "sequence":
-        log_ratio = jnp.sum(log_ratio, axis=1)  # [B]
+        log_ratio = jnp.sum(log_ratio, axis=1)  # [N]
         a, valid = adv, jnp.ones_like(adv)
     elif level == "token":
         a, valid = adv[:, None], m
@@ -321,14 +321,14 @@ def score_completions(
     ``A = rloo_advantages(r, G)``; optional ``normalize_advantages``; NaN advantages -> 0.
 
     Args:
-      rewards_per_func: ``[B, F]`` with NaN for None.
-      completion_mask: ``[B, C]`` (already zeroed for truncated rows when ``mask_truncated_completions``).
-      is_truncated: ``[B]`` bool.
-      old_per_token_logps: ``[B, C]`` generation-time policy log-probs (needed when beta > 0).
-      ref_per_token_logps: ``[B, C]`` reference log-probs, or None when beta == 0.
+      rewards_per_func: ``[N, F]`` with NaN for None.
+      completion_mask: ``[N, C]`` (already zeroed for truncated rows when ``mask_truncated_completions``).
+      is_truncated: ``[N]`` bool.
+      old_per_token_logps: ``[N, C]`` generation-time policy log-probs (needed when beta > 0).
+      ref_per_token_logps: ``[N, C]`` reference log-probs, or None when beta == 0.
 
     Returns:
-      ``(advantages [B], metrics)`` with TRL's names ``reward``, ``reward_std``, ``kl`` (masked token mean),
+      ``(advantages [N], metrics)`` with TRL's names ``reward``, ``reward_std``, ``kl`` (masked token mean),
       ``frac_reward_zero_std``, ``rewards/<f>/mean|std`` (f = function index), ``advantage_abs_mean``.
     """
     chex.assert_rank(rewards_per_func, 2)
@@ -392,11 +392,11 @@ def rloo_loss(
     ``per_token_logps`` (and through the KL term when ``token_level_kl``).
 
     Args:
-      per_token_logps: ``[B, C]`` current policy log-probs.
-      old_per_token_logps: ``[B, C]`` or None.
-      ref_per_token_logps: ``[B, C]`` or None (beta == 0).
-      rewards_per_func: ``[B, F]`` (NaN = None).
-      completion_mask: ``[B, C]``; is_truncated: ``[B]``.
+      per_token_logps: ``[N, C]`` current policy log-probs.
+      old_per_token_logps: ``[N, C]`` or None.
+      ref_per_token_logps: ``[N, C]`` or None (beta == 0).
+      rewards_per_func: ``[N, F]`` (NaN = None).
+      completion_mask: ``[N, C]``; is_truncated: ``[N]``.
 
     Returns:
       ``(loss [], metrics)``: the union of ``score_completions`` and ``clipped_objective`` metrics, plus ``loss``.

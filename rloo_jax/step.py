@@ -126,7 +126,7 @@ def completion_logps(
     completion_ids: Array,
     completion_mask: Array,
     temperature: float,
-    chunk: int = 128,
+    chunk: int = 64,  # StepConfig.logprob_chunk
     with_entropy: bool = False,
     dropout_key: Array | None = None,
 ) -> Array | tuple[Array, Array]:

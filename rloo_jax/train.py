@@ -549,6 +549,7 @@ def resume(s: Session) -> None:
         s.base_key = s.place.host_key(key)
         s.iterator.load_state_dict(meta["data"])
         s.step = s.saved = s.trainer_state.global_step = int(meta["step"])
+        s.trainer_state.epoch = epoch_of(s.iterator)
         counters = meta.get("counters", {})
         s.num_tokens = int(counters.get("num_tokens", 0))
         s.truncated_prompts = int(counters.get("num_truncated_prompts", 0))
@@ -689,8 +690,8 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
     reference = ReadyTime(rollout.ref_logps)  # when the reference pass ends, seen from a watcher thread
     # the sampler's own completion ids: on the host as soon as sampling ends, while the reference pass runs
     completion_ids = place.local(sampled.completion_ids)
+    del sampled  # its full-width arrays: freed once the reference pass has read them
     t_sampled = time.perf_counter()
-    s.trainer_state.global_step, s.trainer_state.epoch = s.step, epoch_of(s.iterator)
     scored = decode_and_score(s.run, batch, completion_ids, cfg.num_generations, s.reward_logs.context(s.trainer_state))
     extra, logged = place.reward_logs(s.reward_logs, len(completion_ids))
     for name, value in logged.items():
@@ -699,11 +700,12 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
     s.num_tokens += int(place.per_process([local_tokens]).sum())
     rewards = place.to_global(scored.rewards_per_func)
     t_rewarded = time.perf_counter()
+    reference.done_by(t_rewarded)  # ready now: it ended by now (the watcher may not have had the GIL yet)
     if compiling is not None:
         compiling.join()  # before update donates the state it reads
     s.state, metrics = s.step_fn.update(s.state, rollout, rewards, s.weights)
     s.step += s.step_fn.cfg.updates_per_generation
-    s.trainer_state.global_step, s.trainer_state.epoch = s.step, epoch_of(s.iterator)  # as evaluation sees it
+    s.trainer_state.global_step, s.trainer_state.epoch = s.step, epoch_of(s.iterator)  # what rewards see next
     s.window.add(metrics)
     consecutive, skipped = skipped_updates(s.state.opt_state)  # waits for the update; skipped ones changed nothing
     timings = phase_timings(t0, t_sampled, t_rewarded, reference.join(), time.perf_counter())
@@ -712,23 +714,30 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
 
 class ReadyTime:
     """When an array's computation ends, taken by a watcher thread that blocks on it, so the loop itself never
-    waits for it (`join()`: that time, `time.perf_counter` clock; None for no array)."""
+    waits for it (`join()`: that time on the `time.perf_counter` clock; None for no array)."""
 
     def __init__(self, x: jax.Array | None) -> None:
-        self.time: float | None = None
-        self._thread = None
+        self._x, self._thread = x, None
+        self._seen = self._bound = float("inf")
         if x is not None:
             self._thread = threading.Thread(target=self._wait, args=(x,), daemon=True)
             self._thread.start()
 
     def _wait(self, x: jax.Array) -> None:
         x.block_until_ready()
-        self.time = time.perf_counter()
+        self._seen = time.perf_counter()
+
+    def done_by(self, t: float) -> None:
+        """When the array is ready at time `t` (no wait), it ended by `t`: bounds the watcher's time, which lags
+        while the loop's Python work holds the GIL."""
+        if self._x is not None and self._x.is_ready():
+            self._bound = t
 
     def join(self) -> float | None:
-        if self._thread is not None:
-            self._thread.join()
-        return self.time
+        if self._thread is None:
+            return None
+        self._thread.join()
+        return min(self._seen, self._bound)
 
 
 def phase_timings(start: float, sampled: float, rewarded: float, reference: float | None, updated: float

@@ -42,7 +42,8 @@ def test_trainer_with_a_callable_and_a_dataset_matches_the_cli(tmp_path, capsys)
                  *cli_args(SETTINGS)]) == 0
     api = tmp_path / "api"
     args = rloo_jax.RLOOConfig(output_dir=str(api), max_steps=2, **SETTINGS)
-    trainer = rloo_jax.RLOOTrainer("demo", demo.letters_reward, args=args, train_dataset=datasets.Dataset.from_list(rows))
+    dataset = datasets.Dataset.from_list(rows)
+    trainer = rloo_jax.RLOOTrainer("demo", demo.letters_reward, args=args, train_dataset=dataset)
     assert trainer.train()["learning_rate"] == pytest.approx(1e-3)
     capsys.readouterr()
     args = rloo_jax.RLOOConfig(output_dir=str(api), max_steps=3, **SETTINGS)
@@ -96,7 +97,8 @@ def test_trainer_refuses_what_it_cannot_take(tmp_path):
     rows = demo.make_rows(8, seed=0)
     args = rloo_jax.RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2)
     with pytest.raises(ConfigError, match="an IterableDataset has no length: set args.max_steps"):
-        rloo_jax.RLOOTrainer("demo", demo.letters_reward, args, datasets.IterableDataset.from_generator(lambda: iter(rows)))
+        stream = datasets.IterableDataset.from_generator(lambda: iter(rows))
+        rloo_jax.RLOOTrainer("demo", demo.letters_reward, args, stream)
     with pytest.raises(ConfigError, match="model must be a local folder or a hub id"):
         rloo_jax.RLOOTrainer(object(), demo.letters_reward, args, rows)
     with pytest.raises(ConfigError, match="reward_processing_classes has 2 entries but there are 1 reward functions"):
