@@ -1134,7 +1134,9 @@ def format_help() -> str:
         "Train a causal LM with RLOO (TRL 1.16's RLOOTrainer math) in JAX. Options are read from the YAML "
         "file first, then from the command line. With neither --config nor --model_name_or_path, the "
         "built-in demo (configs/default.yaml: a tiny model on a synthetic task, no network) runs.",
-        f"Old TRL names are accepted: {', '.join(f'{k} -> {v}' for k, v in ALIASES.items())}.",
+        f"Old TRL names are accepted: {', '.join(f'{k} -> {v}' for k, v in ALIASES.items())}. So is every other "
+        "option of TRL 1.16's RLOOConfig and `trl rloo` script: read without effect (named in a note) or refused "
+        "with the reason (docs/trl_options.md).",
     ]
     group = None
     hints = _hints()

@@ -28,7 +28,7 @@ from rloo_jax.step import TrainState
 from rloo_jax.train import main, make_optimizer, skipped_updates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WALL_TIME = {"step_time"}
+WALL_TIME = {"step_time", "timing/sample", "timing/reference", "timing/reward", "timing/update"}
 # A short demo run exercising every piece of resumable state: a logging window spanning checkpoints (logging 3,
 # saves 2), eval RNG, reference-model syncs, rollout records, cumulative token / truncation counters.
 RUN = [

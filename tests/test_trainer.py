@@ -29,6 +29,7 @@ def cli_args(settings):
     return [x for k, v in settings.items() for x in (f"--{k}", str(v))]
 
 
+@pytest.mark.slow  # three short runs, each compiling its step (~117 s on the loaded 2-core machine)
 def test_trainer_with_a_callable_and_a_dataset_matches_the_cli(tmp_path, capsys):
     """The acceptance test of the Python API: RLOOTrainer with a Python callable and an in-memory Dataset gives the
     CLI's metrics (module:function reward, .jsonl file) on the same data and seed, bit for bit; a second train()
