@@ -125,7 +125,7 @@ class RLOOConfig:
         "takes at most 1/5 of a device's memory (e.g. 8B models on v5p, up to ~1.5B on v5e), off elsewhere and "
         "on CPU. Compile-only measured: decode bytes 1.23x -> 1.00x the floor (Qwen2.5-1.5B, v5e-4) and 2.60x "
         "-> 1.06x (Llama-3.1-8B, v5p-8); rollout 20.4 -> 8.8 s estimated for the 8B, peak 36.2 -> 46.4 GiB "
-        "per chip (README).",
+        "per chip (docs/scale.md).",
     )
     compile_only: bool = _opt(
         False,

@@ -473,12 +473,13 @@ class StepOutcome:
 @dataclasses.dataclass
 class TrainResult:
     """What `train` returns: the metrics of the last logged step (with the last evaluation's eval_* metrics), the
-    optimizer steps done, whether a SIGTERM stopped the run early, and the output paths."""
+    optimizer steps done, whether a SIGTERM stopped the run early, the output paths and the trainer state."""
 
     metrics: dict[str, float]
     step: int
     stopped: bool
     paths: dict[str, str]
+    state: TrainerState  # where training stands, as reward functions saw it (with the log history)
 
 
 def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
@@ -884,7 +885,7 @@ def train(cfg: RLOOConfig, given: Given | None = None) -> TrainResult:
                 s.rollouts.close()
         s.stopped_by = stop.signal
         finish(s, stopped)
-    return TrainResult(s.last_logged, s.step, stopped, s.paths)
+    return TrainResult(s.last_logged, s.step, stopped, s.paths, s.trainer_state)
 
 
 def print_completions(console: Any, records: list[dict[str, Any]], limit: int | None) -> None:

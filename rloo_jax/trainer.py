@@ -113,7 +113,7 @@ class RLOOTrainer:
         """Train (resuming from the newest checkpoint in args.output_dir, as the CLI does) and export final/;
         returns the metrics of the last logged step (with the last evaluation's eval_* metrics)."""
         self.result = training.train(self.args, self.given)
-        self.state = dataclasses.replace(self.state, global_step=self.result.step)
+        self.state = self.result.state  # global_step, epoch, log_history, ... (TRL's trainer.state)
         return self.result.metrics
 
     def save_model(self, output_dir: str | None = None) -> str:

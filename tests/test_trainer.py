@@ -90,6 +90,7 @@ def test_reward_functions_get_trls_keyword_arguments(tmp_path):
     assert calls == [(["letters"], 0, 2, 8), (["letters"], 1, 2, 8), (["letters"], 2, 2, 8)]  # train, train, eval
     assert {"probe/length", "eval_probe/length", "eval_reward", *TIMINGS} <= set(metrics)
     assert 0 < metrics["probe/length"] <= 8
+    assert trainer.state.global_step == 2 and [r["step"] for r in trainer.state.log_history] == [1, 2, 2]  # +eval
     records = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
     assert len(records) == 16 and all(r["extra"]["first"] == r["completion"][:1] for r in records)
 
