@@ -265,7 +265,7 @@ def export(args: argparse.Namespace) -> str:
         raise ConfigError("--merged folds LoRA adapters into their base, but this run trained the whole model; "
                           "drop --merged")
     try:
-        with jax.default_device(jax.devices("cpu")[0]):  # host memory, never an accelerator's
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):  # host memory, never an accelerator's
             model, model_dir = load_policy(saved, with_base=args.merged or not saved.run["use_peft"])
             dtype = resolve_dtype(args.dtype, model.config.hf_config)
             write_policy(model, args.out_dir, dtype=dtype, max_shard_size=max_shard,

@@ -5,12 +5,13 @@ s3 drivers). Everything else a run writes -- metrics.jsonl, rollouts.jsonl, conf
 compile_report.json, the Hugging Face exports final/ and final_merged/ -- goes through this module, which opens
 URLs with `etils.epath` (fsspec underneath: gcsfs for `gs://`, s3fs for `s3://`).
 
-Object stores have no append and no rename, so a growing log is kept in a local staging file and uploaded whole
-(`JsonlWriter.sync`, `StagedDir.sync`): before every checkpoint save, at the end of the run, and at most once a
-`SYNC_SECONDS` (60, or the RLOO_JAX_SYNC_SECONDS environment variable) in between. A kill then loses at most the records written after the last upload, and a resume drops
-every record after its checkpoint anyway (`drop_records_after`), so nothing is lost or doubled. An object upload
-is atomic: a reader sees the old or the new file, never half of one. Exports are written to a local temporary
-folder and uploaded file by file (`staged_dir`).
+Object stores have no append and no rename, so a growing log is kept in a local staging file and uploaded whole:
+metrics.jsonl and rollouts.jsonl (`AppendFile`) before every checkpoint save, at the end of the run and at most
+`SYNC_SECONDS` apart in between (60, or the RLOO_JAX_SYNC_SECONDS environment variable); TensorBoard's event files
+(`StagedDir`) before every checkpoint save and at the end. Every record of a step is written before its checkpoint
+is saved, so a kill loses only records after the newest checkpoint, which a resume drops and writes again anyway
+(`drop_records_after`): nothing is lost or doubled. An object upload is atomic: a reader sees the old or the new
+file, never half of one. Exports are written to a local temporary folder and uploaded file by file (`staged_dir`).
 """
 
 from __future__ import annotations

@@ -444,7 +444,7 @@ def _host_memory() -> Any:
     import jax
 
     try:
-        return jax.default_device(jax.devices("cpu")[0])
+        return jax.default_device(jax.local_devices(backend="cpu")[0])
     except RuntimeError:
         return contextlib.nullcontext()
 
@@ -475,7 +475,7 @@ class RewardModelCall:
             raise RuntimeError("the reward model is already placed")
         self.mesh = mesh
         if mesh is None:
-            self._placed = jax.device_put(self._params, jax.devices()[0])
+            self._placed = jax.device_put(self._params, jax.local_devices()[0])
         else:
             self._shardings = param_shardings(self._params, mesh)
             self._placed = shard_params(self._params, self._shardings)
