@@ -405,7 +405,14 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     n = b * cfg.num_generations
     weights = jax.ShapeDtypeStruct((len(cfg.resolved_reward_weights),), jnp.float32, sharding=replicated(mesh))
     hbm = slc.chip.hbm_bytes
-    state_bytes = per_chip_bytes(state)
+    options = model_options(cfg, "tpu")
+    width = -(-(p + cfg.max_completion_length) // cfg.prompt_bucket) * cfg.prompt_bucket  # prompt + completion
+    reward_models = []  # (model, its lowering, its weights' bytes per chip), sharded like the policy
+    for folder in run.reward_models:
+        rm = abstract_model(folder, "reward", options["dtype"])
+        reward_models.append((rm, *lower_reward_model(rm, mesh, (n, width))))
+    # resident whatever runs: the train state and the reward models' weights (the trainer keeps both on the chips)
+    state_bytes = per_chip_bytes(state) + sum(rm_bytes for *_, rm_bytes in reward_models)
     # the batch arrays (prompt ids and masks, completion ids, masks and log-probs): small next to the state
     batch = 4 * (2 * b * p + 4 * n * cfg.max_completion_length) // cfg.data_shards
 
@@ -450,16 +457,11 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         eb = cfg.eval_batch_size // g
         add("eval_rollout", lambda: sampler.lower_rollout(state, (eb, p)), state_bytes,
             model.sampling(eb, p, g, c) / chips, decode_floor(eb, g))
-    options = model_options(cfg, "tpu")
-    for i, folder in enumerate(run.reward_models):
-        rm = abstract_model(folder, "reward", options["dtype"])
-        width = -(-(p + cfg.max_completion_length) // cfg.prompt_bucket) * cfg.prompt_bucket
-        lower, rm_bytes = lower_reward_model(rm, mesh, (n, width))
+    for i, (rm, lower, _) in enumerate(reward_models):
         t = Transformer.of(rm.config)  # its head: D x 1 at one position per row
         rm_flops = forward_flops(t.layer_params, t.num_layers, rm.config.hidden_size, t.attention_width,
                                  tokens=n * width, scored=n, pairs=n * causal_pairs(0, width, t.window))
-        # sharded like the policy over the same chips, which also hold the train state
-        add(f"reward_model_{i}", lower, rm_bytes + state_bytes, rm_flops / chips)
+        add(f"reward_model_{i}", lower, state_bytes, rm_flops / chips)
     settings = {
         "model": cfg.model_name_or_path, "mesh": dict(zip(("data", "fsdp", "tensor"), cfg.mesh_shape, strict=True)),
         "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
@@ -470,6 +472,8 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "num_iterations": cfg.num_iterations,
     }
+    if reward_models:  # their weights per chip, resident in every program's figure
+        settings["reward_model_bytes_per_chip"] = [rm_bytes for *_, rm_bytes in reward_models]
     if cfg.use_peft:
         settings.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
                         trainable_params=sum(x.size for x in jax.tree.leaves(pol.params)))

@@ -141,8 +141,9 @@ REWARD_LLAMA = dict(architectures=["LlamaForSequenceClassification"], model_type
 
 
 def test_compiled_reward_model_memory_per_chip_falls_with_the_slice(tmp_path):
-    """The trainer's reward-model call compiled for v5e slices of 1 and 8 chips (fsdp over all, a global batch
-    of 64 x 128 tokens): the compiler's per-chip argument bytes (weights + batch) divide by the chip count."""
+    """The trainer's reward-model call compiled for a v5e-8 (fsdp over its 8 chips, a global batch of 64 x 128
+    tokens): the compiler's per-chip argument bytes are an eighth of the weights and the batch (one chip, the old
+    unsharded scorer, held all of them)."""
     from rloo_jax.aot import lower_reward_model
     from rloo_jax.mesh import make_mesh
     from rloo_jax.models import abstract_model
@@ -150,18 +151,38 @@ def test_compiled_reward_model_memory_per_chip_falls_with_the_slice(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(REWARD_LLAMA))
     model = abstract_model(tmp_path, "reward", "bfloat16")
-    arguments, weights = {}, {}
-    for chips in (1, 8):
-        mesh = make_mesh(1, -1, 1, devices=topology_devices(parse_slice(f"v5e-{chips}")))
-        lower, weights[chips] = lower_reward_model(model, mesh, (64, 128))
-        arguments[chips] = lower().compile().memory_analysis().argument_size_in_bytes
+    mesh = make_mesh(1, -1, 1, devices=topology_devices(parse_slice("v5e-8")))
+    lower, weights = lower_reward_model(model, mesh, (64, 128))
+    arguments = lower().compile().memory_analysis().argument_size_in_bytes
     total = 2 * (256 * 256 + 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512 + 2 * 256) + 256 + 256)
     batch = 2 * 64 * 128 * 4  # ids and mask, int32
-    assert weights[1] == total  # bf16 weights: embedding, 2 blocks, final norm, score head
-    for chips in (1, 8):
-        assert weights[chips] == total // chips  # every weight has an `embed` axis: all split by fsdp
-        # the compiler's count: the same bytes plus TPU tile padding of the small per-chip vectors (measured 512
-        # and 1664 bytes for 1 and 8 chips)
-        assert 0 <= arguments[chips] - (total + batch) // chips <= 2048
-    assert arguments[8] < arguments[1] / 7.9
+    assert weights == total // 8  # bf16 weights (embedding, 2 blocks, final norm, score head), each split by fsdp
+    # the compiler's count: the same bytes plus TPU tile padding of the small per-chip vectors (measured 1664 bytes;
+    # 512 for the whole model compiled for one chip)
+    assert 0 <= arguments - (total + batch) // 8 <= 2048
 
+
+def test_compile_only_report_counts_the_sharded_reward_model(tmp_path, tiny_checkpoint, capsys):
+    """`--compile_only` with a reward model: its program is compiled sharded over the slice, and its weights are
+    resident beside the train state in every program's figure."""
+    from tests.test_compile_only import TINY_LLAMA, common, config_only_model, run_main
+
+    policy = config_only_model(tmp_path / "p", TINY_LLAMA, tiny_checkpoint("tokenizer"))
+    rm_config = dict(TINY_LLAMA, architectures=["LlamaForSequenceClassification"], num_labels=1)
+    rm = config_only_model(tmp_path / "rm", rm_config, tiny_checkpoint("tokenizer"))
+    code, out, err = run_main(capsys, common(tmp_path, policy) + ["--topology", "v5e-4",
+                                                                 "--reward_model_name_or_path", str(rm)])
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
+    programs, s = report["programs"], report["settings"]
+    assert set(programs) == {"rollout", "update", "reward_model_0"} and "est. step" in out
+    # float32 weights of the reward model (TINY_LLAMA without its LM head, plus the score head [64, 1]), / 4 chips
+    d, f, v, layers = 64, 128, 160, 2
+    weights = 4 * (v * d + layers * (2 * d * d + 2 * d * 32 + 3 * d * f + 2 * d) + d + d) // 4
+    assert s["reward_model_bytes_per_chip"] == [weights]
+    rm = programs["reward_model_0"]
+    assert rm["fits"] and rm["flops"] > 0 and rm["argument_bytes"] < 4 * weights  # the compiler got a shard
+    # resident everywhere: the state and the reward model (the rollout and update add their batch arrays)
+    n = s["completions_per_generation"]
+    batch = 4 * (2 * s["prompts_per_generation"] * 16 + 4 * n * 32) // 4
+    assert programs["rollout"]["resident_bytes"] == programs["update"]["resident_bytes"] == rm["resident_bytes"] + batch
