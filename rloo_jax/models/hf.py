@@ -411,15 +411,15 @@ def init_reward_model(
 
 
 # ----------------------------------------------------------------------------------------------- writing
-EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # transformers 5's `save_pretrained` default: one file up to 50 GB, past it `model-0000i-of-0000n.safetensors` shards
 # and a `model.safetensors.index.json` (huggingface_hub's greedy split, tensors in table order)
 MAX_SHARD_SIZE = "50GB"
 
 
 def export_tensors(model: CausalLM | RewardModel, dtype: str = "float32") -> dict[str, np.ndarray]:
-    """HF tensor name -> numpy array in `dtype` ("float32" | "bfloat16"), through the same table as loading
-    (adapters are not included: `save_adapter` writes them, `rloo_jax.lora.merge_adapters` folds them in)."""
+    """HF tensor name -> numpy array in `dtype` ("float32" | "bfloat16" | "float16"), through the same table as
+    loading (adapters are not included: `save_adapter` writes them, `rloo_jax.lora.merge_adapters` folds them in)."""
     task = "reward" if isinstance(model, RewardModel) else "causal_lm"
     source = _TensorSource(weight_table(model.config, task), model, dtype)
     return {r.hf: source.tensor(r) for r in source.rows}
@@ -481,9 +481,9 @@ def save_pretrained(
     model: CausalLM | RewardModel, out_dir: str | Path, tokenizer: Any = None, dtype: str = "float32",
     max_shard_size: int | str = MAX_SHARD_SIZE,
 ) -> Path:
-    """Write `config.json` + the weights in `dtype` ("float32" | "bfloat16"; `config.json` says which) (+ tokenizer
-    files) loadable by transformers' `AutoModelForCausalLM` / `AutoModelForSequenceClassification` and by our
-    loaders: one `model.safetensors`, or past `max_shard_size` (bytes or "5GB") shards with an index file."""
+    """Write `config.json` + the weights in `dtype` ("float32" | "bfloat16" | "float16"; `config.json` says which)
+    (+ tokenizer files) loadable by transformers' `AutoModelForCausalLM` / `AutoModelForSequenceClassification` and
+    by our loaders: one `model.safetensors`, or past `max_shard_size` (bytes or "5GB") shards with an index file."""
     task = "reward" if isinstance(model, RewardModel) else "causal_lm"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
