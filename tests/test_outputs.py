@@ -78,6 +78,22 @@ def test_staged_dir_uploads_on_success_only(gcs):  # noqa: F811
     assert not outputs.exists(f"{URL}/unit/failed/config.json")
 
 
+def test_compile_report_and_config_on_gcs(gcs):  # noqa: F811
+    import json
+
+    from rloo_jax.aot import Report
+    from rloo_jax.config import load_config
+    from rloo_jax.tpu import parse_slice
+
+    path = Report(parse_slice("v5e-8"), [], {"model": "m"}).write(f"{URL}/unit/compile")
+    assert path == f"{URL}/unit/compile/compile_report.json"
+    assert json.loads(outputs.read_text(path))["topology"] == "v5e-8"
+    cfg = load_config(["--model_name_or_path", "demo", "--dataset_name", "demo", "--reward_funcs", "format",
+                       "--output_dir", f"{URL}/unit/cfg"])
+    outputs.write_text(outputs.join(cfg.output_dir, "config.yaml"), cfg.to_yaml())
+    assert outputs.read_text(f"{URL}/unit/cfg/config.yaml") == cfg.to_yaml()
+
+
 # ------------------------------------------------------------------------------------------------ a run on gs://
 # 8 steps, a checkpoint every 4; every completion recorded; 0.3 s of reward per step, so the kill lands mid-run
 RUN = [
