@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -203,10 +202,11 @@ class Report:
         }
 
     def write(self, output_dir: str) -> str:
-        os.makedirs(output_dir, exist_ok=True)
-        path = os.path.join(output_dir, "compile_report.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(_nan_to_none(self.to_json()), f, indent=1, allow_nan=False)
+        """`<output_dir>/compile_report.json` (a local folder or a URL); returns its path."""
+        from rloo_jax import outputs
+
+        path = outputs.join(output_dir, "compile_report.json")
+        outputs.write_text(path, json.dumps(_nan_to_none(self.to_json()), indent=1, allow_nan=False))
         return path
 
 
@@ -332,8 +332,11 @@ def advice(cfg: Any, program: str) -> list[str]:
             )
     if program.startswith(("rollout", "eval")):
         tips.append("a smaller generation batch (--per_device_train_batch_size or --steps_per_generation)")
-    if program.startswith("reward_model"):
-        return ["a smaller reward model or generation batch: reward models run on one chip, unsharded"]
+    if program.startswith("reward_model"):  # sharded like the policy, stored in the compute dtype
+        tips = ["a smaller generation batch (--per_device_train_batch_size or --steps_per_generation)"]
+        if not cfg.bf16:
+            tips.append("--bf16 true (the reward model is stored and run in the compute dtype)")
+        return [*tips, "a smaller reward model, or a slice with more chips (--fsdp -1 shards over all)"]
     if not cfg.bf16:
         tips.append("--bf16 true (bfloat16 activations, KV cache and reference model)")
     if cfg.mu_dtype != "bfloat16":
@@ -356,14 +359,31 @@ def narrower_widths(max_length: int, bucket: int) -> list[int]:
     return widths
 
 
-def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Report:
-    """Build the run of `cfg` for slice `slc` and compile its per-step programs: the rollout (sampling and the
-    reference log-probs), the update, the evaluation rollout (with eval_steps) and each reward model (on one
-    chip, as the trainer runs them). `cfg` must be validated for `slc.chips` devices."""
+def lower_reward_model(model: Any, mesh: Any, shape: tuple[int, int]) -> tuple[Callable[[], Any], int]:
+    """(a function lowering the trainer's reward-model call (`rloo_jax.rewards.reward_model_jit`) for `model`,
+    abstract, on `mesh` for global batches of `shape` [N, T]; its weights' bytes per chip, sharded by the rule
+    table as the policy's)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import SingleDeviceSharding
+
+    from rloo_jax.mesh import param_shardings
+    from rloo_jax.rewards import reward_model_jit
+
+    graphdef, params = nnx.split(model)
+    shardings = param_shardings(params, mesh)
+    placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+    fn = reward_model_jit(graphdef, mesh, shardings, shape)
+    ids = jax.ShapeDtypeStruct(shape, jnp.int32)
+    return (lambda: fn.lower(placed, ids, ids)), per_chip_bytes(placed)
+
+
+def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Report:
+    """Build the run of `cfg` for slice `slc` and compile its per-step programs: the rollout (sampling and the
+    reference log-probs), the update, the evaluation rollout (with eval_steps) and each reward model (sharded over
+    the slice like the policy, as the trainer runs them). `cfg` must be validated for `slc.chips` devices."""
+    import jax
+    import jax.numpy as jnp
 
     from rloo_jax.build import make_optimizer, model_options, policy, prepare, sampling_config, step_config
     from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops
@@ -385,7 +405,14 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     n = b * cfg.num_generations
     weights = jax.ShapeDtypeStruct((len(cfg.resolved_reward_weights),), jnp.float32, sharding=replicated(mesh))
     hbm = slc.chip.hbm_bytes
-    state_bytes = per_chip_bytes(state)
+    options = model_options(cfg, "tpu")
+    width = -(-(p + cfg.max_completion_length) // cfg.prompt_bucket) * cfg.prompt_bucket  # prompt + completion
+    reward_models = []  # (model, its lowering, its weights' bytes per chip), sharded like the policy
+    for folder in run.reward_models:
+        rm = abstract_model(folder, "reward", options["dtype"])
+        reward_models.append((rm, *lower_reward_model(rm, mesh, (n, width))))
+    # resident whatever runs: the train state and the reward models' weights (the trainer keeps both on the chips)
+    state_bytes = per_chip_bytes(state) + sum(rm_bytes for *_, rm_bytes in reward_models)
     # the batch arrays (prompt ids and masks, completion ids, masks and log-probs): small next to the state
     batch = 4 * (2 * b * p + 4 * n * cfg.max_completion_length) // cfg.data_shards
 
@@ -430,20 +457,11 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         eb = cfg.eval_batch_size // g
         add("eval_rollout", lambda: sampler.lower_rollout(state, (eb, p)), state_bytes,
             model.sampling(eb, p, g, c) / chips, decode_floor(eb, g))
-    options = model_options(cfg, "tpu")
-    one = SingleDeviceSharding(devices[0])
-    for i, folder in enumerate(run.reward_models):
-        rm = abstract_model(folder, "reward", options["dtype"])
-        rm_graphdef, rm_params = nnx.split(rm)
-        rm_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), rm_params)
-        width = -(-(p + cfg.max_completion_length) // cfg.prompt_bucket) * cfg.prompt_bucket
-        ids = jax.ShapeDtypeStruct((n, width), jnp.int32, sharding=one)
-        score = jax.jit(lambda s, x, m, g=rm_graphdef: nnx.merge(g, s)(x, m))
-        resident = per_chip_bytes(rm_params) + (state_bytes if devices[0] in mesh.devices.flat else 0)
+    for i, (rm, lower, _) in enumerate(reward_models):
         t = Transformer.of(rm.config)  # its head: D x 1 at one position per row
         rm_flops = forward_flops(t.layer_params, t.num_layers, rm.config.hidden_size, t.attention_width,
                                  tokens=n * width, scored=n, pairs=n * causal_pairs(0, width, t.window))
-        add(f"reward_model_{i}", lambda f=score, w=rm_params, x=ids: f.lower(w, x, x), resident, rm_flops)
+        add(f"reward_model_{i}", lower, state_bytes, rm_flops / chips)
     settings = {
         "model": cfg.model_name_or_path, "mesh": dict(zip(("data", "fsdp", "tensor"), cfg.mesh_shape, strict=True)),
         "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
@@ -454,6 +472,8 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "num_iterations": cfg.num_iterations,
     }
+    if reward_models:  # their weights per chip, resident in every program's figure
+        settings["reward_model_bytes_per_chip"] = [rm_bytes for *_, rm_bytes in reward_models]
     if cfg.use_peft:
         settings.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
                         trainable_params=sum(x.size for x in jax.tree.leaves(pol.params)))

@@ -3,8 +3,9 @@
 A checkpoint holds everything needed to resume exactly: the `TrainState` (params, optimizer state, reference
 params when kept, step), the RNG key, and a JSON `meta` item (the data iterator position and run facts).
 orbax writes into a temporary folder and renames it when complete, so a half-written checkpoint (a crash
-mid-save) is never listed, never restored; the next run deletes such leftovers. A state holding NaN/inf is
-refused (`NonFiniteError`) before anything is written.
+mid-save) is never listed, never restored; the next run deletes such leftovers. On object stores (`gs://`), which
+cannot rename, orbax marks a complete checkpoint with a `commit_success.txt` written last instead. A state holding
+NaN/inf is refused (`NonFiniteError`) before anything is written.
 """
 
 import os
@@ -13,6 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from rloo_jax import outputs
 
 ITEMS = ("state", "meta")
 
@@ -43,11 +46,11 @@ class Checkpointer:
     """Save / find / restore training checkpoints under one directory."""
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = None, async_save: bool = True) -> None:
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = outputs.join(directory)  # an absolute local path or a URL (gs://...): orbax takes both
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self._manager = ocp.CheckpointManager(outputs.resolve(self.directory), options=options, item_names=ITEMS)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""

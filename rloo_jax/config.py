@@ -485,7 +485,9 @@ class RLOOConfig:
     output_dir: str = _opt(
         "outputs/rloo",
         "logging",
-        "Where metrics.jsonl, rollouts.jsonl, config.yaml, checkpoints/ and final/ go.",
+        "Where metrics.jsonl, rollouts.jsonl, config.yaml, checkpoints/ and final/ go: a local folder or a URL "
+        "(gs://bucket/run, s3://...; needs gcsfs / s3fs). A run started again with the same output_dir resumes "
+        "there (docs/outputs.md).",
     )
     logging_steps: int = _opt(
         10,
@@ -524,6 +526,19 @@ class RLOOConfig:
         None,
         "logging",
         "Keep at most this many checkpoints (None keeps all).",
+    )
+    export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = _opt(
+        "auto",
+        "logging",
+        "dtype of the weights in final/ and final_merged/ (and of `python -m rloo_jax.export`): auto is the base "
+        "model's config.json dtype (bfloat16 for most hub models, as transformers saves them; float32 for a float32 "
+        "base); float32 keeps the float32 master weights (updates smaller than a bfloat16 step survive).",
+    )
+    export_max_shard_size: str = _opt(
+        "50GB",
+        "logging",
+        "Largest weights file of an export; bigger models are written as model-0000i-of-0000n.safetensors shards "
+        "with a model.safetensors.index.json, as transformers 5's save_pretrained (whose default this is).",
     )
     eval_steps: int | None = _opt(
         None,
@@ -789,6 +804,8 @@ class RLOOConfig:
         _check(self.lora_r >= 1, "lora_r", "must be >= 1", self.lora_r)
         _check(self.lora_alpha > 0, "lora_alpha", "must be > 0", self.lora_alpha)
         _check(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)", self.lora_dropout)
+        _check(_is_size(self.export_max_shard_size), "export_max_shard_size", "must be a size such as 5GB or 500MB",
+               self.export_max_shard_size)
         if self.merge_adapter_on_export and not self.use_peft:
             raise ConfigError("merge_adapter_on_export merges LoRA adapters, but use_peft is off; pass --use_peft or "
                               "drop --merge_adapter_on_export")
@@ -894,6 +911,16 @@ def _take_trl_options(init: Any) -> Any:
 
 
 RLOOConfig.__init__ = _take_trl_options(RLOOConfig.__init__)
+
+
+def _is_size(size: str) -> bool:
+    """A size huggingface_hub reads ("5GB", "500MB", "1000"), as transformers' max_shard_size."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        return int(size) > 0 if str(size).isdigit() else parse_size_to_int(size) > 0
+    except ValueError:
+        return False
 
 
 def _require(value: Any, message: str) -> None:

@@ -8,6 +8,7 @@ Outputs other tools rely on: `metrics.jsonl` (one object per logged step: `step`
 import json
 import math
 import os
+import tempfile
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rloo_jax import outputs
 from rloo_jax.errors import ConfigError
 
 
@@ -91,34 +93,36 @@ def _encode_float(x: float) -> float | str:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line; flushed after each write so a crash loses nothing written."""
+    """Appends one JSON object per line, flushed after each write so a crash loses nothing written; `path` local or
+    a URL (`rloo_jax.outputs.AppendFile`: there `sync()` uploads what was written, `close()` too)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = os.fspath(path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._file = outputs.AppendFile(path)
+        self.path = self._file.path
 
     def write(self, records: dict[str, Any] | Iterable[dict[str, Any]]) -> None:
-        for record in [records] if isinstance(records, dict) else records:
-            self._file.write(json.dumps(json_safe(record), ensure_ascii=False) + "\n")
-        self._file.flush()
+        records = [records] if isinstance(records, dict) else records
+        self._file.write("".join(json.dumps(json_safe(r), ensure_ascii=False) + "\n" for r in records))
+
+    def sync(self) -> None:
+        self._file.sync()
 
     def close(self) -> None:
         self._file.close()
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every record of a JSONL file (local or a URL)."""
+    return [json.loads(line) for line in outputs.read_text(path).splitlines() if line.strip()]
 
 
 def drop_records_after(path: str | os.PathLike, step: int) -> int:
     """On resume, remove records logged after the checkpoint `step` (they will be logged again), and a torn
     last line left by a process killed mid-write; returns how many records were dropped. The file is replaced
-    atomically, so a kill during this call leaves either the old or the new file."""
-    if not os.path.exists(path):
+    atomically (`outputs.write_text`), so a kill during this call leaves either the old or the new file."""
+    if not outputs.exists(path):
         return 0
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
+    lines = [line for line in outputs.read_text(path).splitlines(keepends=True) if line.strip()]
     keep = []
     for line in lines:
         try:
@@ -128,12 +132,7 @@ def drop_records_after(path: str | os.PathLike, step: int) -> int:
         if record.get("step", 0) <= step:
             keep.append(line if line.endswith("\n") else line + "\n")
     if len(keep) != len(lines):
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        outputs.write_text(path, "".join(keep))
     return len(lines) - len(keep)
 
 
@@ -158,35 +157,43 @@ WANDB_RUN_ID = "wandb_run_id"  # in output_dir: the W&B run a resumed run contin
 def wandb_run_id(output_dir: str) -> str:
     """The W&B run id of the run in `output_dir`: read from `output_dir/wandb_run_id`, or made and written there on
     the first start, so every restart of the run (resume) logs to the same W&B run."""
-    path = os.path.join(output_dir, WANDB_RUN_ID)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            run_id = f.read().strip()
+    path = outputs.join(output_dir, WANDB_RUN_ID)
+    if outputs.exists(path):
+        run_id = outputs.read_text(path).strip()
         if run_id:
             return run_id
     run_id = uuid.uuid4().hex[:16]
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(run_id + "\n")
+    outputs.write_text(path, run_id + "\n")
     return run_id
 
 
 class Sinks:
     """metrics.jsonl plus the optional TensorBoard / W&B writers named in `report_to` (W&B: the run named
-    `run_name`, with the id kept in output_dir so a resumed run continues it)."""
+    `run_name`, with the id kept in output_dir so a resumed run continues it); `output_dir` local or a URL
+    (TensorBoard's event files are then staged locally and uploaded by `sync`, `close`)."""
 
     def __init__(self, output_dir: str, report_to: Sequence[str], config: dict[str, Any],
                  run_name: str | None = None) -> None:
         self.jsonl = JsonlWriter(os.path.join(output_dir, "metrics.jsonl"))
-        self.tensorboard = self.wandb = None
+        self.tensorboard = self.wandb = self._tb_dir = None
         if "tensorboard" in report_to:
             from tensorboardX import SummaryWriter
 
-            self.tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            self._tb_dir = outputs.StagedDir(os.path.join(output_dir, "tensorboard"))
+            self.tensorboard = SummaryWriter(self._tb_dir.local)
         if "wandb" in report_to:
             import wandb
 
-            self.wandb = wandb.init(dir=output_dir, config=config, id=wandb_run_id(output_dir), name=run_name,
+            # W&B's own files need a local folder; its records live on the W&B server
+            local = tempfile.mkdtemp(prefix="rloo_jax_wandb_") if outputs.is_remote(output_dir) else output_dir
+            self.wandb = wandb.init(dir=local, config=config, id=wandb_run_id(output_dir), name=run_name,
                                     resume="allow")
+
+    def sync(self) -> None:
+        """Upload what was logged so far (a URL output_dir; a no-op for a local one): called before checkpoints."""
+        self.jsonl.sync()
+        if self._tb_dir is not None:
+            self._tb_dir.sync()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.jsonl.write({"step": step, **metrics})
@@ -202,6 +209,7 @@ class Sinks:
         self.jsonl.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+            self._tb_dir.close()
         if self.wandb is not None:
             self.wandb.finish()
 

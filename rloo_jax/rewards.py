@@ -449,17 +449,23 @@ def reward_model_texts(
 
 
 def right_pad(
-    token_lists: Sequence[Sequence[int]], pad_token_id: int, bucket: int
+    token_lists: Sequence[Sequence[int]], pad_token_id: int, bucket: int, width: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad to the longest row rounded up to a multiple of `bucket` -> (ids, mask) int32 [N, T]."""
-    longest = max((len(t) for t in token_lists), default=1)
-    width = max(1, -(-longest // bucket)) * bucket
+    """Right-pad to the longest row rounded up to a multiple of `bucket` (or to `width`, when given and wider)
+    -> (ids, mask) int32 [N, T]."""
+    width = max(padded_width(token_lists, bucket), width or 0)
     ids = np.full((len(token_lists), width), pad_token_id, np.int32)
     mask = np.zeros((len(token_lists), width), np.int32)
     for i, tokens in enumerate(token_lists):
         ids[i, : len(tokens)] = tokens
         mask[i, : len(tokens)] = 1
     return ids, mask
+
+
+def padded_width(token_lists: Sequence[Sequence[int]], bucket: int) -> int:
+    """The longest row rounded up to a multiple of `bucket` (at least one bucket): lengths [3, 6], bucket 4 -> 8."""
+    longest = max((len(t) for t in token_lists), default=1)
+    return max(1, -(-longest // bucket)) * bucket
 
 
 class RewardModelScorer:
@@ -485,7 +491,10 @@ class RewardModelScorer:
             ids = [t[-self.max_length :] for t in ids]  # keep the end: the last token is the one scored
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
-        input_ids, mask = right_pad(ids, int(pad or 0), self.bucket)
+        width = padded_width(ids, self.bucket)
+        if hasattr(self.score_fn, "common_width"):  # several processes score one global batch: one width for all
+            width = self.score_fn.common_width(width)
+        input_ids, mask = right_pad(ids, int(pad or 0), self.bucket, width)
         return np.asarray(self.score_fn(input_ids, mask), np.float32).tolist()
 
 
@@ -493,26 +502,130 @@ def load_reward_model_scorer(
     path: str, dtype: str = "float32", bucket: int = 64, chat_template_kwargs: dict | None = None,
     tokenizer: Any = None,
 ) -> RewardModelScorer:
-    """Load a reward model and its tokenizer (rloo_jax.models; `tokenizer` given: that one, right-padded, as TRL's
-    reward_processing_classes) and wrap them as a jitted reward function."""
-    import jax
-    from flax import nnx
-
+    """Load a reward model (into host memory) and its tokenizer (rloo_jax.models; `tokenizer` given: that one,
+    right-padded, as TRL's reward_processing_classes) and wrap them as a reward function; its weights go to the
+    devices at the first call, or sharded by `place_reward_models(funcs, mesh)`."""
     from rloo_jax.models import load_reward_model, load_tokenizer
 
-    model = load_reward_model(path, dtype=dtype)
-    graphdef, state = nnx.split(model)
-    score = jax.jit(lambda s, ids, mask: nnx.merge(graphdef, s)(ids, mask))
+    with _host_memory():
+        model = load_reward_model(path, dtype=dtype)
     if tokenizer is not None:
         tokenizer.padding_side = "right"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     return RewardModelScorer(
-        lambda ids, mask: score(state, ids, mask),
+        RewardModelCall(model),
         load_tokenizer(path, padding_side="right") if tokenizer is None else tokenizer,
         bucket=bucket,
         chat_template_kwargs=chat_template_kwargs,
     )
+
+
+def _host_memory() -> Any:
+    """A context placing new arrays in host memory (JAX's CPU device), where a whole reward model may wait before
+    it is sharded; the default device when the CPU backend is not enabled (JAX_PLATFORMS without cpu)."""
+    import contextlib
+
+    import jax
+
+    try:
+        return jax.default_device(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:
+        return contextlib.nullcontext()
+
+
+class RewardModelCall:
+    """A reward model as `(ids [N, T], mask [N, T]) -> scores [N]` (numpy in and out), jitted on the default device,
+    or after `place(mesh)` sharded like the policy: the rule table of `rloo_jax.mesh` (fsdp splits `embed`, tensor
+    splits heads / mlp / vocab; rows over data x fsdp), so a reward model fits wherever a policy of its size does.
+    Multi-process: each process passes its own rows (as many as every other process) and gets their scores back;
+    every process must call it at the same point (a collective)."""
+
+    def __init__(self, model: Any) -> None:
+        from flax import nnx
+
+        self.graphdef, self._params = nnx.split(model)  # host arrays until `place`
+        self.mesh: Any = None
+        self._placed: Any = None
+        self._shardings: Any = None
+        self._jits: dict[Any, Callable[..., Any]] = {}
+
+    def place(self, mesh: Any = None) -> None:
+        """Move the weights onto `mesh` by the rule table (None: the default device); the host copy is dropped."""
+        import jax
+
+        from rloo_jax.mesh import param_shardings, shard_params
+
+        if self._placed is not None:
+            raise RuntimeError("the reward model is already placed")
+        self.mesh = mesh
+        if mesh is None:
+            self._placed = jax.device_put(self._params, jax.local_devices()[0])
+        else:
+            self._shardings = param_shardings(self._params, mesh)
+            self._placed = shard_params(self._params, self._shardings)
+        self._params = None
+
+    def common_width(self, width: int) -> int:
+        """The widest padded batch of all processes (they pad to one width: one global array)."""
+        import jax
+
+        if self.mesh is None or jax.process_count() == 1:
+            return width
+        from jax.experimental import multihost_utils
+
+        return int(np.max(multihost_utils.process_allgather(np.int32(width))))
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        import jax
+
+        if self._placed is None:
+            self.place(None)
+        if self.mesh is None:
+            if None not in self._jits:
+                self._jits[None] = reward_model_jit(self.graphdef)
+            return np.asarray(self._jits[None](self._placed, ids, mask))
+        from rloo_jax.mesh import batch_sharding, host_local_batch_to_global, local_rows
+
+        shape = (ids.shape[0] * jax.process_count(), ids.shape[1])
+        if shape not in self._jits:
+            self._jits[shape] = reward_model_jit(self.graphdef, self.mesh, self._shardings, shape)
+        rows = batch_sharding(self.mesh, shape)
+        out = self._jits[shape](self._placed, host_local_batch_to_global(ids, self.mesh, rows),
+                                host_local_batch_to_global(mask, self.mesh, rows))
+        return local_rows(out)
+
+
+def reward_model_jit(graphdef: Any, mesh: Any = None, shardings: Any = None,
+                     shape: tuple[int, int] | None = None) -> Callable[..., Any]:
+    """`jax.jit` of `(params, ids, mask) -> scores`: plain, or on `mesh` for global batches of `shape` [N, T] with
+    the weights on `shardings` (`rloo_jax.mesh.param_shardings`), rows split over data x fsdp
+    (`batch_sharding(mesh, shape)`) and the model's activation constraints in force. Compile-only lowers this same
+    function (`rloo_jax.aot`)."""
+    import jax
+    from flax import nnx
+
+    def forward(params: Any, ids: Any, mask: Any) -> Any:
+        return nnx.merge(graphdef, params)(ids, mask)
+
+    if mesh is None:
+        return jax.jit(forward)
+    from rloo_jax.mesh import batch_sharding
+
+    def on_mesh(params: Any, ids: Any, mask: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return forward(params, ids, mask)
+
+    rows = batch_sharding(mesh, shape)
+    return jax.jit(on_mesh, in_shardings=(shardings, rows, rows), out_shardings=batch_sharding(mesh, shape[:1]))
+
+
+def place_reward_models(funcs: Sequence[RewardFunction], mesh: Any) -> None:
+    """Shard every reward model among `funcs` over `mesh` like the policy (None: one device)."""
+    for func in funcs:
+        scorer = func.fn
+        if isinstance(scorer, RewardModelScorer) and isinstance(scorer.score_fn, RewardModelCall):
+            scorer.score_fn.place(mesh)
 
 
 def format_reward_error(error: RewardError) -> str:

@@ -37,7 +37,8 @@ from jax.sharding import Mesh
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from rloo_jax import aot, demo
+from rloo_jax import aot, demo, outputs
+from rloo_jax import export as write
 from rloo_jax.build import (
     CACHE_ROOT,
     Given,
@@ -61,7 +62,6 @@ from rloo_jax.config import (
 )
 from rloo_jax.data import PromptBatch, PromptIterator, eval_batches, is_conversational
 from rloo_jax.errors import ConfigError, DataError, RewardError
-from rloo_jax.lora import merge_adapters
 from rloo_jax.mesh import (
     host_local_batch_to_global,
     initialize_distributed,
@@ -81,8 +81,15 @@ from rloo_jax.metrics import (
     rollout_records,
     weighted_rewards,
 )
-from rloo_jax.models import ModelLoadError, save_adapter, save_pretrained
-from rloo_jax.rewards import RewardLogs, TrainerState, compute_rewards, format_reward_error, repeat_per_generation
+from rloo_jax.models import ModelLoadError
+from rloo_jax.rewards import (
+    RewardLogs,
+    TrainerState,
+    compute_rewards,
+    format_reward_error,
+    place_reward_models,
+    repeat_per_generation,
+)
 from rloo_jax.rloo import RLOOOptions
 from rloo_jax.sampling import generate
 from rloo_jax.step import RLOOStep, StepConfig, completion_width, policy_params
@@ -494,6 +501,7 @@ def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
                           "on CPU use --remat_policy full")
     run = prepare(cfg, given=given)
     place = Placement(make_mesh(*cfg.mesh_shape) if cfg.device_count > 1 else None)
+    place_reward_models(run.reward_funcs, place.mesh)  # sharded like the policy (the mesh.py rule table)
     iterator = PromptIterator(len(run.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
     scfg = step_config(cfg, run)
     if cfg.max_steps > 0:
@@ -516,14 +524,14 @@ def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
                                rloo=RLOOOptions(beta=0.0))
         eval_sampler = RLOOStep(graphdef, optimizer, eval_scfg, mesh=place.mesh)
         eval_sampler.state_shardings = step_fn.state_shardings
-    out = os.path.abspath(cfg.output_dir)
+    out = cfg.output_dir  # a local folder or a URL (gs://...): every output goes through rloo_jax.outputs
     paths = {
-        "metrics": os.path.join(out, "metrics.jsonl"),
-        "rollouts": os.path.join(out, "rollouts.jsonl"),
-        "checkpoints": os.path.join(out, "checkpoints"),
-        "final": os.path.join(out, "final"),
-        "final_merged": os.path.join(out, "final_merged"),
-        "config": os.path.join(out, "config.yaml"),
+        "metrics": outputs.join(out, "metrics.jsonl"),
+        "rollouts": outputs.join(out, "rollouts.jsonl"),
+        "checkpoints": outputs.join(out, "checkpoints"),
+        "final": outputs.join(out, "final"),
+        "final_merged": outputs.join(out, "final_merged"),
+        "config": outputs.join(out, "config.yaml"),
     }
     return Session(
         cfg=cfg, run=run, place=place, step_fn=step_fn, graphdef=graphdef, iterator=iterator, total_steps=total,
@@ -540,7 +548,7 @@ def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
 
 def resume(s: Session) -> None:
     """Open the outputs; restore the newest checkpoint if there is one and drop the records logged after it."""
-    os.makedirs(os.path.abspath(s.cfg.output_dir), exist_ok=True)
+    outputs.makedirs(s.cfg.output_dir)
     s.ckpt = Checkpointer(s.paths["checkpoints"], max_to_keep=s.cfg.save_total_limit)  # every process: collective
     latest = s.ckpt.latest_step()
     if latest is not None:
@@ -571,9 +579,8 @@ def resume(s: Session) -> None:
         )
     elif dropped:
         print(f"No checkpoint in {s.paths['checkpoints']}: starting over (dropped {dropped} records of an earlier run)")
-    with open(s.paths["config"], "w", encoding="utf-8") as f:
-        f.write(s.cfg.to_yaml())
-    s.sinks = Sinks(os.path.abspath(s.cfg.output_dir), s.cfg.report_to, json_safe(s.cfg.to_dict()), s.cfg.run_name)
+    outputs.write_text(s.paths["config"], s.cfg.to_yaml())
+    s.sinks = Sinks(outputs.join(s.cfg.output_dir), s.cfg.report_to, json_safe(s.cfg.to_dict()), s.cfg.run_name)
     s.rollouts = JsonlWriter(s.paths["rollouts"])
 
 
@@ -609,6 +616,9 @@ def save(s: Session) -> None:
         "window": s.window.state_dict(),
         "reward_metrics": s.reward_metrics,  # log_metric values of the unlogged window
     }
+    if s.sinks is not None:  # the records so far go up with the checkpoint (a URL output_dir: uploaded now)
+        s.sinks.sync()
+        s.rollouts.sync()
     # the frozen base (LoRA) is not saved: resume reads it from model_name_or_path again
     s.ckpt.save(s.step, s.state.replace(frozen=None), s.place.replicate(s.base_key), meta)
     s.saved = s.step
@@ -839,7 +849,7 @@ def finish(s: Session, stopped: bool) -> None:
         raise NonFiniteError(f"refusing to export {s.paths['final']}: non-finite values in {', '.join(bad[:3])}")
     export(s)
     if s.place.is_main:
-        print(f"Done: {s.step} optimizer steps. Outputs in {os.path.abspath(s.cfg.output_dir)}:")
+        print(f"Done: {s.step} optimizer steps. Outputs in {outputs.join(s.cfg.output_dir)}:")
         names = ("metrics", "rollouts", "checkpoints", "final") + ("final_merged",) * s.cfg.merge_adapter_on_export
         for name in (*names, "config"):
             print(f"  {name:12s} {s.paths[name]}")
@@ -847,26 +857,26 @@ def finish(s: Session, stopped: bool) -> None:
 
 def export(s: Session) -> None:
     """`final/`: the policy as a Hugging Face folder, or with LoRA a PEFT adapter folder (plus, with
-    merge_adapter_on_export, `final_merged/`: the base with the adapters folded in)."""
+    merge_adapter_on_export, `final_merged/`: the base with the adapters folded in); written by `rloo_jax.export`
+    (the `python -m rloo_jax.export` code) in export_dtype, sharded past export_max_shard_size."""
     # the export needs the parameters on the host: gathered from every process's shards (all take part)
     gather = (lambda t: t) if s.place.mesh is None else s.place.gather_tree
     if not s.cfg.use_peft:
         host_params = gather(s.state.params)
-        if s.place.is_main:
-            save_pretrained(nnx.merge(s.graphdef, host_params), s.paths["final"], tokenizer=s.run.tokenizer)
-        return
-    adapters = gather(s.state.params)
-    base = gather(s.state.frozen) if s.cfg.merge_adapter_on_export else jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s.state.frozen)  # the adapter export reads no base
+        model = nnx.merge(s.graphdef, host_params) if s.place.is_main else None
+    else:
+        adapters = gather(s.state.params)
+        base = gather(s.state.frozen) if s.cfg.merge_adapter_on_export else jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), s.state.frozen)  # the adapter export reads no base
+        model = nnx.merge(s.graphdef, base, adapters) if s.place.is_main else None
     if not s.place.is_main:
         return
-    model = nnx.merge(s.graphdef, base, adapters)
-    local = os.path.isdir(os.path.expanduser(s.cfg.model_name_or_path))
-    name = os.path.abspath(s.run.model_dir) if local or s.cfg.model_name_or_path == "demo" else \
-        s.cfg.model_name_or_path
-    save_adapter(model, s.paths["final"], name, tokenizer=s.run.tokenizer)
-    if s.cfg.merge_adapter_on_export:
-        save_pretrained(merge_adapters(model), s.paths["final_merged"], tokenizer=s.run.tokenizer)
+    options = {"dtype": write.resolve_dtype(s.cfg.export_dtype, s.run.model.config.hf_config),
+               "max_shard_size": s.cfg.export_max_shard_size, "tokenizer": s.run.tokenizer}
+    write.write_policy(model, s.paths["final"], **options,
+                       base_name=write.adapter_base_name(s.cfg.model_name_or_path, s.run.model_dir))
+    if s.cfg.use_peft and s.cfg.merge_adapter_on_export:
+        write.write_policy(model, s.paths["final_merged"], **options, merged=True)
 
 
 def train(cfg: RLOOConfig, given: Given | None = None) -> TrainResult:
@@ -911,7 +921,7 @@ def compile_only(argv: Sequence[str], topology: str) -> int:
     for line in aot.table_lines(report):
         print(line)
     print(aot.verdict(report, lambda name: aot.advice(cfg, name)))
-    print(f"report: {report.write(os.path.abspath(cfg.output_dir))}")
+    print(f"report: {report.write(cfg.output_dir)}")
     return 0 if report.fits else 1
 
 

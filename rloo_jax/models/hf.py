@@ -411,38 +411,88 @@ def init_reward_model(
 
 
 # ----------------------------------------------------------------------------------------------- writing
-def export_tensors(model: CausalLM | RewardModel) -> dict[str, np.ndarray]:
-    """HF tensor name -> float32 numpy array, through the same table as loading (adapters are not included:
-    `save_adapter` writes them, `rloo_jax.lora.merge_adapters` folds them in)."""
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# transformers 5's `save_pretrained` default: one file up to 50 GB, past it `model-0000i-of-0000n.safetensors` shards
+# and a `model.safetensors.index.json` (huggingface_hub's greedy split, tensors in table order)
+MAX_SHARD_SIZE = "50GB"
+
+
+def export_tensors(model: CausalLM | RewardModel, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """HF tensor name -> numpy array in `dtype` ("float32" | "bfloat16" | "float16"), through the same table as
+    loading (adapters are not included: `save_adapter` writes them, `rloo_jax.lora.merge_adapters` folds them in)."""
     task = "reward" if isinstance(model, RewardModel) else "causal_lm"
-    return _export(weight_table(model.config, task), model)
+    source = _TensorSource(weight_table(model.config, task), model, dtype)
+    return {r.hf: source.tensor(r) for r in source.rows}
 
 
-def _export(rows: list[Row], model: nnx.Module) -> dict[str, np.ndarray]:
-    ours = dict(_flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
-    host: dict[str, np.ndarray] = {}  # each parameter fetched once (a stacked one serves all its layers)
-    out = {}
-    for r in rows:
-        for p in r.ours:
-            if p not in host:
-                host[p] = np.asarray(jax.device_get(ours[p]), dtype=np.float32)
-        parts = tuple(host[p] if r.layer is None else host[p][r.layer] for p in r.ours)
-        out[r.hf] = np.ascontiguousarray(r.transform.to_hf(parts))
-    return out
+class _TensorSource:
+    """HF tensors computed one at a time from a model's parameters: each parameter is fetched to the host once, in
+    its own dtype (a stacked one serves all its layers), and each tensor is converted to `dtype` as it is made, so
+    the host holds the parameters plus the tensors being written, never a float32 copy of a bf16 model."""
+
+    def __init__(self, rows: list[Row], model: nnx.Module, dtype: str) -> None:
+        if dtype not in EXPORT_DTYPES:
+            raise ValueError(f"export dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
+        self.rows, self.dtype = rows, EXPORT_DTYPES[dtype]
+        self._ours = dict(_flat_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+        self._host: dict[str, np.ndarray] = {}
+
+    def shape(self, row: Row) -> tuple[int, ...]:
+        return row.transform.hf_shape(tuple(_row_shape(self._ours[p].shape, row) for p in row.ours))
+
+    def tensor(self, row: Row) -> np.ndarray:
+        for p in row.ours:
+            if p not in self._host:
+                self._host[p] = np.asarray(jax.device_get(self._ours[p]))
+        parts = tuple(
+            (self._host[p] if row.layer is None else self._host[p][row.layer]).astype(np.float32, copy=False)
+            for p in row.ours
+        )
+        return np.ascontiguousarray(row.transform.to_hf(parts).astype(self.dtype))
 
 
-def save_pretrained(model: CausalLM | RewardModel, out_dir: str | Path, tokenizer: Any = None) -> Path:
-    """Write `config.json` + `model.safetensors` (float32) (+ tokenizer files) loadable by transformers'
-    `AutoModelForCausalLM` / `AutoModelForSequenceClassification` and by our loaders."""
+def _write_weights(source: _TensorSource, out: Path, name: str, max_shard_size: int | str) -> None:
+    """`name` (e.g. `model.safetensors`) or, past `max_shard_size`, its shards and index as transformers 5 writes
+    them; stale weight files of an earlier export in `out` are removed first."""
+    from huggingface_hub import split_state_dict_into_shards_factory
     from safetensors.numpy import save_file
 
+    itemsize = np.dtype(source.dtype).itemsize
+    shapes = {r.hf: source.shape(r) for r in source.rows}
+    split = split_state_dict_into_shards_factory(
+        shapes, get_storage_size=lambda shape: int(np.prod(shape, dtype=np.int64)) * itemsize,
+        filename_pattern=name.replace(".safetensors", "{suffix}.safetensors"), max_shard_size=max_shard_size,
+    )
+    stem, index_name = name.removesuffix(".safetensors"), f"{name}.index.json"
+    for old in out.glob(f"{stem}*.safetensors*"):
+        if old.name not in split.filename_to_tensors and (old.name == index_name or old.name == name or re.fullmatch(
+                rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}\.safetensors", old.name)):
+            old.unlink()
+    by_name = {r.hf: r for r in source.rows}
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: source.tensor(by_name[n]) for n in names}, str(out / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        total = sum(int(np.prod(s, dtype=np.int64)) for s in shapes.values())
+        index = {"metadata": {"total_parameters": total, **split.metadata}, "weight_map": split.tensor_to_filename}
+        (out / index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def save_pretrained(
+    model: CausalLM | RewardModel, out_dir: str | Path, tokenizer: Any = None, dtype: str = "float32",
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+) -> Path:
+    """Write `config.json` + the weights in `dtype` ("float32" | "bfloat16" | "float16"; `config.json` says which)
+    (+ tokenizer files) loadable by transformers' `AutoModelForCausalLM` / `AutoModelForSequenceClassification` and
+    by our loaders: one `model.safetensors`, or past `max_shard_size` (bytes or "5GB") shards with an index file."""
     task = "reward" if isinstance(model, RewardModel) else "causal_lm"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = config_to_hf(model.config, architecture_name(model.config, task))
+    hf["dtype"] = dtype
     if task == "reward":
         hf.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    save_file(export_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_weights(_TensorSource(weight_table(model.config, task), model, dtype), out, "model.safetensors",
+                   max_shard_size)
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
@@ -454,17 +504,17 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def save_adapter(model: CausalLM, out_dir: str | Path, base_model_name_or_path: str, tokenizer: Any = None) -> Path:
-    """Write a PEFT LoRA adapter folder: `adapter_config.json` + `adapter_model.safetensors` (float32) (+ tokenizer
+def save_adapter(
+    model: CausalLM, out_dir: str | Path, base_model_name_or_path: str, tokenizer: Any = None, dtype: str = "float32"
+) -> Path:
+    """Write a PEFT LoRA adapter folder: `adapter_config.json` + `adapter_model.safetensors` in `dtype` (+ tokenizer
     files), which `peft.PeftModel.from_pretrained(base, out_dir)` and `load_causal_lm(out_dir)` load."""
-    from safetensors.numpy import save_file
-
     spec = model.config.lora
     if spec is None:
         raise ValueError("the model has no adapters")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(_export(adapter_table(model.config), model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    _write_weights(_TensorSource(adapter_table(model.config), model, dtype), out, ADAPTER_WEIGHTS, MAX_SHARD_SIZE)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
