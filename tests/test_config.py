@@ -211,7 +211,7 @@ def test_yaml_round_trip():
 
 
 def run_cli(*args, cwd=ROOT):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ)  # the platform the suite runs on (conftest): the CPU, or the accelerator
     return subprocess.run(
         [sys.executable, "-m", "rloo_jax.train", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120
     )

@@ -62,7 +62,7 @@ class Launch:
 
     def __init__(self, out, cache, log, run=RUN):
         self.log = log
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # the suite's platform (conftest)
         args = [*run, "--output_dir", str(out), "--compilation_cache_dir", str(cache)]
         self.stdout, self.stderr = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
