@@ -1111,7 +1111,9 @@ def parse_argv(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
             raise ConfigError(f"unexpected argument {arg!r}; options look like --name value or --name=value")
         key, has_eq, value = arg[2:].partition("=")
         if not has_eq:
-            takes_flag = key.replace("-", "_") in hints and hints[key.replace("-", "_")] is bool
+            name = key.replace("-", "_")
+            name = ALIASES.get(name) or VLLM_ALIASES.get(name) or name
+            takes_flag = hints.get(name) in (bool, bool | None)  # `--bf16` alone means true
             if i + 1 < len(argv) and not (takes_flag and argv[i + 1].startswith("--")):
                 value, i = argv[i + 1], i + 1
             elif takes_flag:
