@@ -267,7 +267,8 @@ def gather_for_decode(cfg: RLOOConfig, run: Run, device_bytes: int | None = None
     if cfg.mesh_shape[1] == 1 or not device_bytes:
         return False
     params = sum(x.size for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
-    copy = params * jnp.dtype(run.model.config.dtype).itemsize / cfg.mesh_shape[2]
+    bf16 = cfg.bf16 if cfg.bf16 is not None else run.model.config.dtype == "bfloat16"  # None: as the model loaded
+    copy = params * (2 if bf16 else 4) / cfg.mesh_shape[2]
     return copy <= GATHER_FRACTION * device_bytes
 
 

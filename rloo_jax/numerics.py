@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import textwrap
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, Literal
 
@@ -73,19 +74,18 @@ def resolve(cfg: Any, platform: str) -> Any:
     return dataclasses.replace(cfg, **settings, device_count=cfg.device_count, process_count=cfg.process_count)
 
 
-def describe(cfg: Any, resolved: Any, platform: str) -> str:
-    """One line for the start of a run: each resolved setting, marked (auto) where the platform chose it.
+def describe(cfg: Any, resolved: Any, platform: str, width: int = 118) -> str:
+    """The start-of-run line(s): each resolved setting, starred where the platform chose it (None given).
 
-    Example: `numerics on gpu: bf16 true (auto), matmul_precision default (auto), gradient_checkpointing true
-    (auto), scan_layers true (auto)`.
+    Example: `numerics on gpu (* auto): bf16 true*, matmul_precision default*, gradient_checkpointing true*,
+    scan_layers false`; wrapped at `width`.
     """
 
     def text(v: Any) -> str:
         return str(v).lower() if isinstance(v, bool) else str(v)
 
-    parts = [f"{name} {text(getattr(resolved, name))}" + (" (auto)" if getattr(cfg, name) is None else "")
-             for name in AUTO]
-    return f"numerics on {platform}: " + ", ".join(parts)
+    parts = [f"{name} {text(getattr(resolved, name))}" + "*" * (getattr(cfg, name) is None) for name in AUTO]
+    return textwrap.fill(f"numerics on {platform} (* auto): " + ", ".join(parts), width, subsequent_indent="  ")
 
 
 # ------------------------------------------------------------------------------------------------ matmul precision

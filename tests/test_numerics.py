@@ -49,7 +49,7 @@ def test_resolved_settings_by_platform():
     assert (resolved.bf16, resolved.scan_layers, resolved.matmul_precision) == (True, False, "default")
     assert numerics.resolve(resolved, "gpu") is resolved  # nothing left to resolve
     assert numerics.describe(make(scan_layers=False), resolved, "gpu") == (
-        "numerics on gpu: bf16 true (auto), matmul_precision default (auto), gradient_checkpointing true (auto), "
+        "numerics on gpu (* auto): bf16 true*, matmul_precision default*, gradient_checkpointing true*, "
         "scan_layers false")
 
 
@@ -155,8 +155,8 @@ def test_cli_float32_gap_and_precision_and_determinism_options(tmp_path, capsys)
                      "--full_determinism", "true"]) == 0
         assert jax.config.jax_default_matmul_precision == "bfloat16"
     stdout = capsys.readouterr().out
-    assert ("numerics on cpu: bf16 false (auto), matmul_precision highest, gradient_checkpointing false (auto), "
-            "scan_layers false (auto)") in stdout
+    assert ("numerics on cpu (* auto): bf16 false*, matmul_precision highest, gradient_checkpointing false*, "
+            "scan_layers false*") in stdout
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert (saved["bf16"], saved["matmul_precision"], saved["full_determinism"]) == (False, "highest", True)
     assert (saved["gradient_checkpointing"], saved["scan_layers"]) == (False, False)
