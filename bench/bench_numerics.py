@@ -7,8 +7,8 @@ sampled tokens against the training forward's at the same parameters (`sampling/
 largest per-sequence sum of the gap, the step-1 `kl` (policy = reference) with the sampler's log-probs and with
 recomputed ones, TRL GRPO's sequence ratio exp(sum of gaps) (min / max, share outside [1/1.2, 1.2]: where
 `epsilon` 0.2 would clip it before any update), and the wall time of `finish` (reference pass) with and without
-the recompute pass next to one update (median of --repeats, the same process; only ratios mean anything on a
-shared machine).
+the recompute pass next to sampling and one update (medians of --repeats rounds, the phases interleaved in each
+round; only ratios mean anything on a shared machine).
 
     .venv/bin/python bench/bench_numerics.py [--sizes tiny small] [--repeats 5] [--steps 3]
 """
@@ -58,19 +58,23 @@ def measure(size: str, dtype: str, steps: int, repeats: int) -> dict:
     res = {k: (max(v) if k.endswith(("max", "1.2")) else min(v) if k.endswith("min") else statistics.mean(v))
            for k, v in out.items()}
 
-    def median(fn: object) -> float:
-        fn()  # compiled and warm
-        return statistics.median(timeit(fn, repeats))
-
     sampled = step.sample(state, ids, mask, jax.random.key(99))
     ro = step.finish(state, sampled, 64)
     rewards = jnp.asarray(distinct_reward(np.asarray(ro.completion_ids)))
-    res["finish_s"] = median(lambda: jax.block_until_ready(step.finish(state, sampled, 64)))
-    res["finish_recompute_s"] = median(lambda: jax.block_until_ready(recompute.finish(state, sampled, 64)))
-    res["sample_s"] = median(lambda: jax.block_until_ready(step.sample(state, ids, mask, jax.random.key(5))))
     copy = jax.tree.map(jnp.copy, state)
-    res["update_s"] = median(lambda: jax.block_until_ready(step.update(jax.tree.map(jnp.copy, copy), ro, rewards,
-                                                                        w)))
+    phases = {
+        "finish_s": lambda: jax.block_until_ready(step.finish(state, sampled, 64)),
+        "finish_recompute_s": lambda: jax.block_until_ready(recompute.finish(state, sampled, 64)),
+        "sample_s": lambda: jax.block_until_ready(step.sample(state, ids, mask, jax.random.key(5))),
+        "update_s": lambda: jax.block_until_ready(step.update(jax.tree.map(jnp.copy, copy), ro, rewards, w)),
+    }
+    times = {name: [] for name in phases}
+    for fn in phases.values():
+        fn()  # compiled and warm
+    for _ in range(repeats):  # interleaved: a change in the machine's load falls on every phase alike
+        for name, fn in phases.items():
+            times[name] += timeit(fn, 1)
+    res.update({name: statistics.median(t) for name, t in times.items()})
     step_s = res["sample_s"] + res["finish_s"] + res["update_s"]
     res["recompute_share_of_step"] = (res["finish_recompute_s"] - res["finish_s"]) / step_s
     return res

@@ -653,7 +653,9 @@ class RLOOStep:
             grad_norm = optax.global_norm(grads)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            m = {name: _reduce(name, values) for name, values in m.items()}
+            # micro-batches of one update: TRL logs the mean of per-micro-batch values (clip ratios, loss, ...);
+            # the sampler/trainer statistics are the generation batch's, whose extremes are the micro-batches'
+            m = {name: _reduce(name, v) if name.startswith("sampling/") else jnp.mean(v) for name, v in m.items()}
             m["grad_norm"] = grad_norm
             return (params, opt_state), m
 
