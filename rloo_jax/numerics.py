@@ -35,14 +35,15 @@ NVIDIA GPUs), high = tensorfloat32 (three bf16 passes on TPU), highest = float32
 float32 whatever the value."""
 
 # Options whose None means "decide by platform", in resolution order: each gets the values resolved before it and
-# whether the platform is an accelerator. A new platform-dependent option is one more line here.
-AUTO: dict[str, Callable[[dict[str, Any], bool], Any]] = {
+# the platform ("cpu", "gpu", "tpu"). A new platform-dependent option is one more line here.
+AUTO: dict[str, Callable[[dict[str, Any], str], Any]] = {
     # TRL's GPU default; on CPU bf16 is not faster at small sizes (DESIGN.md section 4)
-    "bf16": lambda done, accelerator: accelerator,
+    "bf16": lambda done, platform: platform != "cpu",
     # what a float32 run means: float32 matmuls on every backend; bf16 runs keep JAX's fast default
-    "matmul_precision": lambda done, accelerator: "default" if done["bf16"] else "highest",
-    "gradient_checkpointing": lambda done, accelerator: accelerator,
-    "scan_layers": lambda done, accelerator: accelerator,
+    "matmul_precision": lambda done, platform: "default" if done["bf16"] else "highest",
+    # memory is the limit on accelerators; on CPU both cost time (BENCHMARKS.md)
+    "gradient_checkpointing": lambda done, platform: platform != "cpu",
+    "scan_layers": lambda done, platform: platform != "cpu",
 }
 
 # XLA's flag for run-to-run deterministic GPU programs (present in jaxlib 0.10's XLA: "Guarantees run-to-run
@@ -58,11 +59,10 @@ def resolved_settings(cfg: Any, platform: str) -> dict[str, Any]:
     scan_layers: True}; "cpu" -> {False, "highest", False, False}; bf16 False on "tpu" -> matmul_precision
     "highest".
     """
-    accelerator = platform != "cpu"
     done: dict[str, Any] = {}
     for name, auto in AUTO.items():
         value = getattr(cfg, name)
-        done[name] = auto(done, accelerator) if value is None else value
+        done[name] = auto(done, platform) if value is None else value
     return done
 
 
