@@ -2,6 +2,7 @@
 #   make run    -> python -m rloo_jax.train on the built-in default (needs no network); installs the package only
 #                  (EXTRAS=tpu on a TPU VM, EXTRAS=cuda on a GPU node)
 #   make test   -> ruff + the whole pytest suite; adds the test extra (CPU torch, TRL, peft, libtpu, ...)
+#   make test-accelerator -> the suite on this machine's GPU or TPU (EXTRAS=cuda on a GPU node)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -9,7 +10,7 @@ EXTRAS ?=
 # the tests never reach the hub (tiny models are built locally); `make run` may (a hub id in ARGS downloads)
 OFFLINE = HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: run test lint install install-test bench clean
+.PHONY: run test test-accelerator lint install install-test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +39,13 @@ lint: $(VENV)/.installed-test
 # JAX_PLATFORMS=cpu: libtpu (test extra) is installed, but tests run on the CPU and compile for TPUs ahead of time
 test: lint
 	$(OFFLINE) JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The suite on the accelerator JAX finds (JAX_PLATFORMS empty): float32 tests compute at `highest` matmul precision
+# and XLA's deterministic GPU ops are on (tests/conftest.py); tests marked cpu_only are skipped, each with its reason;
+# GPU memory is allocated as needed, not preallocated. docs/numerics.md.
+test-accelerator: $(VENV)/.installed-test
+	$(if $(EXTRAS),$(BIN)/pip install -q -e ".[$(EXTRAS)]")
+	JAX_PLATFORMS= XLA_PYTHON_CLIENT_PREALLOCATE=false $(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

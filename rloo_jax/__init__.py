@@ -1,5 +1,6 @@
 """rloo_jax: REINFORCE Leave-One-Out (TRL's RLOOTrainer math) as pure, jittable JAX functions."""
 
+from rloo_jax import numerics
 from rloo_jax.config import RLOOConfig
 from rloo_jax.errors import ConfigError, DataError, RewardError
 from rloo_jax.logprobs import (
@@ -24,11 +25,13 @@ from rloo_jax.rloo import (
     clipped_objective,
     combine_rewards,
     grpo_advantages,
+    importance_sampling_weights,
     kl_loss,
     nanstd,
     normalize_advantages,
     rloo_advantages,
     rloo_loss,
+    sampling_logp_difference,
     score_completions,
     sequence_kl,
     token_kl,
@@ -79,6 +82,7 @@ __all__ = [
     "completion_mask",
     "entropy_from_logits",
     "grpo_advantages",
+    "importance_sampling_weights",
     "kl_loss",
     "masked_mean",
     "nanstd",
@@ -87,7 +91,9 @@ __all__ = [
     "per_token_logps_from_hidden",
     "rloo_advantages",
     "rloo_loss",
+    "sampling_logp_difference",
     "score_completions",
     "sequence_kl",
     "token_kl",
+    "numerics",
 ]

@@ -334,10 +334,10 @@ def advice(cfg: Any, program: str) -> list[str]:
         tips.append("a smaller generation batch (--per_device_train_batch_size or --steps_per_generation)")
     if program.startswith("reward_model"):  # sharded like the policy, stored in the compute dtype
         tips = ["a smaller generation batch (--per_device_train_batch_size or --steps_per_generation)"]
-        if not cfg.bf16:
+        if cfg.bf16 is False:  # None: on for a TPU
             tips.append("--bf16 true (the reward model is stored and run in the compute dtype)")
         return [*tips, "a smaller reward model, or a slice with more chips (--fsdp -1 shards over all)"]
-    if not cfg.bf16:
+    if cfg.bf16 is False:  # None: on for a TPU
         tips.append("--bf16 true (bfloat16 activations, KV cache and reference model)")
     if cfg.mu_dtype != "bfloat16":
         tips.append("--mu_dtype bfloat16")
@@ -381,7 +381,19 @@ def lower_reward_model(model: Any, mesh: Any, shape: tuple[int, int]) -> tuple[C
 def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Report:
     """Build the run of `cfg` for slice `slc` and compile its per-step programs: the rollout (sampling and the
     reference log-probs), the update, the evaluation rollout (with eval_steps) and each reward model (sharded over
-    the slice like the policy, as the trainer runs them). `cfg` must be validated for `slc.chips` devices."""
+    the slice like the policy, as the trainer runs them). `cfg` must be validated for `slc.chips` devices.
+    Platform-dependent options are resolved for a TPU and the programs are traced at the run's matmul precision
+    (`rloo_jax.numerics`)."""
+    from rloo_jax import numerics
+
+    resolved = numerics.resolve(cfg, "tpu")
+    out(numerics.describe(cfg, resolved, "tpu"))
+    with numerics.kept_matmul_precision():
+        numerics.use_matmul_precision(resolved.matmul_precision)
+        return _compile_run(resolved, slc, out)
+
+
+def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     import jax
     import jax.numpy as jnp
 
@@ -435,7 +447,9 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         return weights + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
 
     g = cfg.num_generations
-    rollout_flops = model.sampling(b, p, g, c) + (model.batch_forward(b, p, g, c) if cfg.beta > 0 else 0.0)
+    # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed)
+    passes = (cfg.beta > 0) + scfg.recompute
+    rollout_flops = model.sampling(b, p, g, c) + passes * model.batch_forward(b, p, g, c)
     add("rollout", lambda: step.lower_rollout(state, (b, p)), state_bytes + batch, rollout_flops / chips,
         decode_floor(b, g))
     # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
@@ -466,6 +480,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
         "model": cfg.model_name_or_path, "mesh": dict(zip(("data", "fsdp", "tensor"), cfg.mesh_shape, strict=True)),
         "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
         "max_completion_length": cfg.max_completion_length, **options, "mu_dtype": cfg.mu_dtype,
+        "matmul_precision": cfg.matmul_precision, "recompute_old_logps": scfg.recompute,
         "beta": cfg.beta, "sampler_gather_weights": scfg.sampling.gather_weights,
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,

@@ -28,6 +28,7 @@ from rloo_jax.lora import split_adapters, with_adapters
 from rloo_jax.metrics import check_report_to
 from rloo_jax.models import ModelLoadError, abstract_model, load_causal_lm, load_tokenizer, lora_spec
 from rloo_jax.models.hf import resolve_checkpoint
+from rloo_jax.numerics import resolved_settings
 from rloo_jax.rewards import (
     RewardFunction,
     builtin_rewards,
@@ -108,19 +109,19 @@ def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTra
 # ------------------------------------------------------------------------------------------------ models
 def model_options(cfg: RLOOConfig, platform: str) -> dict[str, Any]:
     """The policy's dtypes and execution options (`ModelConfig` fields) from the run config, for the platform
-    the programs run on ("cpu", "gpu", "tpu"): `scan_layers` and `gradient_checkpointing` None mean on for
-    accelerators, off on the CPU (where both cost time and memory is not the limit; BENCHMARKS.md). With
-    `use_peft` these are the base's options; `policy` adds the adapters."""
-    accelerator = platform != "cpu"
-    remat = accelerator if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing
-    dtype = "bfloat16" if cfg.bf16 else "float32"
+    the programs run on ("cpu", "gpu", "tpu"): `bf16`, `scan_layers` and `gradient_checkpointing` None mean on
+    for accelerators, off on the CPU (where they cost time and memory is not the limit; BENCHMARKS.md), as
+    `rloo_jax.numerics.resolved_settings` decides. With `use_peft` these are the base's options; `policy` adds
+    the adapters."""
+    settings = resolved_settings(cfg, platform)
+    dtype = "bfloat16" if settings["bf16"] else "float32"
     return {
         "dtype": dtype,
         # LoRA: the base is never trained, so it is read straight into the compute dtype (as TRL + peft load it);
         # param_dtype is then the adapters' storage
         "param_dtype": dtype if cfg.use_peft else cfg.param_dtype,
-        "scan_layers": accelerator if cfg.scan_layers is None else cfg.scan_layers,
-        "remat_policy": cfg.remat_policy if remat else "none",
+        "scan_layers": settings["scan_layers"],
+        "remat_policy": cfg.remat_policy if settings["gradient_checkpointing"] else "none",
     }
 
 
@@ -266,8 +267,7 @@ def prepare(cfg: RLOOConfig, abstract: bool = False, given: Given | None = None)
         sources,
         builtins,
         lambda path: load_reward_model_scorer(
-            path, "bfloat16" if cfg.bf16 else "float32", cfg.prompt_bucket, cfg.chat_template_kwargs,
-            tokenizer=reward_tokenizers.get(path),
+            path, options["dtype"], cfg.prompt_bucket, cfg.chat_template_kwargs, tokenizer=reward_tokenizers.get(path),
         )
         if not abstract
         else (lambda **kwargs: None),  # compiled, never called, in compile-only mode
@@ -314,7 +314,8 @@ def gather_for_decode(cfg: RLOOConfig, run: Run, device_bytes: int | None = None
     if cfg.mesh_shape[1] == 1 or not device_bytes:
         return False
     params = sum(x.size for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
-    copy = params * (2 if cfg.bf16 else 4) / cfg.mesh_shape[2]
+    bf16 = cfg.bf16 if cfg.bf16 is not None else run.model.config.dtype == "bfloat16"  # None: as the model loaded
+    copy = params * (2 if bf16 else 4) / cfg.mesh_shape[2]
     return copy <= GATHER_FRACTION * device_bytes
 
 
@@ -349,9 +350,13 @@ def step_config(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> S
             missing_eos_penalty=cfg.missing_eos_penalty,
             kl_estimator=cfg.kl_estimator,
             token_level_kl=cfg.token_level_kl,
+            importance_sampling_mode=cfg.importance_sampling_mode if cfg.importance_sampling_correction else None,
+            importance_sampling_clip_min=cfg.importance_sampling_clip_min,
+            importance_sampling_clip_max=cfg.importance_sampling_clip_max,
         ),
         num_iterations=cfg.num_iterations,
         steps_per_generation=cfg.resolved_steps_per_generation,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         dropout_seed=cfg.seed if cfg.use_peft and cfg.lora_dropout > 0 else None,
+        recompute_old_logps=cfg.recompute_old_logps,
     )

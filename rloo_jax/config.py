@@ -23,6 +23,7 @@ import yaml
 from rloo_jax.data import parse_tfds_name
 from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.mesh import _resolve_mesh_shape
+from rloo_jax.numerics import MatmulPrecision
 from rloo_jax.tpu import parse_slice
 from rloo_jax.trl_options import DECISIONS, is_trl_only, split_options
 
@@ -34,6 +35,14 @@ ALIASES = {
     "kl_coef": "beta",
     "cliprange": "epsilon",
     "num_ppo_epochs": "num_iterations",
+}
+# TRL GRPO's names of the importance-sampling options (there between vLLM and the trainer) -> ours
+VLLM_ALIASES = {
+    "vllm_importance_sampling_correction": "importance_sampling_correction",
+    "vllm_importance_sampling_mode": "importance_sampling_mode",
+    "vllm_importance_sampling_clip_min": "importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max": "importance_sampling_clip_max",
+    "vllm_importance_sampling_cap": "importance_sampling_clip_max",  # TRL's deprecated name of clip_max
 }
 REPORT_TO_CHOICES = ("none", "tensorboard", "wandb")
 DEFAULT_CACHE_DIR = "~/.cache/rloo_jax"
@@ -71,12 +80,22 @@ class RLOOConfig:
         "Accepted for TRL compatibility. rloo_jax never executes code shipped with a model: only the config "
         "and safetensors weights are read, so this option changes nothing.",
     )
-    bf16: bool = _opt(
-        False,
+    bf16: bool | None = _opt(
+        None,
         "model",
         "Compute in bfloat16: matmuls in bfloat16 with float32 accumulation; master weights and optimizer stay in "
-        "param_dtype / mu_dtype, the frozen reference model's matrices are stored in bfloat16. TRL defaults to "
-        "True on GPUs; on CPU bf16 is not faster at small sizes, so the default here is False.",
+        "param_dtype / mu_dtype, the frozen reference model's matrices are stored in bfloat16. None: on for TPU "
+        "and GPU (and --compile_only), as TRL on GPUs; off on CPU, where bf16 is not faster at small sizes.",
+    )
+    matmul_precision: MatmulPrecision | None = _opt(
+        None,
+        "model",
+        "Precision of float32 matmuls in the whole run (training, sampling, evaluation, reward models, "
+        "--compile_only), MaxText's option with jax's values: default (= bfloat16: one bfloat16 pass on TPU, TF32 "
+        "on NVIDIA GPUs), high (= tensorfloat32; three bfloat16 passes on TPU), highest (= float32). None: highest "
+        "when bf16 is off (a float32 run computes in float32 on every backend), default with bf16 (its matmuls "
+        "take bfloat16 inputs). XLA:CPU computes float32 matmuls in float32 whatever the value. "
+        "docs/numerics.md.",
     )
 
     # --- memory
@@ -355,6 +374,43 @@ class RLOOConfig:
         "algorithm",
         "Number of iterations per batch (denoted as μ in the algorithm).",
     )
+    recompute_old_logps: bool | None = _opt(
+        None,
+        "algorithm",
+        "Where the old (behaviour) log-probs come from. True: a training forward over the completions at the "
+        "sampling parameters, next to the reference pass (as TRL's RLOO always does): the clipped ratio and the "
+        "KL in the reward then never see the sampler/trainer rounding gap. False: the sampler's own log-probs. "
+        "None: True when the run is off-policy (steps_per_generation > gradient_accumulation_steps or "
+        "num_iterations > 1) or LoRA dropout is on, else False: on-policy the update's forward itself runs at "
+        "the sampling parameters (ratio exactly 1), so no extra forward is needed. Costs one no-gradient forward "
+        "per generation batch when on. docs/numerics.md.",
+    )
+    importance_sampling_correction: bool = _opt(
+        False,
+        "algorithm",
+        "Weight each sequence's loss by the ratio of the training forward's to the sampler's probability of it "
+        "(TRL GRPO's vllm_importance_sampling_correction, here between our sampler and trainer): corrects for the "
+        "rounding gap between the two paths (sampling/sampling_logp_difference). Off by default: the gap is "
+        "~1e-7 in float32 and the ratio's spread in bfloat16 is noise of its own (docs/numerics.md).",
+    )
+    importance_sampling_mode: Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] = _opt(
+        "sequence_mask",
+        "algorithm",
+        "How the importance-sampling ratio is bounded (TRL GRPO's modes): sequence_* use one ratio per sequence "
+        "exp(sum of the token gaps), token_* one per token; *_truncate clips it to [clip_min, clip_max], *_mask "
+        "sets it to 0 outside. RLOO's objective is per sequence, so token_* modes need a token-level loss "
+        "(the Python API's RLOOOptions(level='token')).",
+    )
+    importance_sampling_clip_min: float | None = _opt(
+        None,
+        "algorithm",
+        "Lower bound C_min of the importance-sampling ratio (None: no lower bound).",
+    )
+    importance_sampling_clip_max: float | None = _opt(
+        3.0,
+        "algorithm",
+        "Upper bound C_max of the importance-sampling ratio (TRL's default 3.0; None: no upper bound).",
+    )
     epsilon: float = _opt(
         0.2,
         "algorithm",
@@ -479,6 +535,14 @@ class RLOOConfig:
         42,
         "optimization",
         "Random seed: initialization of the demo model, data order and sampling.",
+    )
+    full_determinism: bool = _opt(
+        False,
+        "optimization",
+        "Run-to-run deterministic GPU programs (TRL's option): XLA's deterministic-ops flag is set before the JAX "
+        "backend starts, so two runs with the same seed log the same metrics and a resumed run continues "
+        "bit-exactly on GPU too. Costs GPU speed (deterministic scatter for the embedding gradient, no "
+        "timing-based kernel choice); TPU and CPU programs are deterministic without it. docs/numerics.md.",
     )
 
     # --- logging
@@ -659,6 +723,11 @@ class RLOOConfig:
         return self.generation_batch_size // self.num_generations
 
     @property
+    def on_policy(self) -> bool:
+        """One optimizer update per generation batch: the update's forward runs at the sampling parameters."""
+        return self.num_iterations == 1 and self.resolved_steps_per_generation == self.gradient_accumulation_steps
+
+    @property
     def resolved_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
@@ -801,6 +870,7 @@ class RLOOConfig:
             "must be in [0, 1]",
             self.ref_model_mixup_alpha,
         )
+        self._validate_importance_sampling()
         _check(self.lora_r >= 1, "lora_r", "must be >= 1", self.lora_r)
         _check(self.lora_alpha > 0, "lora_alpha", "must be > 0", self.lora_alpha)
         _check(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)", self.lora_dropout)
@@ -874,6 +944,36 @@ class RLOOConfig:
             raise ConfigError(
                 f"reward_weights has {len(self.reward_weights)} values but there are {count} reward functions"
                 f"{names}; give one weight per function, in that order"
+            )
+
+    def _validate_importance_sampling(self) -> None:
+        """Old log-probs and importance-sampling options are consistent (TRL GRPO's checks, plus ours)."""
+        if self.recompute_old_logps is False and not self.on_policy:
+            raise ConfigError(
+                "recompute_old_logps false: this run is off-policy (num_iterations > 1 or steps_per_generation > "
+                "gradient_accumulation_steps), so its clipped ratio needs old log-probs from the training forward; "
+                "drop --recompute_old_logps (None decides) or set it true"
+            )
+        lo, hi = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        _check(lo is None or lo >= 0, "importance_sampling_clip_min", "must be >= 0 or None", lo)
+        _check(hi is None or hi > 0, "importance_sampling_clip_max", "must be > 0 or None", hi)
+        if lo is not None and hi is not None and lo >= hi:
+            raise ConfigError(
+                f"importance_sampling_clip_min ({lo}) must be below importance_sampling_clip_max ({hi}); fix one of "
+                "them"
+            )
+        if not self.importance_sampling_correction:
+            return
+        if self.importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
+            raise ConfigError(
+                f"importance_sampling_mode {self.importance_sampling_mode} clips the ratio to [clip_min, clip_max]: "
+                "set --importance_sampling_clip_min and/or --importance_sampling_clip_max"
+            )
+        if self.importance_sampling_mode.startswith("token_"):
+            raise ConfigError(
+                f"importance_sampling_mode {self.importance_sampling_mode} weights each token's loss, but RLOO's loss "
+                "is per sequence (TRL's RLOO): use sequence_mask or sequence_truncate (token modes need a token-level "
+                "loss: the Python API's RLOOOptions(level='token'))"
             )
 
     def _validate_distributed(self) -> None:
@@ -1050,9 +1150,14 @@ def canonical_name(name: str, source: str) -> str:
         new = ALIASES[name]
         logger.warning("note: `%s` is the old TRL name of `%s` (TRL <= 0.21); using %s", name, new, new)
         return new
+    if name in VLLM_ALIASES:
+        new = VLLM_ALIASES[name]
+        logger.warning("note: `%s` is TRL GRPO's name of `%s` (here between our sampler and trainer); using %s",
+                       name, new, new)
+        return new
     if name in field_names() or name in DECISIONS:  # ours, or one of TRL's (decided in trl_options)
         return name
-    near = difflib.get_close_matches(name, field_names() + list(ALIASES), n=1, cutoff=0.6)
+    near = difflib.get_close_matches(name, field_names() + list(ALIASES) + list(VLLM_ALIASES), n=1, cutoff=0.6)
     hint = f"; did you mean --{near[0]}?" if near else "; see --help for the list"
     raise ConfigError(f"unknown option {name!r} in {source}{hint}")
 
@@ -1087,7 +1192,8 @@ def parse_argv(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
         key, has_eq, value = arg[2:].partition("=")
         if not has_eq:
             name = key.replace("-", "_")
-            takes_flag = hints.get(name) in (bool, bool | None) or is_trl_only(name)
+            name = ALIASES.get(name) or VLLM_ALIASES.get(name) or name
+            takes_flag = hints.get(name) in (bool, bool | None) or is_trl_only(name)  # `--bf16` alone means true
             if i + 1 < len(argv) and not (takes_flag and argv[i + 1].startswith("--")):
                 value, i = argv[i + 1], i + 1
             elif takes_flag:
@@ -1129,6 +1235,12 @@ def compile_only_slice(argv: Sequence[str]) -> str | None:
     return coerce(values.get("topology"), hints["topology"], "topology")
 
 
+def full_determinism_option(argv: Sequence[str]) -> bool:
+    """`--full_determinism` from `--config` and the command line, before the rest of the config is validated:
+    XLA reads its flags when the JAX backend starts, which happens before the config can be checked."""
+    return coerce(_raw_values(argv, None).get("full_determinism", False), bool, "full_determinism")
+
+
 def distributed_options(argv: Sequence[str]) -> tuple[str | None, int | None, int | None]:
     """(coordinator_address, num_processes, process_id) from `--config` and the command line, before the rest
     of the config is validated: the multi-process runtime must start first (the device count depends on it)."""
@@ -1161,9 +1273,10 @@ def format_help() -> str:
         "Train a causal LM with RLOO (TRL 1.16's RLOOTrainer math) in JAX. Options are read from the YAML "
         "file first, then from the command line. With neither --config nor --model_name_or_path, the "
         "built-in demo (configs/default.yaml: a tiny model on a synthetic task, no network) runs.",
-        f"Old TRL names are accepted: {', '.join(f'{k} -> {v}' for k, v in ALIASES.items())}. So is every other "
-        "option of TRL 1.16's RLOOConfig and `trl rloo` script: read without effect (named in a note) or refused "
-        "with the reason (docs/trl_options.md).",
+        f"Old TRL names are accepted: {', '.join(f'{k} -> {v}' for k, v in ALIASES.items())}; so are TRL GRPO's "
+        f"vllm_importance_sampling_* names ({', '.join(f'{k} -> {v}' for k, v in VLLM_ALIASES.items())}). So is "
+        "every other option of TRL 1.16's RLOOConfig and `trl rloo` script: read without effect (named in a note) "
+        "or refused with the reason (docs/trl_options.md).",
     ]
     group = None
     hints = _hints()

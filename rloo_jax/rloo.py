@@ -20,6 +20,7 @@ from rloo_jax.logprobs import masked_mean
 Array = jax.Array
 KLEstimator = Literal["k1", "k2", "k3"]
 Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+ImportanceSamplingMode = Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"]
 
 _NORM_EPS = 1e-4  # TRL adds 1e-4 to the std when normalising
 
@@ -183,6 +184,81 @@ def grpo_advantages(
     return a.reshape(-1)
 
 
+# ----------------------------------------------------------------------------------------------- sampler vs trainer
+
+
+def sampling_logp_difference(train_logps: Array, sampler_logps: Array, mask: Array) -> dict[str, Array]:
+    """The sampler/trainer gap (TRL GRPO's metrics): ``|train_t - sampler_t|`` over the tokens of ``mask``.
+
+    Two code paths compute the log-prob of each sampled token: the sampler (KV-cache decode) and the training
+    forward (one pass over prompt + completion). With the same parameters they differ only by rounding: ~1e-7 in
+    float32, ~1e-3 in bfloat16 (docs/numerics.md).
+
+    Args:
+      train_logps, sampler_logps, mask: ``[N, C]``.
+
+    Returns:
+      ``{"sampling/sampling_logp_difference/mean": [], ".../max": []}``, both 0 for an empty mask. Example:
+      train ``[[-1, -2]]``, sampler ``[[-1.5, -2]]``, mask ``[[1, 1]]`` -> mean 0.25, max 0.5.
+    """
+    chex.assert_equal_shape((train_logps, sampler_logps, mask))
+    m = mask.astype(jnp.float32)
+    delta = jnp.abs(train_logps - sampler_logps) * m
+    return {
+        "sampling/sampling_logp_difference/mean": jnp.sum(delta) / jnp.maximum(jnp.sum(m), 1.0),
+        "sampling/sampling_logp_difference/max": jnp.max(jnp.where(m > 0, delta, 0.0)),
+    }
+
+
+def importance_sampling_weights(
+    train_logps: Array,
+    sampler_logps: Array,
+    mask: Array,
+    mode: ImportanceSamplingMode = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[Array, dict[str, Array]]:
+    """Importance-sampling correction between the sampler and the trainer (TRL GRPO's four modes and bounds).
+
+    ``d_t = (train_t - sampler_t) * m_t`` (NaN -> 0). ``sequence_*``: one ratio per sequence
+    ``rho_i = exp(sum_t d_t)``; ``token_*``: ``rho_it = exp(d_t)``. ``*_truncate``: ``clip(rho, clip_min,
+    clip_max)`` (None: that side unbounded); ``*_mask``: ``rho`` where ``clip_min <= rho <= clip_max``, else 0.
+    The loss of each sequence (``sequence_*``) or token (``token_*``) is multiplied by its weight
+    (``clipped_objective(..., importance_weights=)``); no gradient flows through it.
+
+    Args:
+      train_logps: ``[N, C]`` training forward at the sampling parameters; sampler_logps, mask: ``[N, C]``.
+
+    Returns:
+      ``(weights, metrics)``: weights ``[N]`` (sequence modes) or ``[N, C]`` (token modes, 1 outside the mask
+      before bounding); metrics ``sampling/importance_sampling_ratio/min|mean|max`` over the sequences or the
+      masked tokens (0 when there are none). Example: d = ``[[0.1, 0.2]]`` -> sequence_truncate with clip_max 1.2:
+      ``[1.2]`` (exp(0.3) = 1.35 clipped); sequence_mask: ``[0.0]``; token_truncate: ``[[1.105, 1.2]]``.
+    """
+    chex.assert_equal_shape((train_logps, sampler_logps, mask))
+    m = mask.astype(jnp.float32)
+    d = jnp.nan_to_num(jax.lax.stop_gradient(train_logps - sampler_logps) * m, nan=0.0)
+    sequence = mode.startswith("sequence_")
+    rho = jnp.exp(jnp.sum(d, axis=1) if sequence else d)
+    lo = -jnp.inf if clip_min is None else clip_min
+    hi = jnp.inf if clip_max is None else clip_max
+    if mode.endswith("_truncate"):
+        rho = jnp.clip(rho, lo, hi)
+    elif mode.endswith("_mask"):
+        rho = jnp.where((rho >= lo) & (rho <= hi), rho, 0.0)
+    else:
+        raise ValueError(f"importance sampling mode must be one of {ImportanceSamplingMode.__args__}, got {mode!r}")
+    counted = jnp.ones_like(rho) if sequence else m
+    n = jnp.sum(counted)
+    metrics = {
+        "sampling/importance_sampling_ratio/min": jnp.where(n > 0, jnp.min(jnp.where(counted > 0, rho, jnp.inf)), 0.0),
+        "sampling/importance_sampling_ratio/mean": jnp.sum(rho * counted) / jnp.maximum(n, 1.0),
+        "sampling/importance_sampling_ratio/max": jnp.where(n > 0, jnp.max(jnp.where(counted > 0, rho, -jnp.inf)),
+                                                            0.0),
+    }
+    return rho, metrics
+
+
 # ----------------------------------------------------------------------------------------------- objective
 
 
@@ -196,6 +272,7 @@ def clipped_objective(
     level: Literal["sequence", "token"] = "sequence",
     aggregation: Aggregation = "grpo",
     num_items: Array | None = None,
+    importance_weights: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """PPO-style clipped surrogate: ``loss = -min(rho * A, clip(rho, 1 - eps, 1 + eps_high) * A)``.
 
@@ -211,6 +288,8 @@ def clipped_objective(
       advantages: ``[N]``.
       mask: ``[N, C]`` completion mask.
       epsilon, epsilon_high: clip range ``[1 - epsilon, 1 + epsilon_high]``; epsilon_high defaults to epsilon.
+      importance_weights: ``[N]`` (or ``[N, C]`` at ``level="token"``), e.g. from ``importance_sampling_weights``:
+        each sequence's (token's) loss is multiplied by it before aggregation, as TRL's GRPO does. No gradient.
 
     Returns:
       ``(loss [], metrics)``; metrics (TRL names): ``clip_ratio/low_mean``, ``clip_ratio/low_min``,
@@ -236,6 +315,13 @@ def clipped_objective(
         raise ValueError(f"level must be 'sequence' or 'token', got {level!r}")
     ratio = jnp.exp(log_ratio)
     loss_each = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * a)
+    if importance_weights is not None:
+        w = jax.lax.stop_gradient(importance_weights.astype(jnp.float32))
+        if level == "sequence":
+            chex.assert_shape(w, (per_token_logps.shape[0],))
+        elif w.ndim == 1:
+            w = w[:, None]
+        loss_each = loss_each * w
 
     if level == "sequence":
         loss = jnp.mean(loss_each)
@@ -297,6 +383,10 @@ class RLOOOptions:
     loss instead, ``beta * mean_tokens(token_kl)``, with its gradient (GRPO-style KL-in-loss)."""
     level: Literal["sequence", "token"] = "sequence"
     aggregation: Aggregation = "grpo"
+    importance_sampling_mode: ImportanceSamplingMode | None = None
+    """Sampler/trainer importance-sampling correction (``importance_sampling_weights``); None: off."""
+    importance_sampling_clip_min: float | None = None
+    importance_sampling_clip_max: float | None = 3.0
 
     @property
     def kl_in_reward(self) -> bool:
@@ -383,6 +473,7 @@ def rloo_loss(
     num_generations: int,
     reward_weights: Array | None = None,
     options: RLOOOptions = RLOOOptions(),
+    importance_weights: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """TRL 1.16's RLOO end to end on one batch: ``score_completions`` then ``clipped_objective``.
 
@@ -397,6 +488,8 @@ def rloo_loss(
       ref_per_token_logps: ``[N, C]`` or None (beta == 0).
       rewards_per_func: ``[N, F]`` (NaN = None).
       completion_mask: ``[N, C]``; is_truncated: ``[N]``.
+      importance_weights: optional sampler/trainer correction (``importance_sampling_weights``), passed to
+        ``clipped_objective``.
 
     Returns:
       ``(loss [], metrics)``: the union of ``score_completions`` and ``clipped_objective`` metrics, plus ``loss``.
@@ -425,6 +518,7 @@ def rloo_loss(
         epsilon_high=options.epsilon_high,
         level=options.level,
         aggregation=options.aggregation,
+        importance_weights=importance_weights,
     )
     if options.beta != 0.0 and options.token_level_kl:
         loss = loss + options.beta * kl_loss(per_token_logps, ref, mask, options.kl_estimator)

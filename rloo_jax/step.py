@@ -38,7 +38,14 @@ from rloo_jax.mesh import (
     shard_params,
     state_shardings,
 )
-from rloo_jax.rloo import RLOOOptions, clipped_objective, kl_loss, score_completions
+from rloo_jax.rloo import (
+    RLOOOptions,
+    clipped_objective,
+    importance_sampling_weights,
+    kl_loss,
+    sampling_logp_difference,
+    score_completions,
+)
 from rloo_jax.sampling import SamplingConfig, generate_fn
 
 Array = jax.Array
@@ -64,8 +71,9 @@ class Rollout:
     completion_ids: Array  # [N, C] int32, right-padded with pad
     completion_mask: Array  # [N, C] int32 (zero rows for truncated completions if mask_truncated_completions)
     is_truncated: Array  # [N] bool
-    old_logps: Array  # [N, C] float32, behaviour-policy log-probs at generation time (the sampler's; exact)
+    old_logps: Array  # [N, C] float32, behaviour-policy log-probs: the sampler's, or recomputed by `finish`
     ref_logps: Array | None  # [N, C] float32, reference log-probs; None when beta == 0
+    sampler_logps: Array | None = None  # [N, C] float32, the sampler's when old_logps were recomputed, else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +92,10 @@ class StepConfig:
     dropout_seed: int | None = None
     """LoRA dropout in the update's forwards: micro-batch i of update u draws from fold_in(fold_in(key(seed),
     step + u), i) (None: no dropout; the model's `lora.dropout` is then unused)."""
+    recompute_old_logps: bool | None = None
+    """Old log-probs from a training forward at the sampling parameters (``finish``, beside the reference pass)
+    instead of the sampler's; the KL in the reward then uses them too. None: when off-policy or with dropout
+    (the update's own forward cannot stand in for them then). See ``recompute``."""
     logprob_chunk: int = 64
     """Sequence positions unembedded at a time when computing log-probs (bounds the [.., V] logits held: at
     8 rows x 1024 positions and V = 152k, 64 keeps the log-prob pass under 1/8 of the full float32 logits;
@@ -95,6 +107,8 @@ class StepConfig:
                 f"steps_per_generation ({self.steps_per_generation}) must be a multiple of "
                 f"gradient_accumulation_steps ({self.gradient_accumulation_steps})"
             )
+        if self.recompute_old_logps is False and not self.on_policy:
+            raise ValueError("an off-policy step needs recomputed old log-probs (recompute_old_logps None or True)")
 
     @property
     def num_generations(self) -> int:
@@ -109,6 +123,15 @@ class StepConfig:
     def on_policy(self) -> bool:
         """One update per generation batch: old = stop_gradient(current), the ratio is exactly 1."""
         return self.num_iterations == 1 and self.steps_per_generation == self.gradient_accumulation_steps
+
+    @property
+    def recompute(self) -> bool:
+        """Whether ``finish`` recomputes the old log-probs with a training forward (TRL's rule: off-policy). On
+        policy without dropout the update's forward runs at the sampling parameters and stands in for it: the
+        ratio is exactly 1 and the sampler/trainer gap is measured there, at no extra cost."""
+        if self.recompute_old_logps is not None:
+            return self.recompute_old_logps
+        return not self.on_policy or self.dropout_seed is not None
 
     @property
     def updates_per_generation(self) -> int:
@@ -187,7 +210,7 @@ def truncate(rollout: Rollout, width: int) -> Rollout:
 
     return rollout.replace(
         completion_ids=cut(rollout.completion_ids), completion_mask=cut(rollout.completion_mask),
-        old_logps=cut(rollout.old_logps), ref_logps=cut(rollout.ref_logps),
+        old_logps=cut(rollout.old_logps), ref_logps=cut(rollout.ref_logps), sampler_logps=cut(rollout.sampler_logps),
     )
 
 
@@ -332,12 +355,14 @@ class RLOOStep:
         self, num_prompts: int, with_ref: bool = True
     ) -> tuple[NamedSharding, NamedSharding, Rollout]:
         """Shardings of the prompts ``[B, ..]``, the completions ``[N, ..]`` (rows only: any width) and a whole
-        ``Rollout`` (``with_ref``: with its reference log-probs when beta != 0; else as ``sample`` returns it)."""
+        ``Rollout`` (``with_ref``: as ``finish`` returns it, with its reference log-probs when beta != 0 and the
+        sampler's log-probs when the old ones are recomputed; else as ``sample`` returns it)."""
         b = batch_sharding(self.mesh, (num_prompts,))
         n = batch_sharding(self.mesh, (num_prompts * self.cfg.num_generations,))
         ro = Rollout(
             prompt_ids=b, prompt_mask=b, completion_ids=n, completion_mask=n, is_truncated=n, old_logps=n,
             ref_logps=n if self.cfg.rloo.beta != 0.0 and with_ref else None,
+            sampler_logps=n if self.cfg.recompute and with_ref else None,
         )
         return b, n, ro
 
@@ -442,6 +467,7 @@ class RLOOStep:
             prompt_ids=sds((b, p), i32), prompt_mask=sds((b, p), i32), completion_ids=sds((n, c), i32),
             completion_mask=sds((n, c), i32), is_truncated=sds((n,), jnp.bool_), old_logps=sds((n, c), f32),
             ref_logps=sds((n, c), f32) if self.cfg.rloo.beta != 0.0 else None,
+            sampler_logps=sds((n, c), f32) if self.cfg.recompute else None,
         )
         rewards = sds((n, reward_weights.shape[0]), f32)
         return self._update_jit(b).lower(state, rollout, rewards, reward_weights)
@@ -493,26 +519,34 @@ class RLOOStep:
 
     def _finish(self, state: TrainState, rollout: Rollout, width: int) -> Rollout:
         """The rollout cut to ``width`` completion positions (``truncate``), with the reference log-probs when
-        beta != 0, computed in the update's micro-batches: the reference pass never holds more activations than
-        a training step."""
+        beta != 0 and, when ``cfg.recompute``, the old log-probs from a training forward at the sampling
+        parameters (no dropout; the sampler's kept as ``sampler_logps``). Both run in the update's micro-batches:
+        these passes never hold more activations than a training step."""
         cfg = self.cfg
         rollout = truncate(rollout, width)
-        if cfg.rloo.beta == 0.0:
+        if cfg.rloo.beta == 0.0 and not cfg.recompute:
             return rollout
         mask = rollout.completion_mask
         micro = self._micro_batches(
             rollout.prompt_ids, rollout.prompt_mask, {"completion_ids": rollout.completion_ids, "mask": mask}
         )
         ref = state.frozen if state.ref_params is None else state.ref_params  # LoRA: the base, adapters off
+        passes = {"ref": (self.ref_graphdef, ref)} if cfg.rloo.beta != 0.0 else {}
+        if cfg.recompute:  # the policy exactly as it sampled (same parameters; training forward, no dropout)
+            passes["old"] = (self.graphdef, policy_params(state))
 
-        def ref_pass(i: Array) -> Array:
+        def forward(i: Array) -> dict[str, Array]:
             mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
-            return completion_logps(
-                self.ref_graphdef, ref, mb["prompt_ids"], mb["prompt_mask"],
-                mb["completion_ids"], mb["mask"], cfg.temperature, cfg.logprob_chunk,
-            )
+            return {name: completion_logps(graphdef, params, mb["prompt_ids"], mb["prompt_mask"],
+                                           mb["completion_ids"], mb["mask"], cfg.temperature, cfg.logprob_chunk)
+                    for name, (graphdef, params) in passes.items()}
 
-        return rollout.replace(ref_logps=_map(ref_pass, cfg.steps_per_generation).reshape(mask.shape) * mask)
+        out = {k: v.reshape(mask.shape) * mask for k, v in _map(forward, cfg.steps_per_generation).items()}
+        if "ref" in out:
+            rollout = rollout.replace(ref_logps=out["ref"])
+        if "old" in out:
+            rollout = rollout.replace(old_logps=out["old"], sampler_logps=rollout.old_logps)
+        return rollout
 
     # -- scoring ------------------------------------------------------------------------------------------------
     def _score(self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array) -> tuple[Array, dict]:
@@ -549,9 +583,25 @@ class RLOOStep:
         mask = mb["mask"].astype(jnp.float32)
         old = jax.lax.stop_gradient(logps) if cfg.on_policy else mb["old_logps"]
         r = cfg.rloo
+        # the sampler/trainer gap: training-forward log-probs at the sampling parameters vs the sampler's. Not
+        # recomputed (on-policy, no dropout), this forward is that training forward.
+        if cfg.recompute:
+            trained, sampled = mb["old_logps"], mb["sampler_logps"]
+        else:
+            trained, sampled = jax.lax.stop_gradient(logps), mb["old_logps"]
+        gap = sampling_logp_difference(trained, sampled, mask)
+        weights = None
+        if r.importance_sampling_mode is not None:
+            weights, is_metrics = importance_sampling_weights(
+                trained, sampled, mask, r.importance_sampling_mode, r.importance_sampling_clip_min,
+                r.importance_sampling_clip_max,
+            )
+            gap.update(is_metrics)
         loss, metrics = clipped_objective(
-            logps, old, mb["advantages"], mask, r.epsilon, r.epsilon_high, r.level, r.aggregation
+            logps, old, mb["advantages"], mask, r.epsilon, r.epsilon_high, r.level, r.aggregation,
+            importance_weights=weights,
         )
+        metrics.update(gap)
         if r.beta != 0.0 and r.token_level_kl:
             loss = loss + r.beta * kl_loss(logps, mb["ref_logps"], mask, r.kl_estimator)
         metrics["entropy"] = masked_mean(entropy, mask)
@@ -569,6 +619,8 @@ class RLOOStep:
             "old_logps": rollout.old_logps,
             "advantages": adv,
         }
+        if cfg.recompute:
+            batch["sampler_logps"] = rollout.sampler_logps
         if cfg.rloo.beta != 0.0 and cfg.rloo.token_level_kl:
             batch["ref_logps"] = rollout.ref_logps
         micro = self._micro_batches(rollout.prompt_ids, rollout.prompt_mask, batch)
@@ -601,19 +653,15 @@ class RLOOStep:
             grad_norm = optax.global_norm(grads)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            m = jax.tree.map(jnp.mean, m)
+            # micro-batches of one update: TRL logs the mean of per-micro-batch values (clip ratios, loss, ...);
+            # the sampler/trainer statistics are the generation batch's, whose extremes are the micro-batches'
+            m = {name: _reduce(name, v) if name.startswith("sampling/") else jnp.mean(v) for name, v in m.items()}
             m["grad_norm"] = grad_norm
             return (params, opt_state), m
 
         (params, opt_state), ms = _scan(one_update, (state.params, state.opt_state), cfg.updates_per_generation)
         # TRL averages per-micro-batch values over the logging window; extremes keep their extreme
-        for name, values in ms.items():
-            if name == "clip_ratio/low_min":
-                metrics[name] = jnp.min(values)
-            elif name == "clip_ratio/high_max":
-                metrics[name] = jnp.max(values)
-            else:
-                metrics[name] = jnp.mean(values)
+        metrics.update({name: _reduce(name, values) for name, values in ms.items()})
         new_state = state.replace(params=params, opt_state=opt_state, step=state.step + cfg.updates_per_generation)
         return new_state, metrics
 
@@ -639,6 +687,16 @@ class RLOOStep:
         return state.replace(ref_params=sync_reference(state.params, state.ref_params, alpha))
 
 
+def _reduce(name: str, values: Array) -> Array:
+    """Per-micro-batch values of metric ``name`` -> one: the min of minima (``*_min``, ``*/min``), the max of
+    maxima, else the mean."""
+    if name.endswith(("_min", "/min")):
+        return jnp.min(values)
+    if name.endswith(("_max", "/max")):
+        return jnp.max(values)
+    return jnp.mean(values)
+
+
 def _scan(f: Callable, init: object, length: int) -> tuple[object, object]:
     """``lax.scan(f, init, arange(length))``; one direct call when ``length == 1`` (XLA:CPU copies a while loop's
     carry, here the parameters and optimizer state, in and out)."""
@@ -648,10 +706,10 @@ def _scan(f: Callable, init: object, length: int) -> tuple[object, object]:
     return jax.lax.scan(f, init, jnp.arange(length))
 
 
-def _map(f: Callable[[Array], Array], length: int) -> Array:
-    """``lax.map(f, arange(length))`` stacked ``[length, ...]``; one direct call when ``length == 1``."""
+def _map(f: Callable[[Array], object], length: int) -> object:
+    """``lax.map(f, arange(length))`` stacked ``[length, ...]`` (leafwise); one direct call when ``length == 1``."""
     if length == 1:
-        return f(jnp.zeros((), jnp.int32))[None]
+        return jax.tree.map(lambda x: x[None], f(jnp.zeros((), jnp.int32)))
     return jax.lax.map(f, jnp.arange(length))
 
 

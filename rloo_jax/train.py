@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from rloo_jax import aot, demo, outputs
+from rloo_jax import aot, demo, numerics, outputs
 from rloo_jax import export as write
 from rloo_jax.build import (
     CACHE_ROOT,
@@ -57,6 +57,7 @@ from rloo_jax.config import (
     compile_only_slice,
     distributed_options,
     format_help,
+    full_determinism_option,
     load_config,
     parse_argv,
 )
@@ -492,8 +493,16 @@ class TrainResult:
 def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
     """Build the run, its step and its fresh state (`given`: objects of the Python API instead of what the config
     names); nothing is written."""
+    if cfg.full_determinism:
+        numerics.enable_determinism()  # warns when the backend already started (a Python session)
     start_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     cfg = for_this_machine(cfg)
+    # platform-dependent options resolved once: what runs, what is printed, what config.yaml records
+    resolved = numerics.resolve(cfg, jax.default_backend())
+    numerics.use_matmul_precision(resolved.matmul_precision)
+    if jax.process_index() == 0:
+        print(numerics.describe(cfg, resolved, jax.default_backend()))
+    cfg = resolved
     enable_compilation_cache(cfg)
     if cfg.remat_policy == "full_offloaded" and cfg.gradient_checkpointing and jax.default_backend() == "cpu":
         # (None, the default, leaves checkpointing off on the CPU)
@@ -882,7 +891,7 @@ def export(s: Session) -> None:
 def train(cfg: RLOOConfig, given: Given | None = None) -> TrainResult:
     """Run training (resuming from output_dir's newest checkpoint); returns the last logged metrics and the output
     paths (also after a SIGTERM, once the checkpoint is saved). `given`: the Python API's objects (RLOOTrainer)."""
-    with StopRequest() as stop:
+    with StopRequest() as stop, numerics.kept_matmul_precision():  # the run's precision, not the session's
         s = setup(cfg, given)
         try:
             resume(s)
@@ -943,6 +952,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         topology = compile_only_slice(argv)
         if topology is not None:
             return compile_only(argv, topology)
+        if full_determinism_option(argv):
+            numerics.enable_determinism()  # XLA reads its flags when the backend starts: before anything below
         # the multi-process runtime starts before anything else touches JAX; the config is then checked against
         # the devices of all processes (the mesh sizes and the global batch depend on them)
         start_distributed(*distributed_options(argv))

@@ -1,11 +1,15 @@
-"""Test-wide settings: no hub lookups (the network is closed), deterministic CPU jax."""
+"""Test-wide settings: no hub lookups (the network is closed), CPU jax unless asked for the accelerator, float32
+matmuls in float32 on every backend, deterministic GPU programs, `cpu_only` tests skipped on an accelerator."""
 
 import os
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `make test`: the CPU. `make test-accelerator` sets JAX_PLATFORMS empty: JAX picks the GPU or TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # GCS clients (gs:// tests against a local fake, tests/gcs.py) never look for credentials or probe a metadata
 # server; gcsfs and google-auth read these once, at import
@@ -13,5 +17,24 @@ for _name, _value in {"FSSPEC_GCS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUP
                       "NO_GCE_CHECK": "true"}.items():
     os.environ.setdefault(_name, _value)
 
+if os.environ["JAX_PLATFORMS"] != "cpu":
+    from rloo_jax.numerics import enable_determinism
+
+    enable_determinism()  # same-seed runs (in-process and the CLI subprocesses, which inherit XLA_FLAGS) agree
+
+import jax  # noqa: E402
+
+# The float32 tests assert float32 agreement (1e-6..1e-4: logits vs transformers, prefill vs decode, update = SGD,
+# ...). JAX's default float32 matmul is TF32 on NVIDIA GPUs and one bfloat16 pass on TPUs (1e-3..2e-2 measured on
+# an H100), so the suite computes them at `highest` (a no-op on XLA:CPU). Runs of the product (`train`, the CLI)
+# set their own resolved matmul_precision and put this one back (rloo_jax.numerics).
+jax.config.update("jax_default_matmul_precision", "highest")
+
 # Session-scoped tiny offline checkpoints (built once per test session), usable from every test module.
 pytest_plugins = ["tests.fixtures_models"]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("cpu_only")
+    if marker is not None and jax.default_backend() != "cpu":
+        pytest.skip(f"cpu_only: {marker.kwargs.get('reason') or (marker.args[0] if marker.args else '')}")

@@ -93,13 +93,15 @@ def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys): 
         assert set(p) >= {"argument_bytes", "temp_bytes", "flops", "output_bytes"}
     assert report["programs"]["update"]["flops"] > report["programs"]["rollout"]["flops"] > 0
     # what the model needs (tests/test_efficiency.py works these out by hand), per chip of 4; the compiler's
-    # update recomputes the forward (full remat: ~4/3), its rollout decodes into a padded KV cache
+    # update recomputes the forward (full remat: ~4/3), its rollout decodes into a padded KV cache. Off-policy
+    # (steps_per_generation 2), the rollout runs the old log-probs' training forward beside the reference pass.
     rollout, update = report["programs"]["rollout"], report["programs"]["update"]
-    assert (rollout["model_flops"], update["model_flops"]) == ((202440704 + 208437248) / 4, 3 * 208437248 / 4)
+    assert (rollout["model_flops"], update["model_flops"]) == ((202440704 + 2 * 208437248) / 4, 3 * 208437248 / 4)
     assert 1.0 < rollout["flops_ratio"] < 1.1 and 1.2 < update["flops_ratio"] < 1.4
     assert update["flops_ratio"] == update["flops"] / update["model_flops"]
-    # decode: 31 steps (the first token comes from the prefill); floor = f32 matrices + this chip's KV caches
-    assert rollout["decode_steps"] == 31 and rollout["decode_floor_bytes_per_step"] == 4 * 83968 + 589824 / 4
+    # decode: 31 steps (the first token comes from the prefill); floor = bf16 matrices + this chip's KV caches
+    # (bf16 None: on for a TPU)
+    assert rollout["decode_steps"] == 31 and rollout["decode_floor_bytes_per_step"] == 2 * 83968 + 294912 / 4
     per_step = rollout["decode_hbm_bytes_per_step"] + rollout["decode_ici_bytes_per_step"]
     assert rollout["decode_bytes_ratio"] == per_step / rollout["decode_floor_bytes_per_step"] > 0
     chip = report["roofline"]
@@ -154,7 +156,7 @@ def test_sampler_gather_weights_moves_decode_off_ici(tmp_path, tiny_checkpoint, 
     advice = "decode is ICI-bound (FSDP gathers the weights at every step); --sampler_gather_weights true: once"
     assert advice in outs[0] and advice not in outs[1]
     sharded, gathered = rollouts
-    assert sharded["decode_ici_bytes_per_step"] > 3 * 4 * 83968 / 4  # 3/4 of the f32 matrices, every step
+    assert sharded["decode_ici_bytes_per_step"] > 3 * 2 * 83968 / 4  # 3/4 of the bf16 matrices, every step
     # what still crosses: the rows' finished flags and sampled tokens (768 bytes)
     assert gathered["decode_ici_bytes_per_step"] < 0.01 * sharded["decode_ici_bytes_per_step"]
     assert gathered["decode_bytes_ratio"] < sharded["decode_bytes_ratio"]

@@ -33,7 +33,12 @@ def test_defaults_follow_trl():
     assert (cfg.learning_rate, cfg.beta, cfg.epsilon, cfg.num_generations) == (1e-6, 0.05, 0.2, 2)
     assert (cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k) == (512, 1.0, 1.0, 0)
     assert (cfg.per_device_train_batch_size, cfg.logging_steps, cfg.lr_scheduler_type) == (8, 10, "linear")
-    assert cfg.bf16 is False and cfg.trust_remote_code is False and cfg.report_to == ["none"]
+    assert cfg.trust_remote_code is False and cfg.report_to == ["none"] and cfg.full_determinism is False
+    # platform-dependent (rloo_jax.numerics): bf16 on for TPU/GPU as TRL on GPUs, precision from the dtype
+    assert cfg.bf16 is None and cfg.matmul_precision is None and cfg.recompute_old_logps is None
+    # TRL GRPO's importance-sampling defaults (correction off here: docs/numerics.md says why)
+    assert (cfg.importance_sampling_correction, cfg.importance_sampling_mode) == (False, "sequence_mask")
+    assert (cfg.importance_sampling_clip_min, cfg.importance_sampling_clip_max) == (None, 3.0)
 
 
 def test_yaml_then_overrides_and_types(tmp_path):
@@ -84,6 +89,26 @@ def test_aliases_map_to_new_names_with_a_note(caplog):
         cfg = load_config(BASE + ["--rloo_k", "4", "--kl_coef", "0.1", "--cliprange=0.3", "--num_ppo_epochs", "2"])
     assert (cfg.num_generations, cfg.beta, cfg.epsilon, cfg.num_iterations) == (4, 0.1, 0.3, 2)
     assert "`rloo_k` is the old TRL name of `num_generations`" in caplog.text
+
+
+def test_trl_grpo_vllm_importance_sampling_names_are_aliases(caplog):
+    with caplog.at_level(logging.WARNING, logger="rloo_jax"):
+        cfg = load_config(BASE + ["--vllm_importance_sampling_correction", "--vllm_importance_sampling_mode",
+                                  "sequence_truncate", "--vllm_importance_sampling_clip_min", "0.5",
+                                  "--vllm_importance_sampling_cap", "2"])
+    assert cfg.importance_sampling_correction is True and cfg.importance_sampling_mode == "sequence_truncate"
+    assert (cfg.importance_sampling_clip_min, cfg.importance_sampling_clip_max) == (0.5, 2.0)
+    assert "`vllm_importance_sampling_cap` is TRL GRPO's name of `importance_sampling_clip_max`" in caplog.text
+
+
+def test_numerics_options_parse_and_bare_flags():
+    cfg = load_config(BASE + ["--bf16", "--matmul_precision", "tensorfloat32", "--full_determinism"])
+    assert (cfg.bf16, cfg.matmul_precision, cfg.full_determinism) == (True, "tensorfloat32", True)
+    assert load_config(BASE + ["--bf16", "None", "--gradient_checkpointing", "--seed", "1"]).gradient_checkpointing
+    with pytest.raises(ConfigError) as e:
+        load_config(BASE + ["--matmul_precision", "fp8"])
+    assert str(e.value) == ("matmul_precision: 'fp8' is not one of default, high, highest, bfloat16, tensorfloat32, "
+                            "float32")
 
 
 def test_unknown_option_suggests_nearest():
@@ -159,6 +184,14 @@ def test_derived_values():
         ({"tfds_data_dir": "gs://b/tfds"}, "tfds_data_dir is only read for `tfds:` datasets .dataset_name is 'd'"),
         ({"logging_steps": 0}, "logging_steps must be >= 1"),
         ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
+        ({"matmul_precision": "highets"}, "did you mean 'highest'"),
+        ({"recompute_old_logps": False, "num_iterations": 2}, "recompute_old_logps false: this run is off-policy"),
+        ({"importance_sampling_clip_min": 2.0, "importance_sampling_clip_max": 2.0}, "must be below"),
+        ({"importance_sampling_clip_max": 0}, "importance_sampling_clip_max must be > 0"),
+        ({"importance_sampling_correction": True, "importance_sampling_mode": "token_mask"},
+         "RLOO's loss is per sequence"),
+        ({"importance_sampling_correction": True, "importance_sampling_mode": "sequence_truncate",
+          "importance_sampling_clip_max": None}, "set --importance_sampling_clip_min and/or"),
     ],
 )
 def test_validation_messages(overrides, message):
@@ -211,7 +244,7 @@ def test_yaml_round_trip():
 
 
 def run_cli(*args, cwd=ROOT):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ)  # the platform the suite runs on (conftest): the CPU, or the accelerator
     return subprocess.run(
         [sys.executable, "-m", "rloo_jax.train", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120
     )

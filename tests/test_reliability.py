@@ -36,6 +36,7 @@ RUN = [
     "--per_device_train_batch_size", "16", "--num_generations", "4", "--per_device_eval_batch_size", "16",
     "--max_completion_length", "6", "--max_prompt_length", "5", "--log_completions", "true",
     "--sync_ref_model", "true", "--ref_model_sync_steps", "4", "--ref_model_mixup_alpha", "0.5",
+    "--full_determinism", "true",  # bit-exact on GPU too (XLA's deterministic ops; CPU programs are anyway)
 ]  # fmt: skip
 
 
@@ -62,7 +63,7 @@ class Launch:
 
     def __init__(self, out, cache, log, run=RUN):
         self.log = log
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # the suite's platform (conftest)
         args = [*run, "--output_dir", str(out), "--compilation_cache_dir", str(cache)]
         self.stdout, self.stderr = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -199,7 +200,7 @@ def test_killed_runs_resume_bit_identical_to_an_uninterrupted_run(reference, cac
 
 # LoRA: adapters on every projection with dropout (its masks come from seed and step), the base as the reference
 LORA_RUN = [*RUN[: RUN.index("--sync_ref_model")], "--use_peft", "--lora_target_modules", "all-linear",
-            "--lora_dropout", "0.1", "--lora_r", "4"]
+            "--lora_dropout", "0.1", "--lora_r", "4", "--full_determinism", "true"]
 
 
 def test_killed_lora_runs_resume_bit_identical(cache, tmp_path):
@@ -317,7 +318,7 @@ def test_checkpoint_and_export_refuse_non_finite_values(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ determinism
 def test_same_config_and_seed_give_identical_metrics(tmp_path):
-    args = [*SMALL, "--max_steps", "3", "--save_steps", "3", "--log_completions", "true"]
+    args = [*SMALL, "--max_steps", "3", "--save_steps", "3", "--log_completions", "true", "--full_determinism", "true"]
     for name in ("a", "b"):
         assert main([*args, "--output_dir", str(tmp_path / name)]) == 0
     a, b = (read_jsonl(tmp_path / n / "metrics.jsonl") for n in "ab")

@@ -267,3 +267,98 @@ def test_functions_work_under_vmap():
     out = jax.vmap(lambda x: rj.rloo_advantages(x, 4))(r)
     for i in range(3):
         np.testing.assert_allclose(out[i], rj.rloo_advantages(r[i], 4), rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------- sampler vs trainer
+
+
+def loop_is_weights(train, sampler, mask, mode, lo, hi):
+    """TRL GRPO's importance-sampling ratios as a plain loop: per sequence (sum of gaps) or per token."""
+    lo = -math.inf if lo is None else lo
+    hi = math.inf if hi is None else hi
+
+    def bound(r):
+        if mode.endswith("truncate"):
+            return min(max(r, lo), hi)
+        return r if lo <= r <= hi else 0.0
+
+    out = []
+    for i in range(len(mask)):
+        d = [(train[i][t] - sampler[i][t]) * mask[i][t] for t in range(len(mask[i]))]
+        out.append(bound(math.exp(sum(d))) if mode.startswith("sequence") else [bound(math.exp(x)) for x in d])
+    return np.array(out, np.float64)
+
+
+def test_sampling_logp_difference_golden_and_oracle():
+    m = rj.sampling_logp_difference(jnp.array([[-1.0, -2.0, -9.0]]), jnp.array([[-1.5, -2.0, -1.0]]),
+                                    jnp.array([[1, 1, 0]]))
+    assert float(m["sampling/sampling_logp_difference/mean"]) == 0.25
+    assert float(m["sampling/sampling_logp_difference/max"]) == 0.5  # the masked-out 8.0 is not counted
+    train, sampler, _, mask = _rand_batch(7)
+    m = jax.jit(rj.sampling_logp_difference)(train, sampler, mask)
+    gaps = [abs(float(train[i, t]) - float(sampler[i, t])) for i in range(6) for t in range(5) if mask[i, t]]
+    np.testing.assert_allclose(m["sampling/sampling_logp_difference/mean"], sum(gaps) / len(gaps), rtol=1e-6)
+    np.testing.assert_allclose(m["sampling/sampling_logp_difference/max"], max(gaps), rtol=1e-6)
+    empty = rj.sampling_logp_difference(train, sampler, np.zeros_like(mask))
+    assert float(empty["sampling/sampling_logp_difference/mean"]) == 0.0 == float(
+        empty["sampling/sampling_logp_difference/max"])
+
+
+def test_importance_sampling_weights_goldens():
+    train, sampler, mask = jnp.array([[0.1, 0.2]]), jnp.zeros((1, 2)), jnp.ones((1, 2))
+
+    def w(mode, lo=None, hi=1.2):
+        return np.asarray(rj.importance_sampling_weights(train, sampler, mask, mode, lo, hi)[0])
+
+    np.testing.assert_allclose(w("sequence_truncate"), [1.2])  # exp(0.3) = 1.35 clipped
+    np.testing.assert_allclose(w("sequence_mask"), [0.0])  # outside [-inf, 1.2]: masked
+    np.testing.assert_allclose(w("sequence_mask", hi=1.4), [math.exp(0.3)], rtol=1e-6)
+    np.testing.assert_allclose(w("token_truncate"), [[math.exp(0.1), 1.2]], rtol=1e-6)
+    np.testing.assert_allclose(w("token_mask", lo=1.11, hi=None), [[0.0, math.exp(0.2)]], rtol=1e-6)
+    with pytest.raises(ValueError, match="importance sampling mode"):
+        rj.importance_sampling_weights(train, sampler, mask, "sequence")
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"])
+@pytest.mark.parametrize("bounds", [(None, 3.0), (0.9, 1.1), (0.95, None)])
+def test_importance_sampling_weights_loop_oracle(mode, bounds):
+    train, sampler, _, mask = _rand_batch(8, b=8, c=5)
+    sampler = train + (sampler - train) * 0.3  # gaps ~0.06 per token: some ratios inside, some outside the bounds
+    lo, hi = bounds
+    weights, m = rj.importance_sampling_weights(train, sampler, mask, mode, lo, hi)
+    want = loop_is_weights(train.tolist(), sampler.tolist(), mask.tolist(), mode, lo, hi)
+    np.testing.assert_allclose(weights, want, rtol=1e-5, atol=1e-7)
+    counted = want if mode.startswith("sequence") else want[mask > 0]
+    np.testing.assert_allclose(m["sampling/importance_sampling_ratio/min"], counted.min(), rtol=1e-5)
+    np.testing.assert_allclose(m["sampling/importance_sampling_ratio/mean"], counted.mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["sampling/importance_sampling_ratio/max"], counted.max(), rtol=1e-5)
+    if bounds == (0.9, 1.1) and mode.endswith("mask"):
+        assert 0 < (counted == 0).sum() < counted.size, "some ratios masked, some kept: the oracle is exercised"
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_clipped_objective_with_importance_weights_loop_oracle(level):
+    """TRL GRPO: each sequence's (token's) clipped loss times its importance weight, then aggregated."""
+    logps, old, adv, mask = _rand_batch(9)
+    weights = np.random.default_rng(9).uniform(0.0, 2.0, size=(6,) if level == "sequence" else (6, 5))
+    weights = weights.astype(np.float32)
+    loss, _ = rj.clipped_objective(logps, old, adv, mask, level=level, importance_weights=weights)
+    b, c = mask.shape
+    if level == "sequence":
+        each = []
+        for i in range(b):
+            ratio = math.exp(sum((logps[i, t] - old[i, t]) * mask[i, t] for t in range(c)))
+            each.append(-min(ratio * adv[i], min(max(ratio, 0.8), 1.2) * adv[i]) * weights[i])
+        want = sum(each) / b
+    else:
+        rows = []
+        for i in range(b):
+            tok = [-min(r * adv[i], min(max(r, 0.8), 1.2) * adv[i]) * weights[i, t] * mask[i, t]
+                   for t, r in enumerate(math.exp(logps[i, t] - old[i, t]) for t in range(c))]
+            rows.append(sum(tok) / max(mask[i].sum(), 1))
+        want = sum(rows) / b
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    # the weights carry no gradient: d loss / d weights is not defined through them, only the ratio's
+    g = jax.grad(lambda w: rj.clipped_objective(logps, old, adv, mask, level=level, importance_weights=w)[0])(
+        jnp.asarray(weights))
+    assert float(jnp.abs(g).max()) == 0.0

@@ -79,7 +79,7 @@ def test_completion_lengths_crossed_and_eos_ids(tmp_path):
 # ------------------------------------------------------------------------------------------------ end to end
 def test_cli_default_run_writes_every_output(tmp_path):
     out = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ)  # the platform the suite runs on (conftest): the CPU, or the accelerator
     r = subprocess.run(
         [
             sys.executable,

@@ -1,0 +1,148 @@
+"""Numerics of a run on CPU, GPU and TPU: the settings that depend on the platform, resolved in one place; the
+matmul precision the whole run computes at; XLA's deterministic mode.
+
+- `resolved_settings(cfg, platform)`: every option whose None means "decide by platform" (`AUTO`), resolved for
+  "cpu", "gpu" or "tpu". `resolve(cfg, platform)` is the config with those values filled in: what the trainer
+  builds from, prints at start (`describe`) and saves as the run's config.yaml.
+- `use_matmul_precision(value)`: JAX's default precision for float32 matmuls (`jax_default_matmul_precision`),
+  set process-wide, so every dot traced afterwards carries it: training, sampling, evaluation, reward models, the
+  background compile thread and the programs `--compile_only` lowers for a TPU. `kept_matmul_precision()` puts the
+  previous value back afterwards (a run inside a Python session leaves no global change behind).
+- `enable_determinism()`: XLA's run-to-run deterministic GPU kernels (`DETERMINISM_FLAGS` in XLA_FLAGS); only
+  takes effect before the JAX backend starts.
+
+Why: JAX's default float32 matmul is TF32 on NVIDIA GPUs and one bfloat16 pass on TPUs, so a run with bf16 off
+would not compute in float32 there unless told to (docs/numerics.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import textwrap
+from collections.abc import Callable, Iterator, MutableMapping
+from typing import Any, Literal
+
+import jax
+
+logger = logging.getLogger("rloo_jax")
+
+MatmulPrecision = Literal["default", "high", "highest", "bfloat16", "tensorfloat32", "float32"]
+"""jax's names (`jax.lax.Precision` and their dtype spellings): default = bfloat16 (one bf16 pass on TPU, TF32 on
+NVIDIA GPUs), high = tensorfloat32 (three bf16 passes on TPU), highest = float32. XLA:CPU computes float32 dots in
+float32 whatever the value."""
+
+# Options whose None means "decide by platform", in resolution order: each gets the values resolved before it and
+# the platform ("cpu", "gpu", "tpu"). A new platform-dependent option is one more line here.
+AUTO: dict[str, Callable[[dict[str, Any], str], Any]] = {
+    # TRL's GPU default; on CPU bf16 is not faster at small sizes (DESIGN.md section 4)
+    "bf16": lambda done, platform: platform != "cpu",
+    # what a float32 run means: float32 matmuls on every backend; bf16 runs keep JAX's fast default
+    "matmul_precision": lambda done, platform: "default" if done["bf16"] else "highest",
+    # memory is the limit on accelerators; on CPU both cost time (BENCHMARKS.md)
+    "gradient_checkpointing": lambda done, platform: platform != "cpu",
+    "scan_layers": lambda done, platform: platform != "cpu",
+}
+
+# XLA's flag for run-to-run deterministic GPU programs (present in jaxlib 0.10's XLA: "Guarantees run-to-run
+# determinism on GPU"; it implies xla_gpu_exclude_nondeterministic_ops, deterministic scatter, and autotuning that
+# does not depend on timing). TPU and CPU programs are deterministic without it; XLA:CPU and libtpu accept it.
+DETERMINISM_FLAGS = ("--xla_gpu_deterministic_ops=true",)
+
+
+def resolved_settings(cfg: Any, platform: str) -> dict[str, Any]:
+    """`AUTO`'s options for `platform` ("cpu", "gpu", "tpu"): the config's own value where it is not None.
+
+    Example: every option None, "gpu" -> {bf16: True, matmul_precision: "default", gradient_checkpointing: True,
+    scan_layers: True}; "cpu" -> {False, "highest", False, False}; bf16 False on "tpu" -> matmul_precision
+    "highest".
+    """
+    done: dict[str, Any] = {}
+    for name, auto in AUTO.items():
+        value = getattr(cfg, name)
+        done[name] = auto(done, platform) if value is None else value
+    return done
+
+
+def resolve(cfg: Any, platform: str) -> Any:
+    """`cfg` (an `RLOOConfig`) with every platform-dependent None resolved for `platform` (a validated copy)."""
+    settings = resolved_settings(cfg, platform)
+    if all(getattr(cfg, name) == value for name, value in settings.items()):
+        return cfg
+    return dataclasses.replace(cfg, **settings, device_count=cfg.device_count, process_count=cfg.process_count)
+
+
+def describe(cfg: Any, resolved: Any, platform: str, width: int = 118) -> str:
+    """The start-of-run line(s): each resolved setting, starred where the platform chose it (None given).
+
+    Example: `numerics on gpu (* auto): bf16 true*, matmul_precision default*, gradient_checkpointing true*,
+    scan_layers false`; wrapped at `width`.
+    """
+
+    def text(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    parts = [f"{name} {text(getattr(resolved, name))}" + "*" * (getattr(cfg, name) is None) for name in AUTO]
+    return textwrap.fill(f"numerics on {platform} (* auto): " + ", ".join(parts), width, subsequent_indent="  ")
+
+
+# ------------------------------------------------------------------------------------------------ matmul precision
+def use_matmul_precision(value: str) -> None:
+    """JAX's default precision of float32 matmuls, process-wide, for everything traced from now on."""
+    jax.config.update("jax_default_matmul_precision", value)
+
+
+@contextlib.contextmanager
+def kept_matmul_precision() -> Iterator[None]:
+    """Put back the process's default matmul precision on exit (whatever was set inside)."""
+    previous = jax.config.jax_default_matmul_precision
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", previous)
+
+
+# ------------------------------------------------------------------------------------------------ determinism
+def backend_started() -> bool:
+    """Whether JAX has created its backends (after which XLA_FLAGS is not read again)."""
+    from jax._src import xla_bridge  # no public API says this
+
+    return xla_bridge.backends_are_initialized()
+
+
+def with_flags(xla_flags: str, flags: tuple[str, ...]) -> str:
+    """`xla_flags` with each of `flags` set: an earlier value of the same flag is replaced, the rest kept.
+
+    Example: ("--a=1 --xla_gpu_deterministic_ops=false", ("--xla_gpu_deterministic_ops=true",)) ->
+    "--a=1 --xla_gpu_deterministic_ops=true".
+    """
+    names = {f.split("=")[0] for f in flags}
+    kept = [f for f in xla_flags.split() if f.split("=")[0] not in names]
+    return " ".join([*kept, *flags])
+
+
+def enable_determinism(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Ask XLA for run-to-run deterministic programs (`DETERMINISM_FLAGS` added to XLA_FLAGS); returns whether
+    this process's programs are deterministic. XLA reads its flags once, when the JAX backend starts: called later
+    on a GPU backend without the flags, this warns and returns False. CPU and TPU programs are deterministic
+    without the flags (True).
+
+    Call it before the first JAX computation (`jax.devices()`, an array, a jitted call), e.g. first thing in a
+    script that builds an `RLOOTrainer`; the CLI does it for `--full_determinism true`.
+    """
+    current = environ.get("XLA_FLAGS", "")
+    if set(DETERMINISM_FLAGS) <= set(current.split()):
+        return True
+    if backend_started():
+        if jax.default_backend() in ("cpu", "tpu"):
+            return True
+        logger.warning(
+            "full_determinism: the JAX backend has already started, so XLA's deterministic-ops flag cannot take "
+            "effect in this process; call rloo_jax.numerics.enable_determinism() before the first JAX "
+            "computation, or start Python with XLA_FLAGS='%s'", " ".join(DETERMINISM_FLAGS),
+        )
+        return False
+    environ["XLA_FLAGS"] = with_flags(current, DETERMINISM_FLAGS)
+    return True
