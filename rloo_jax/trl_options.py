@@ -117,7 +117,12 @@ def _activation_checkpointing(v: Any) -> dict[str, Any]:
 
 
 def _bf16(v: Any) -> dict[str, Any]:
-    return {} if is_none(v) else {"bf16": v}  # None: TRL's "on where supported"; the default here
+    return {} if is_none(v) else {"bf16": v}  # None: TRL's "on where supported", as bf16 None here
+
+
+def _tf32(v: Any) -> dict[str, Any]:
+    """TRL's tf32 (torch's float32 matmul mode) as our matmul_precision, which sets the same thing in XLA."""
+    return {} if is_none(v) else {"matmul_precision": "tensorfloat32" if _text(v) in {"true", "1"} else "highest"}
 
 
 def _dtype(v: Any) -> dict[str, Any]:
@@ -188,13 +193,15 @@ _GROUPS: list[tuple[str, str, Decision]] = [
     ("auto_find_batch_size", "auto_find_batch_size", refused(
         "batch sizes are fixed; --compile_only --topology reports what fits a TPU slice", off, "false")),
     # --- precision and memory
-    ("bf16", "bf16", supported("None (TRL's auto) keeps the default here", _bf16)),
+    ("bf16", "bf16", supported("None (the default, TRL's auto): on for TPU and GPU, off on CPU", _bf16)),
     ("fp16", "fp16 fp16_full_eval", refused("float16 needs loss scaling, which is not implemented: use bf16", off,
                                             "false")),
     ("bf16_full_eval", "bf16_full_eval", accepted("evaluation samples in the training compute dtype")),
-    ("tf32", "tf32", accepted("matmul precision is XLA's (see docs/numerics.md)")),
+    ("tf32", "tf32", accepted("true sets matmul_precision tensorfloat32, false highest: XLA's float32 matmul mode "
+                              "(docs/numerics.md)", lambda v: is_none(v) or _text(v) in {"true", "false", "1", "0"},
+                              "true, false (as matmul_precision), None", _tf32)),
     ("full_determinism", "full_determinism",
-     accepted("runs are deterministic on CPU and TPU for a given seed (see docs/numerics.md for GPUs)")),
+     supported("XLA's deterministic GPU ops (CPU and TPU runs are deterministic without it; docs/numerics.md)")),
     ("gradient_checkpointing", "gradient_checkpointing",
      supported("per-block rematerialisation, what a block keeps is remat_policy; None: on for TPU/GPU, off on CPU")),
     ("activation_checkpointing", "activation_checkpointing", accepted(
