@@ -474,6 +474,7 @@ class StepOutcome:
     rewards: jax.Array  # [N, F]
     extra: dict[str, list[Any]]  # log_extra columns, N values each
     timings: dict[str, float]  # timing/sample|reference|reward|update, seconds
+    end: float  # when the update's results were read (time.perf_counter): the end of the step's wall time
     consecutive_skips: int  # updates skipped for non-finite values: in a row, and in all
     skipped: int
 
@@ -729,8 +730,9 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
     s.trainer_state.global_step, s.trainer_state.epoch = s.step, epoch_of(s.iterator)  # what rewards see next
     s.window.add(metrics)
     consecutive, skipped = skipped_updates(s.state.opt_state)  # waits for the update; skipped ones changed nothing
-    timings = phase_timings(t0, t_sampled, t_rewarded, reference.join(), time.perf_counter())
-    return StepOutcome(idx, rollout, scored, rewards, extra, timings, consecutive, skipped)
+    t_reference, end = reference.join(), time.perf_counter()
+    timings = phase_timings(t0, t_sampled, t_rewarded, t_reference, end)
+    return StepOutcome(idx, rollout, scored, rewards, extra, timings, end, consecutive, skipped)
 
 
 class ReadyTime:
@@ -800,8 +802,8 @@ def epoch_of(it: PromptIterator) -> float:
 
 
 def log_step(s: Session, progress: Progress, prev: int, t0: float, out: StepOutcome) -> None:
-    """The logging window's means, with the host counters and this step's phase timings, to every sink (process
-    0) and the console."""
+    """The logging window's means, with the host counters and this step's wall time (until its update's results
+    were read; the phase timings partition it) to every sink (process 0) and the console."""
     logged = rename_reward_metrics(s.window.read(), s.names)
     per_gen = s.step_fn.cfg.updates_per_generation
     logged.update({name: float(np.nanmean(values)) for name, values in s.reward_metrics.items()})  # log_metric
@@ -813,7 +815,7 @@ def log_step(s: Session, progress: Progress, prev: int, t0: float, out: StepOutc
         epoch=epoch_of(s.iterator),
         num_truncated_prompts=s.truncated_prompts,
         **out.timings,
-        step_time=time.perf_counter() - t0,
+        step_time=out.end - t0,
     )
     s.last_logged = dict(logged)
     if s.place.is_main:
