@@ -26,7 +26,7 @@ from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError
 from rloo_jax.lora import split_adapters, with_adapters
 from rloo_jax.metrics import check_report_to
-from rloo_jax.models import ModelLoadError, abstract_model, load_causal_lm, load_tokenizer, lora_spec
+from rloo_jax.models import ModelLoadError, abstract_model, attention, load_causal_lm, load_tokenizer, lora_spec
 from rloo_jax.models.hf import resolve_checkpoint
 from rloo_jax.rewards import (
     RewardFunction,
@@ -102,11 +102,16 @@ def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTra
 def model_options(cfg: RLOOConfig, platform: str) -> dict[str, Any]:
     """The policy's dtypes and execution options (`ModelConfig` fields) from the run config, for the platform
     the programs run on ("cpu", "gpu", "tpu"): `scan_layers` and `gradient_checkpointing` None mean on for
-    accelerators, off on the CPU (where both cost time and memory is not the limit; BENCHMARKS.md). With
+    accelerators, off on the CPU (where both cost time and memory is not the limit; BENCHMARKS.md);
+    `attn_implementation` resolved for the platform (ConfigError for one it does not offer). With
     `use_peft` these are the base's options; `policy` adds the adapters."""
     accelerator = platform != "cpu"
     remat = accelerator if cfg.gradient_checkpointing is None else cfg.gradient_checkpointing
     dtype = "bfloat16" if cfg.bf16 else "float32"
+    try:
+        attn = attention.resolve(cfg.attn_implementation, platform, dtype)
+    except ValueError as e:
+        raise ConfigError(f"{e}; fix --attn_implementation") from None
     return {
         "dtype": dtype,
         # LoRA: the base is never trained, so it is read straight into the compute dtype (as TRL + peft load it);
@@ -114,6 +119,7 @@ def model_options(cfg: RLOOConfig, platform: str) -> dict[str, Any]:
         "param_dtype": dtype if cfg.use_peft else cfg.param_dtype,
         "scan_layers": accelerator if cfg.scan_layers is None else cfg.scan_layers,
         "remat_policy": cfg.remat_policy if remat else "none",
+        "attn_implementation": attn,
     }
 
 
