@@ -214,12 +214,12 @@ def test_the_compiler_sees_the_memory_plan(tmp_path, tiny_checkpoint, capsys):  
     assert update["mu_bf16"]["resident_bytes"] < update["full"]["resident_bytes"]
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["causal", "shared_prompt"])
-def test_fused_attention_holds_no_score_matrix(shared):
-    """Forward + backward of one layer's attention compiled for a v5e chip at 2048 tokens (heads 4, kv heads 2,
-    head dim 128, bf16): the einsum's temporaries hold its float32 scores [rows, heads, T, S] (and more); the
-    splash kernels' are under a tenth of one such matrix. The shared-prompt form: 2 prompts of 128 tokens, each
-    continued by 2 completions of 2048."""
+@pytest.mark.slow
+def test_fused_attention_holds_no_score_matrix():
+    """Forward + backward of one layer's shared-prompt attention compiled for a v5e chip (2 prompts of 128 tokens,
+    each continued by 2 completions of 2048; heads 4, kv heads 2, head dim 128, bf16): the einsum's temporaries
+    hold its float32 scores [rows, heads, C, P + C] (and more); the splash kernels' (the prompts' causal call and
+    the completions') are under a tenth of one such matrix."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -234,31 +234,21 @@ def test_fused_attention_holds_no_score_matrix(shared):
     def arg(*shape, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=one)
 
-    def loss(impl, args, masks):
-        if shared:
-            pmask, cmask = masks
-            c_pos = jnp.repeat(pmask.sum(-1), g)[:, None] + jnp.cumsum(cmask, axis=-1) - 1
-            fn = attention.shared_prompt(pmask, jnp.cumsum(pmask, -1), cmask, c_pos, implementation=impl,
-                                         window=None, dtype=jnp.bfloat16)
-            return sum(jnp.sum(o.astype(jnp.float32)) for o in fn(*args))
-        (mask,) = masks
-        fn = attention.causal(mask, jnp.cumsum(mask, -1), implementation=impl, window=None, dtype=jnp.bfloat16)
-        return jnp.sum(fn(*args).astype(jnp.float32))
+    def loss(impl, args, pmask, cmask):
+        c_pos = jnp.repeat(pmask.sum(-1), g)[:, None] + jnp.cumsum(cmask, axis=-1) - 1
+        fn = attention.shared_prompt(pmask, jnp.cumsum(pmask, -1), cmask, c_pos, implementation=impl, window=None,
+                                     dtype=jnp.bfloat16)
+        return sum(jnp.sum(o.astype(jnp.float32)) for o in fn(*args))
 
-    if shared:
-        args = (arg(b, p, h, dh), arg(b * g, c, h, dh), arg(b, p, k, dh), arg(b, p, k, dh), arg(b * g, c, k, dh),
-                arg(b * g, c, k, dh))
-        masks = (arg(b, p, dtype=jnp.int32), arg(b * g, c, dtype=jnp.int32))
-        scores = b * g * h * c * (p + c) * 4
-    else:
-        args = (arg(b, c, h, dh), arg(b, c, k, dh), arg(b, c, k, dh))
-        masks = (arg(b, c, dtype=jnp.int32),)
-        scores = b * h * c * c * 4
+    args = (arg(b, p, h, dh), arg(b * g, c, h, dh), arg(b, p, k, dh), arg(b, p, k, dh), arg(b * g, c, k, dh),
+            arg(b * g, c, k, dh))
+    masks = (arg(b, p, dtype=jnp.int32), arg(b * g, c, dtype=jnp.int32))
     temps = {}
     for impl in ("eager", "splash"):
         with quiet_stderr(), attention.compile_target("tpu"):
-            step = jax.jit(jax.grad(lambda a, m, impl=impl: loss(impl, a, m)))
-            temps[impl] = step.lower(args, masks).compile().memory_analysis().temp_size_in_bytes
+            step = jax.jit(jax.grad(lambda a, pm, cm, impl=impl: loss(impl, a, pm, cm)))
+            temps[impl] = step.lower(args, *masks).compile().memory_analysis().temp_size_in_bytes
+    scores = b * g * h * c * (p + c) * 4
     assert temps["eager"] > scores > 10 * temps["splash"]
 
 
