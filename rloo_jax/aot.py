@@ -120,11 +120,12 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
     """Lower and compile one program; a RESOURCE_EXHAUSTED compile becomes a report with `fits=False` (its
     temporaries as the compiler counted them). `resident_bytes`: per chip, what is in HBM whatever the program
     (the train state and the program's inputs, from their shardings)."""
+    from rloo_jax.models.attention import compile_target
     from rloo_jax.sampling import DECODE_LOOP
 
     t0 = time.perf_counter()
     try:
-        with quiet_stderr():
+        with quiet_stderr(), compile_target("tpu"):  # traced on this host's CPU for a TPU (attention kernels)
             compiled = lower().compile()
     except Exception as e:  # noqa: BLE001 - only the out-of-memory verdict is a result; the rest re-raises
         text = str(e)
@@ -421,7 +422,7 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     width = -(-(p + cfg.max_completion_length) // cfg.prompt_bucket) * cfg.prompt_bucket  # prompt + completion
     reward_models = []  # (model, its lowering, its weights' bytes per chip), sharded like the policy
     for folder in run.reward_models:
-        rm = abstract_model(folder, "reward", options["dtype"])
+        rm = abstract_model(folder, "reward", options["dtype"], attn_implementation=options["attn_implementation"])
         reward_models.append((rm, *lower_reward_model(rm, mesh, (n, width))))
     # resident whatever runs: the train state and the reward models' weights (the trainer keeps both on the chips)
     state_bytes = per_chip_bytes(state) + sum(rm_bytes for *_, rm_bytes in reward_models)

@@ -26,7 +26,7 @@ from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError
 from rloo_jax.lora import split_adapters, with_adapters
 from rloo_jax.metrics import check_report_to
-from rloo_jax.models import ModelLoadError, abstract_model, load_causal_lm, load_tokenizer, lora_spec
+from rloo_jax.models import ModelLoadError, abstract_model, attention, load_causal_lm, load_tokenizer, lora_spec
 from rloo_jax.models.hf import resolve_checkpoint
 from rloo_jax.numerics import resolved_settings
 from rloo_jax.rewards import (
@@ -111,10 +111,15 @@ def model_options(cfg: RLOOConfig, platform: str) -> dict[str, Any]:
     """The policy's dtypes and execution options (`ModelConfig` fields) from the run config, for the platform
     the programs run on ("cpu", "gpu", "tpu"): `bf16`, `scan_layers` and `gradient_checkpointing` None mean on
     for accelerators, off on the CPU (where they cost time and memory is not the limit; BENCHMARKS.md), as
-    `rloo_jax.numerics.resolved_settings` decides. With `use_peft` these are the base's options; `policy` adds
-    the adapters."""
+    `rloo_jax.numerics.resolved_settings` decides, and `attn_implementation` None the best the platform offers
+    (ConfigError for one it does not offer). With `use_peft` these are the base's options; `policy` adds the
+    adapters."""
     settings = resolved_settings(cfg, platform)
     dtype = "bfloat16" if settings["bf16"] else "float32"
+    try:
+        attn = attention.resolve(settings["attn_implementation"], platform, dtype)
+    except ValueError as e:
+        raise ConfigError(f"{e}; fix --attn_implementation") from None
     return {
         "dtype": dtype,
         # LoRA: the base is never trained, so it is read straight into the compute dtype (as TRL + peft load it);
@@ -122,6 +127,7 @@ def model_options(cfg: RLOOConfig, platform: str) -> dict[str, Any]:
         "param_dtype": dtype if cfg.use_peft else cfg.param_dtype,
         "scan_layers": settings["scan_layers"],
         "remat_policy": cfg.remat_policy if settings["gradient_checkpointing"] else "none",
+        "attn_implementation": attn,
     }
 
 
@@ -268,6 +274,7 @@ def prepare(cfg: RLOOConfig, abstract: bool = False, given: Given | None = None)
         builtins,
         lambda path: load_reward_model_scorer(
             path, options["dtype"], cfg.prompt_bucket, cfg.chat_template_kwargs, tokenizer=reward_tokenizers.get(path),
+            attn_implementation=options["attn_implementation"],
         )
         if not abstract
         else (lambda **kwargs: None),  # compiled, never called, in compile-only mode

@@ -98,6 +98,16 @@ class RLOOConfig:
         "docs/numerics.md.",
     )
 
+    attn_implementation: Literal["eager", "splash", "cudnn"] | None = _opt(
+        None,
+        "model",
+        "How the forwards compute attention (transformers' option name): eager (einsums with a float32 [T, S] score "
+        "matrix per head: the reference), splash (Pallas flash attention for TPU, shipped in jax), cudnn (cuDNN "
+        "flash attention on GPU through jax.nn.dot_product_attention; bf16 compute). None: splash on TPU (and "
+        "--compile_only), cudnn on GPU with --bf16, eager otherwise. The fused kernels keep no [T, S] matrix in "
+        "memory (docs/scale.md); decoding uses its one-query einsum with any of them.",
+    )
+
     # --- memory
     gradient_checkpointing: bool | None = _opt(
         None,

@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 
 def causal_pairs(start: int, count: int, window: int | None = None) -> int:
     """Query-key pairs of `count` queries at positions start .. start+count-1, each attending to itself and every
@@ -40,6 +42,33 @@ def causal_pairs(start: int, count: int, window: int | None = None) -> int:
     below = max(min(end, window) - start, 0)  # queries i < window see i + 1 keys
     first = min(start, window)
     return (first + below) * (first + below + 1) // 2 - first * (first + 1) // 2 + (count - below) * window
+
+
+def block_sparse_pairs(
+    q_len: int, kv_len: int, block_q: int, block_kv: int, offset: int = 0, window: int | None = None
+) -> int:
+    """Query-key pairs one head of a block-sparse flash-attention kernel (splash) computes: block_q x block_kv for
+    every (query block, key block) holding a visible pair, partial blocks whole. Query t sees key s iff
+    0 <= t + offset - s (< window). q_len and kv_len are multiples of their blocks.
+
+    Example: block_sparse_pairs(256, 256, 128, 128) = 3 * 128**2 = 49152 (two diagonal blocks, one below);
+    block_sparse_pairs(128, 384, 128, 128, offset=256) = 3 * 128**2; with window 128: 2 * 128**2.
+    """
+    q0 = np.arange(q_len // block_q)[:, None] * block_q + offset  # the first shifted query index of each block
+    k0 = np.arange(kv_len // block_kv)[None, :] * block_kv
+    seen = q0 + block_q - 1 - k0 >= 0  # the largest t + offset - s of the block
+    if window is not None:
+        seen &= q0 - (k0 + block_kv - 1) <= window - 1  # the smallest
+    return int(seen.sum()) * block_q * block_kv
+
+
+def attention_kernel_flops(batch: int, heads: int, head_dim: int, pairs: int) -> float:
+    """Matmul FLOPs of a flash-attention forward kernel: scores q k^T and probabilities x v, 2 * Dh each per
+    query-key pair it computes, per query head and row: 4 * batch * heads * head_dim * pairs.
+
+    Example: attention_kernel_flops(2, 3, 4, 5) = 480.
+    """
+    return 4.0 * batch * heads * head_dim * pairs
 
 
 def forward_flops(

@@ -2,11 +2,12 @@
 
 XLA's own `cost_analysis()` counts a `while` body once, whatever its trip count: a `lax.scan` over 32 layers reports
 the FLOPs of one layer (checked: a scan of 8 matmuls reports 1/8 of the unrolled figure). This counts the matmul
-FLOPs the compiler emits (`dot` and `convolution` instructions; elementwise work is not counted), per device of an
-SPMD program, walking fusions, calls and conditionals (the largest branch), and multiplying each `while` body by its
-trip count: from the condition's `i < N`, the counter's initial value and the body's constant step (a
-`lax.scan`/`lax.map`/`fori_loop` counter, or the compiler's own windowed-matmul loops, which step by 2); for a
-data-dependent loop such as the sampler's, the bound is the most it can run.
+FLOPs the compiler emits (`dot` and `convolution` instructions; elementwise work is not counted), plus those of
+Pallas attention kernels, which the compiler does not count: the kernel's caller names them in a name scope
+(`kernel_flops_scope`), per device of an SPMD program, walking fusions, calls and conditionals (the largest branch),
+and multiplying each `while` body by its trip count: from the condition's `i < N`, the counter's initial value and
+the body's constant step (a `lax.scan`/`lax.map`/`fori_loop` counter, or the compiler's own windowed-matmul loops,
+which step by 2); for a data-dependent loop such as the sampler's, the bound is the most it can run.
 
 Bytes follow XLA's `HloCostAnalysis` at the fusion boundary (what a fused kernel reads and writes; its inside
 stays on chip): every top-level instruction reads its operands and writes its result, at the sizes of their tiled
@@ -42,6 +43,35 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"^[a-z]+\d*\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|true_computation|false_computation)="
                      r"(\{[^}]*\}|%[\w.\-]+)")
+
+
+_KERNEL_FLOPS = "kernel_fwd_flops_"
+# matmuls of each flash-attention kernel against the forward's two (scores q k^T, probabilities x v): the dq kernel
+# recomputes the scores and forms dP = dO v^T and dq = dS k (3); the dkv kernel the scores, dP, dv = P^T dO and
+# dk = dS^T q (4); a fused backward kernel (dkv with dq) all five
+_KERNEL_PASSES = {"fwd": 1.0, "dq": 1.5, "dkv": 2.0}
+_KERNEL_KIND = re.compile(r"_(fwd|dq|dkv)(?:_|/|$)")
+
+
+def kernel_flops_scope(fwd_flops: float) -> str:
+    """A `jax.named_scope` name telling `analyze` the FLOPs of the Pallas attention kernels inside it: the forward
+    kernel's matmul FLOPs (the TPU compiler counts none inside a custom kernel). The backward kernels that autodiff
+    emits carry the same scope and count `_KERNEL_PASSES` times as much."""
+    return f"{_KERNEL_FLOPS}{int(round(fwd_flops))}"
+
+
+def _kernel_flops(ins: _Instruction) -> float:
+    """FLOPs of a Pallas kernel call (`custom-call`) from its `kernel_flops_scope` and its kernel's kind; 0 for
+    any other custom call."""
+    op_name = ins.op_name
+    scope = re.search(_KERNEL_FLOPS + r"(\d+)", op_name)
+    kind = _KERNEL_KIND.findall(op_name.rsplit(_KERNEL_FLOPS, 1)[-1]) or _KERNEL_KIND.findall(ins.name)
+    if scope is None or not kind:
+        return 0.0
+    passes = _KERNEL_PASSES[kind[-1]]
+    if kind[-1] == "dkv" and re.search(r'use_fused_bwd_kernel\\?": true', ins.attrs):
+        passes += _KERNEL_PASSES["dq"] - 1.0  # dq is formed in the same kernel: one more matmul
+    return float(scope.group(1)) * passes
 
 
 _LEAF = re.compile(r"([a-z]+\d*[a-z\d]*)\[([\d,]*)\](?:\{([^}]*)\})?")
@@ -128,6 +158,8 @@ def parse(text: str) -> dict[str, list[_Instruction]]:
             args, attrs = _split_operands(rest)
             operands = re.findall(r"%([\w.\-]+)", args)
             current.append(_Instruction(name, _shape(type_text), opcode, operands, args, attrs, _leaves(type_text)))
+        elif current and line.strip() not in ("", "}"):  # an attribute spanning lines (a kernel's metadata)
+            current[-1].attrs += "\n" + line
     return computations
 
 
@@ -465,6 +497,8 @@ def analyze(text: str) -> Analysis:
                 total += _fusion_cost(ins, computations, operands) + Cost(matmul_flops(callees["calls"][0]))
             elif ins.opcode in ("call", "async-start"):
                 total += sum((cost(c) for c in callees.get("calls", []) + callees.get("to_apply", [])), Cost())
+            elif ins.opcode == "custom-call":
+                total += _instruction_cost(ins, leaves) + Cost(_kernel_flops(ins))
             else:
                 total += _instruction_cost(ins, leaves)
         memo[name] = total

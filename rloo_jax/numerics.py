@@ -44,7 +44,15 @@ AUTO: dict[str, Callable[[dict[str, Any], str], Any]] = {
     # memory is the limit on accelerators; on CPU both cost time (BENCHMARKS.md)
     "gradient_checkpointing": lambda done, platform: platform != "cpu",
     "scan_layers": lambda done, platform: platform != "cpu",
+    # fused kernels where the platform has them (splash on TPU, cuDNN flash on GPU in bf16), else the einsum
+    "attn_implementation": lambda done, platform: _best_attention(platform, done["bf16"]),
 }
+
+
+def _best_attention(platform: str, bf16: bool) -> str:
+    from rloo_jax.models import attention  # the models import jax's Pallas modules: only when a run resolves
+
+    return attention.resolve(None, platform, "bfloat16" if bf16 else "float32")
 
 # XLA's flag for run-to-run deterministic GPU programs (present in jaxlib 0.10's XLA: "Guarantees run-to-run
 # determinism on GPU"; it implies xla_gpu_exclude_nondeterministic_ops, deterministic scatter, and autotuning that

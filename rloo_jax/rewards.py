@@ -500,15 +500,15 @@ class RewardModelScorer:
 
 def load_reward_model_scorer(
     path: str, dtype: str = "float32", bucket: int = 64, chat_template_kwargs: dict | None = None,
-    tokenizer: Any = None,
+    tokenizer: Any = None, attn_implementation: str | None = None,
 ) -> RewardModelScorer:
     """Load a reward model (into host memory) and its tokenizer (rloo_jax.models; `tokenizer` given: that one,
-    right-padded, as TRL's reward_processing_classes) and wrap them as a reward function; its weights go to the
+    right-padded, as TRL's reward_processing_classes; `attn_implementation` as the policy's) and wrap them as a reward function; its weights go to the
     devices at the first call, or sharded by `place_reward_models(funcs, mesh)`."""
     from rloo_jax.models import load_reward_model, load_tokenizer
 
     with _host_memory():
-        model = load_reward_model(path, dtype=dtype)
+        model = load_reward_model(path, dtype=dtype, attn_implementation=attn_implementation)
     if tokenizer is not None:
         tokenizer.padding_side = "right"
         if tokenizer.pad_token is None:

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 
 from rloo_jax.logprobs import completion_mask, masked_mean, per_token_logps_from_hidden
 from rloo_jax.mesh import (
+    BATCH_AXES,
     LOGICAL_RULES,
     Rules,
     batch_sharding,
@@ -668,12 +669,15 @@ class RLOOStep:
     def _micro_batches(self, prompt_ids: Array, prompt_mask: Array, batch: dict[str, Array]) -> dict[str, Array]:
         """Completion arrays ``[N, ...]`` -> ``[spg, N / spg, ...]``: micro-batch i of the generation batch, with
         its prompts ``prompt_ids``/``prompt_mask`` ``[spg, B / spg, P]`` when every micro-batch holds whole groups
-        (each prompt runs once, shared by its G completions), else a copy per completion ``[spg, N / spg, P]``."""
+        whose prompts split evenly over the data shards (each prompt runs once, shared by its G completions: the
+        forward's rows are [prompt; its G completions], so fewer prompts than shards would put every completion on
+        every device), else a copy per completion ``[spg, N / spg, P]``."""
         g, spg = self.cfg.num_generations, self.cfg.steps_per_generation
         n = batch["completion_ids"].shape[0]
         if n % spg:
             raise ValueError(f"{n} completions cannot be split into steps_per_generation={spg} micro-batches")
-        share = (n // spg) % g == 0
+        shards = 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in BATCH_AXES]))
+        share = (n // spg) % g == 0 and (n // spg // g) % shards == 0
         batch = dict(
             batch,
             prompt_ids=prompt_ids if share else self._rows(jnp.repeat(prompt_ids, g, 0)),

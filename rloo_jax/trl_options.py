@@ -116,6 +116,13 @@ def _activation_checkpointing(v: Any) -> dict[str, Any]:
     return {} if off(v) else {"gradient_checkpointing": v}
 
 
+def _attn(v: Any) -> dict[str, Any]:
+    """transformers' torch attention kernels (sdpa, flash_attention_2/3, flex_attention, hub kernels) ask for a fast
+    attention: here that is None, the fused kernel the platform has."""
+    text = _text(v)
+    return {"attn_implementation": None if is_none(v) or text not in {"eager", "splash", "cudnn"} else text}
+
+
 def _bf16(v: Any) -> dict[str, Any]:
     return {} if is_none(v) else {"bf16": v}  # None: TRL's "on where supported", as bf16 None here
 
@@ -297,7 +304,9 @@ _GROUPS: list[tuple[str, str, Decision]] = [
     ("dtype", "dtype", accepted("the policy's weights are kept in param_dtype (bfloat16 here sets param_dtype "
                                 "bfloat16)", is_one_of("float32", "bfloat16", "auto", "none", ""),
                                 "float32, bfloat16, auto", _dtype)),
-    ("attn_implementation", "attn_implementation", accepted("attention is the einsum (eager) implementation")),
+    ("attn_implementation", "attn_implementation", supported(
+        "eager (the einsum), splash (Pallas, TPU) or cudnn (GPU, bf16); None picks the fused one where the platform "
+        "has it; transformers' torch kernels (sdpa, flash_attention_2, ...) become None (docs/scale.md)", _attn)),
     ("ignore_bias_buffers", "ignore_bias_buffers", accepted("torch DDP only")),
     ("dataset streaming", "dataset_streaming streaming",
      accepted("a dataset split is read whole (the Python API also takes an IterableDataset)")),

@@ -4,7 +4,14 @@ import math
 
 import pytest
 
-from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops, roofline_seconds
+from rloo_jax.efficiency import (
+    Transformer,
+    attention_kernel_flops,
+    block_sparse_pairs,
+    causal_pairs,
+    forward_flops,
+    roofline_seconds,
+)
 from rloo_jax.models.config import config_from_hf
 from tests.test_compile_only import TINY_LLAMA as TINY  # D 64, 2 layers, 4 heads of 16, 2 kv, MLP 128, V 160
 
@@ -19,6 +26,26 @@ def brute_pairs(start, count, window=None):
 )
 def test_causal_pairs(start, count, window):
     assert causal_pairs(start, count, window) == brute_pairs(start, count, window)
+
+
+def test_block_sparse_kernel_pairs_and_flops_by_hand():
+    """A flash kernel computes every (query block, key block) the causal mask touches, whole. By hand on the grid:
+    2 x 2 blocks of 128 -> the two diagonal ones and the one below; a query block at offset 256 over 3 key blocks
+    sees all 3, with a window of 128 the last 2; 512 queries in 128-blocks over 256-wide key blocks: 1, 1, 2, 2."""
+    assert block_sparse_pairs(256, 256, 128, 128) == 3 * 128**2
+    assert block_sparse_pairs(128, 384, 128, 128, offset=256) == 3 * 128**2
+    assert block_sparse_pairs(128, 384, 128, 128, offset=256, window=128) == 2 * 128**2
+    assert block_sparse_pairs(512, 512, 128, 256) == (1 + 1 + 2 + 2) * 128 * 256
+    assert block_sparse_pairs(1024, 1024, 512, 512, window=100) == 3 * 512**2  # the diagonal and one below
+    # a plain Python loop over every pair, as the oracle: a block counts if any of its pairs is visible
+    for q_len, kv_len, bq, bkv, offset, window in [(256, 384, 128, 128, 128, None), (384, 512, 128, 256, 0, 200)]:
+        seen = 0
+        for qb in range(q_len // bq):
+            for kb in range(kv_len // bkv):
+                seen += any(0 <= t + offset - s < (window or 10**9) for t in range(qb * bq, (qb + 1) * bq)
+                            for s in range(kb * bkv, (kb + 1) * bkv))
+        assert block_sparse_pairs(q_len, kv_len, bq, bkv, offset, window) == seen * bq * bkv
+    assert attention_kernel_flops(2, 3, 4, 5) == 4 * 2 * 3 * 4 * 5 == 480.0
 
 
 def test_forward_flops_and_roofline_examples():

@@ -18,6 +18,7 @@ from rloo_jax.models import (
     positions_from_mask,
     rope_inv_freq,
 )
+from rloo_jax.models.transformer import left_align
 from tests.checkpoints import CAUSAL_LMS, EOS_ID, PAD_ID, REWARD_MODELS
 
 
@@ -52,6 +53,9 @@ def test_positions_and_last_index_goldens():
     np.testing.assert_array_equal(positions_from_mask(mask), [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2], [0, 1, 2, 3, 4]])
     np.testing.assert_array_equal(last_token_index(mask), [4, 2, 4])
     np.testing.assert_array_equal(last_token_index(jnp.array([[0, 1, 0, 0]])), [1])
+    ids, m = left_align(jnp.array([[5, 6, 0], [7, 0, 8], [0, 9, 4]]), jnp.array([[1, 1, 0], [1, 0, 1], [0, 1, 1]]))
+    np.testing.assert_array_equal(ids, [[0, 5, 6], [0, 7, 8], [0, 9, 4]])
+    np.testing.assert_array_equal(m, [[0, 1, 1], [0, 1, 1], [0, 1, 1]])
 
 
 def test_rope_inv_freq_goldens_and_llama3_matches_transformers():
@@ -99,6 +103,21 @@ def test_logits_match_transformers_left_padded(tiny_checkpoint, name):
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("impl, name", [("splash", "qwen2_tied"), ("splash", "mistral_sliding"), ("cudnn", "llama3"),
+                                        ("cudnn", "mistral_sliding")])
+def test_logits_match_transformers_with_each_attention(tiny_checkpoint, impl, name):
+    """The fused implementations in the model (GQA; a sliding window; left padding down to one real token): splash
+    interpreted, cudnn's call through XLA (no TPU or GPU here), against transformers as the eager path is."""
+    path = tiny_checkpoint(name)
+    ids, mask = _batch(3, 11, [11, 7, 1], seed=1)
+    model = load_causal_lm(path, attn_implementation=impl)
+    assert model.config.attn_implementation == impl
+    ours = np.asarray(jax.jit(lambda i, m: model(i, m))(jnp.asarray(ids), jnp.asarray(mask)))
+    ref = _hf_causal_logits(path, ids, mask)
+    assert float(np.abs(ours - ref)[mask == 1].max()) <= 1e-4
+
+
+@pytest.mark.parity
 @pytest.mark.parametrize("name", REWARD_MODELS)
 @pytest.mark.parametrize("left", [True, False], ids=["left_pad", "right_pad"])
 def test_reward_scores_match_transformers(tiny_checkpoint, name, left):
@@ -140,13 +159,17 @@ def test_reward_pools_last_real_token_when_pad_is_eos(tiny_checkpoint, left):
 
 
 # ----------------------------------------------------------------------------------------------- shared prompt
-@pytest.mark.parametrize("name", ["qwen2_untied", "mistral_sliding", "neox_sequential_r050"])
-def test_completion_hidden_states_equal_full_forward_values_and_grads(tiny_checkpoint, name):
+@pytest.mark.parametrize("name, impl", [("qwen2_untied", "eager"), ("mistral_sliding", "eager"),
+                                        ("neox_sequential_r050", "eager"), ("mistral_sliding", "splash"),
+                                        ("qwen2_untied", "cudnn")])
+def test_completion_hidden_states_equal_full_forward_values_and_grads(tiny_checkpoint, name, impl):
     """Each prompt run once, its G completions attending to its keys == a forward over G copies of
-    [prompt; completion] (values and parameter gradients, incl. through the prompt keys; EOS-cut masks)."""
+    [prompt; completion] (values and parameter gradients, incl. through the prompt keys; EOS-cut masks). With a
+    fused `impl` the shared forward uses it and the full forward stays eager (the reference)."""
     b, g, p, c = 2, 3, 6, 5
-    model = load_causal_lm(tiny_checkpoint(name))
+    model = load_causal_lm(tiny_checkpoint(name), attn_implementation=impl)
     graphdef, params = nnx.split(model)
+    full_graphdef = nnx.split(load_causal_lm(tiny_checkpoint(name), attn_implementation="eager"))[0]
     prompt_ids, prompt_mask = _batch(b, p, [6, 3], seed=7)
     comp = np.random.RandomState(8).randint(3, 280, size=(b * g, c)).astype(np.int32)
     cmask = np.ones((b * g, c), np.int32)
@@ -159,7 +182,7 @@ def test_completion_hidden_states_equal_full_forward_values_and_grads(tiny_check
                                           jnp.asarray(cmask))
 
     def full(params):
-        m = nnx.merge(graphdef, params)
+        m = nnx.merge(full_graphdef, params)
         ids = jnp.concatenate([jnp.repeat(jnp.asarray(prompt_ids), g, 0), jnp.asarray(comp)], axis=1)
         mask = jnp.concatenate([jnp.repeat(jnp.asarray(prompt_mask), g, 0), jnp.asarray(cmask)], axis=1)
         return m.hidden_states(ids, mask)[:, p - 1 : p - 1 + c]

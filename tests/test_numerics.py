@@ -38,10 +38,14 @@ def make(**kw):
 def test_resolved_settings_by_platform():
     cfg = make()
     assert numerics.resolved_settings(cfg, "cpu") == {
-        "bf16": False, "matmul_precision": "highest", "gradient_checkpointing": False, "scan_layers": False}
-    for platform in ("gpu", "tpu"):
+        "bf16": False, "matmul_precision": "highest", "gradient_checkpointing": False, "scan_layers": False,
+        "attn_implementation": "eager"}
+    for platform, attn in (("gpu", "cudnn"), ("tpu", "splash")):
         assert numerics.resolved_settings(cfg, platform) == {
-            "bf16": True, "matmul_precision": "default", "gradient_checkpointing": True, "scan_layers": True}
+            "bf16": True, "matmul_precision": "default", "gradient_checkpointing": True, "scan_layers": True,
+            "attn_implementation": attn}
+    # cuDNN's flash attention takes bf16/fp16 only: a float32 GPU run keeps the einsum
+    assert numerics.resolved_settings(make(bf16=False), "gpu")["attn_implementation"] == "eager"
     # given values are kept; the precision follows the resolved dtype: float32 on a TPU computes in float32
     assert numerics.resolved_settings(make(bf16=False), "tpu")["matmul_precision"] == "highest"
     assert numerics.resolved_settings(make(bf16=True, matmul_precision="high"), "cpu")["matmul_precision"] == "high"
@@ -50,7 +54,7 @@ def test_resolved_settings_by_platform():
     assert numerics.resolve(resolved, "gpu") is resolved  # nothing left to resolve
     assert numerics.describe(make(scan_layers=False), resolved, "gpu") == (
         "numerics on gpu (* auto): bf16 true*, matmul_precision default*, gradient_checkpointing true*, "
-        "scan_layers false")
+        "scan_layers false, attn_implementation cudnn*")
 
 
 # ------------------------------------------------------------------------------------------------ precision in HLO

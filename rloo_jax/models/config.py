@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from rloo_jax.models.attention import IMPLEMENTATIONS
+
 
 class ModelLoadError(ValueError):
     """A checkpoint or config cannot be turned into one of our models (the message says why)."""
@@ -137,6 +139,9 @@ class ModelConfig:
     scan_layers: bool = True  # jax.lax.scan over the stacked blocks (False: unrolled; the same numbers)
     remat_policy: str = "none"  # a key of REMAT_POLICIES
     lora: LoRASpec | None = None  # low-rank adapters on some projections (None: the plain model)
+    # how the forwards compute attention (`attention.IMPLEMENTATIONS`: eager, splash, cudnn); None: the best for
+    # the platform compiled for. Decoding keeps its one-query einsum whatever this says.
+    attn_implementation: str | None = None
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -145,6 +150,9 @@ class ModelConfig:
                 raise ModelLoadError(f"{name}={getattr(self, name)!r}; supported: {', '.join(DTYPES)}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ModelLoadError(f"remat_policy={self.remat_policy!r}; supported: {', '.join(REMAT_POLICIES)}")
+        if self.attn_implementation not in (None, *IMPLEMENTATIONS):
+            raise ModelLoadError(f"attn_implementation={self.attn_implementation!r}; supported: "
+                                 f"{', '.join(IMPLEMENTATIONS)} or None (the best for the platform)")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.rope_type not in ROPE_TYPES:

@@ -39,9 +39,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from rloo_jax.mesh import KV_CACHE_AXES, constrain, row_major
+from rloo_jax.models import attention
+from rloo_jax.models.attention import attend, attend_shared_prompt, visible
 from rloo_jax.models.config import ModelConfig, ModelLoadError, rope_inv_freq
 
-_NEG = -1e30  # finite "minus infinity": a fully masked (padding) query row gives a uniform softmax, not NaN
+__all__ = ["CausalLM", "RewardModel", "Transformer", "attend", "attend_shared_prompt"]
 
 
 # ----------------------------------------------------------------------------------------------- pure functions
@@ -62,6 +64,15 @@ def last_token_index(mask: jax.Array) -> jax.Array:
     return (t - 1 - jnp.argmax(jnp.flip(mask.astype(jnp.int32), axis=-1), axis=-1)).astype(jnp.int32)
 
 
+def left_align(ids: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Any padding -> left padding, real tokens kept in order (a stable sort of each row by its mask).
+
+    Example: ids [[5, 6, 0]], mask [[1, 1, 0]] -> [[0, 5, 6]], [[0, 1, 1]].
+    """
+    order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)
+    return jnp.take_along_axis(ids, order, axis=1), jnp.take_along_axis(mask, order, axis=1)
+
+
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables for rotate-half RoPE, float32 [..., R]: angle = pos * concat(inv_freq, inv_freq)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
@@ -80,60 +91,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rot = jnp.concatenate([-x2, x1], axis=-1)
     out = (xr * cos[:, :, None, :] + rot * sin[:, :, None, :]).astype(x.dtype)
     return out if r == x.shape[-1] else jnp.concatenate([out, x[..., r:]], axis=-1)
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Grouped-query attention: softmax(q k^T / sqrt(Dh) masked) v, softmax in float32.
-
-    q [B, T, H, Dh], k/v [B, S, K, Dh], allowed [B, T, S] bool -> [B, T, H, Dh]. Query head h uses kv head
-    h // (H / K) (HF `repeat_kv` order), done by a reshape instead of repeating k/v.
-    """
-    b, t, h, dh = q.shape
-    kh = k.shape[2]
-    qg = q.reshape(b, t, kh, h // kh, dh)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (dh**-0.5)
-    s = jnp.where(allowed[:, None, None], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v)
-    return o.reshape(b, t, h, dh)
-
-
-def attend_shared_prompt(
-    q: jax.Array,
-    pk: jax.Array,
-    pv: jax.Array,
-    p_allowed: jax.Array,
-    gk: jax.Array,
-    gv: jax.Array,
-    g_allowed: jax.Array,
-) -> jax.Array:
-    """T queries per row over its prompt's shared keys plus its own keys, one joint softmax (f32).
-
-    q [B, G, T, H, Dh]; prompt pk/pv [B, K, P, Dh] (NOT repeated G times), p_allowed [B, G, T, P];
-    own keys gk/gv [N, K, S, Dh] with N = B*G rows (row n continues prompt n // G), g_allowed [B, G, T, S]
-    ->  [B, G, T, H, Dh].
-    Keys are kv-head-major ([.., K, S, Dh]) so both score contractions have ([b, g] or n, k) as batch dimensions
-    with each head's keys contiguous. The own keys keep one row axis: a decode step's dots then read its layer of
-    the stacked [L, N, K, C, Dh] cache in place, where splitting the rows into (b, g) made the TPU compiler copy
-    each layer's slice first (BENCHMARKS.md, "Decode reads the KV cache in place").
-    Decoding uses T = 1 and S = C cache slots; the training forward uses T = S = C completion tokens.
-    """
-    b, g, t, h, dh = q.shape
-    kh = pk.shape[1]
-    qg = q.reshape(b, g, t, kh, h // kh, dh)
-    scale = dh**-0.5
-    sp = jnp.einsum("bgtkhd,bkpd->bgkhtp", qg, pk, preferred_element_type=jnp.float32) * scale
-    sc = jnp.einsum("ntkhd,nksd->nkhts", qg.reshape(b * g, *qg.shape[2:]), gk, preferred_element_type=jnp.float32)
-    sc = sc.reshape(b, g, *sc.shape[1:]) * scale
-    sp = jnp.where(p_allowed[:, :, None, None], sp, _NEG)
-    sc = jnp.where(g_allowed[:, :, None, None], sc, _NEG)
-    m = jnp.maximum(sp.max(-1, keepdims=True), sc.max(-1, keepdims=True))
-    ep, ec = jnp.exp(sp - m), jnp.exp(sc - m)
-    z = ep.sum(-1, keepdims=True) + ec.sum(-1, keepdims=True)
-    o = jnp.einsum("bgkhtp,bkpd->bgtkhd", (ep / z).astype(pv.dtype), pv)
-    pc = (ec / z).reshape(b * g, *ec.shape[2:]).astype(gv.dtype)
-    o = o + jnp.einsum("nkhts,nksd->ntkhd", pc, gv).reshape(o.shape)
-    return o.reshape(b, g, t, h, dh)
 
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
@@ -417,15 +374,15 @@ class Transformer(nnx.Module):
         inv = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_factors)
         self.inv_freq = tuple(float(f) for f in inv)
         self.sliding_window = cfg.sliding_window
+        self.attn_implementation = cfg.attn_implementation  # None: the best for the platform compiled for
+        self.dtype = jnp.dtype(cfg.dtype)
         self.num_layers = cfg.num_layers
         self.scan_layers = cfg.scan_layers
         self.remat_policy = cfg.remat_policy
 
     def _visible(self, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
         """Sliding-window part of the mask: q_pos - k_pos < window (all True without a window)."""
-        if self.sliding_window is None:
-            return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
-        return q_pos - k_pos < self.sliding_window
+        return visible(q_pos, k_pos, self.sliding_window)
 
     def run_layers(
         self,
@@ -485,18 +442,16 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """ids, mask [B, T] -> (hidden after final norm [B, T, D], with `return_kv` the post-RoPE keys and
         values of every layer, kv-head-major [L, B, K, T, Dh] each, else None)."""
-        t = ids.shape[1]
         pos = positions_from_mask(mask)
-        idx = jnp.arange(t)
-        allowed = (idx[:, None] >= idx[None, :])[None] & (mask[:, None, :] > 0)
-        allowed = allowed & self._visible(pos[:, :, None], pos[:, None, :])
+        attend_fn = attention.causal(mask, pos, implementation=self.attn_implementation, window=self.sliding_window,
+                                     dtype=self.dtype)
         cos, sin = rope_cos_sin(pos, np.asarray(self.inv_freq, np.float32))
 
-        def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
+        def attention_fn(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
             kv = (k.swapaxes(1, 2), v.swapaxes(1, 2)) if return_kv else None
-            return attend(q, k, v, allowed), carry, kv
+            return attend_fn(q, k, v), carry, kv
 
-        x, _, kvs = self.run_layers(self.embed(ids), cos, sin, attention)
+        x, _, kvs = self.run_layers(self.embed(ids), cos, sin, attention_fn)
         return self.final_norm(x), kvs
 
     def forward_shared_prompt(
@@ -509,12 +464,12 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """B prompts, each continued by G completions, without repeating the prompts G times.
 
-        prompt_ids, prompt_mask [B, P] (any padding); completion_ids, completion_mask [B*G, C] (row r continues
-        prompt r // G; its mask is a prefix of ones) -> final-norm hidden states (prompt [B, P, D], completions
-        [B*G, C, D]), equal to `forward` over each row's concatenation [prompt; completion]: completion token t of
-        row r sits at position lengths[r // G] + cumsum(mask)[t] - 1 and attends to its prompt's real tokens
-        (keys computed once per prompt) and to its own earlier real tokens. Gradients reach the prompt keys and
-        values through all G rows.
+        prompt_ids, prompt_mask [B, P] (left padding; any padding with eager attention); completion_ids,
+        completion_mask [B*G, C] (row r continues prompt r // G; its mask is a prefix of ones) -> final-norm hidden
+        states (prompt [B, P, D], completions [B*G, C, D]), equal to `forward` over each row's concatenation
+        [prompt; completion]: completion token t of row r sits at position lengths[r // G] + cumsum(mask)[t] - 1
+        and attends to its prompt's real tokens (keys computed once per prompt) and to its own earlier real
+        tokens. Gradients reach the prompt keys and values through all G rows.
         """
         b, p = prompt_ids.shape
         n, c = completion_ids.shape
@@ -522,14 +477,8 @@ class Transformer(nnx.Module):
         pmask, cmask = prompt_mask.astype(jnp.int32), completion_mask.astype(jnp.int32)
         p_pos = positions_from_mask(pmask)  # [B, P]
         c_pos = jnp.repeat(pmask.sum(-1), g)[:, None] + jnp.cumsum(cmask, axis=-1) - 1  # [N, C]
-        idx = jnp.arange(p)
-        pp_allowed = (idx[:, None] >= idx[None, :])[None] & (pmask[:, None, :] > 0)
-        pp_allowed = pp_allowed & self._visible(p_pos[:, :, None], p_pos[:, None, :])  # [B, P, P]
-        cq = c_pos.reshape(b, g, c)
-        cp_allowed = (pmask[:, None, None, :] > 0) & self._visible(cq[..., None], p_pos[:, None, None, :])
-        jdx = jnp.arange(c)
-        cc_allowed = (jdx[:, None] >= jdx[None, :])[None] & (cmask[:, None, :] > 0)
-        cc_allowed = cc_allowed.reshape(b, g, c, c) & self._visible(cq[..., None], cq[:, :, None, :])
+        attend_fn = attention.shared_prompt(pmask, p_pos, cmask, c_pos, implementation=self.attn_implementation,
+                                            window=self.sliding_window, dtype=self.dtype)
         inv = np.asarray(self.inv_freq, np.float32)
         # Row b packs prompt b and its G completions, [B, P + G*C, D]: the position-wise layers (norms, q/k/v/o,
         # MLP) run as one matmul per weight over all tokens (one weight-gradient dot each, not a prompt one plus
@@ -539,24 +488,13 @@ class Transformer(nnx.Module):
         # of the wrong shape) when the table is sharded over vocab x embed
         x = jnp.concatenate([self.embed(prompt_ids), self.embed(completion_ids).reshape(b, g * c, -1)], axis=1)
 
-        def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
-            # q [B, P + G*C, H, Dh], k/v [B, P + G*C, K, Dh]
-            kh, dh = k.shape[2:]
-            pk, pv = k[:, :p], v[:, :p]
-            own = (n, c, kh, dh)
-            o_prompt = attend(q[:, :p], pk, pv, pp_allowed)
-            o_comp = attend_shared_prompt(
-                q[:, p:].reshape(b, g, c, *q.shape[2:]),
-                pk.swapaxes(1, 2),
-                pv.swapaxes(1, 2),
-                cp_allowed,
-                k[:, p:].reshape(own).swapaxes(1, 2),
-                v[:, p:].reshape(own).swapaxes(1, 2),
-                cc_allowed,
-            )
+        def attention_fn(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
+            # q [B, P + G*C, H, Dh], k/v [B, P + G*C, K, Dh]: the prompt part, and the completions' [N, C, ...]
+            own = lambda x: x[:, p:].reshape(n, c, *x.shape[2:])  # noqa: E731
+            o_prompt, o_comp = attend_fn(q[:, :p], own(q), k[:, :p], v[:, :p], own(k), own(v))
             return jnp.concatenate([o_prompt, o_comp.reshape(b, g * c, *q.shape[2:])], axis=1), carry, None
 
-        x, _, _ = self.run_layers(x, cos, sin, attention, dropout_key=dropout_key)
+        x, _, _ = self.run_layers(x, cos, sin, attention_fn, dropout_key=dropout_key)
         x = self.final_norm(x)
         return x[:, :p], x[:, p:].reshape(n, c, x.shape[-1])
 
@@ -636,6 +574,9 @@ class CausalLM(nnx.Module):
         for t = 0, completion token t - 1 otherwise; `unembed` of it scores completion token t. `dropout_key`: LoRA
         dropout (training forwards; no effect without adapters or with lora dropout 0).
         """
+        # left-aligned prompts (what the sampler feeds): then each [prompt; completion] row's real tokens are one
+        # contiguous run, as the fused attention implementations take them; nothing else depends on the padding
+        prompt_ids, prompt_mask = left_align(prompt_ids, prompt_mask)
         hp, hc = self.model.forward_shared_prompt(prompt_ids, prompt_mask, completion_ids, completion_mask,
                                                   dropout_key)
         g = completion_ids.shape[0] // prompt_ids.shape[0]
