@@ -85,7 +85,7 @@ def main() -> None:
     for c in args.completion:
         visited = {}
 
-        def loss(form, qp, qc, pk, pv, gk, gv, pmask, cmask, c=c):  # noqa: ANN001, ANN202
+        def loss(form, qp, qc, pk, pv, gk, gv, pmask, cmask, c=c, visited=visited):  # noqa: ANN001, ANN202
             if form == "packed":
                 cat = lambda a, x: jnp.concatenate([a, x.reshape(B, G * c, *x.shape[2:])], axis=1)  # noqa: E731
                 seg = jnp.concatenate([pmask, cmask.reshape(B, G * c)], axis=1)

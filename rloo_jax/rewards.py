@@ -503,8 +503,9 @@ def load_reward_model_scorer(
     tokenizer: Any = None, attn_implementation: str | None = None,
 ) -> RewardModelScorer:
     """Load a reward model (into host memory) and its tokenizer (rloo_jax.models; `tokenizer` given: that one,
-    right-padded, as TRL's reward_processing_classes; `attn_implementation` as the policy's) and wrap them as a reward function; its weights go to the
-    devices at the first call, or sharded by `place_reward_models(funcs, mesh)`."""
+    right-padded, as TRL's reward_processing_classes; `attn_implementation` as the policy's) and wrap them as a
+    reward function; its weights go to the devices at the first call, or sharded by `place_reward_models(funcs,
+    mesh)`."""
     from rloo_jax.models import load_reward_model, load_tokenizer
 
     with _host_memory():
