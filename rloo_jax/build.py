@@ -25,6 +25,7 @@ from rloo_jax.config import RLOOConfig
 from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError
 from rloo_jax.lora import split_adapters, with_adapters
+from rloo_jax.mesh import _resolve_mesh_shape, rollout_shape
 from rloo_jax.metrics import check_report_to
 from rloo_jax.models import ModelLoadError, abstract_model, load_causal_lm, load_tokenizer, lora_spec
 from rloo_jax.models.hf import resolve_checkpoint
@@ -249,7 +250,7 @@ def prepare(cfg: RLOOConfig, abstract: bool = False) -> Run:
     return Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, eos, reward_models, model_dir)
 
 
-GATHER_FRACTION = 0.2  # of a device's memory: the most the sampler's gathered weights may take by default
+ROLLOUT_COPY_FRACTION = 0.25  # of a device's memory: the most the sampler's share of the weights may take by default
 
 
 def device_memory_bytes() -> int | None:
@@ -258,24 +259,23 @@ def device_memory_bytes() -> int | None:
     return None if not stats else stats.get("bytes_limit")
 
 
-def gather_for_decode(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> bool:
-    """`sampler_gather_weights` resolved. None: on where the mesh splits the weights over fsdp and one
-    compute-dtype copy of the policy (÷ tensor parallelism) takes at most GATHER_FRACTION of `device_bytes` (this
-    process's device by default; the compile-only slice's chip). Every process decides alike (same devices)."""
-    if cfg.sampler_gather_weights is not None:
-        return cfg.sampler_gather_weights
+def rollout_mesh_shape(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> tuple[int, int, int]:
+    """`rollout_mesh` resolved to (data, fsdp, tensor) sizes. None: `rloo_jax.mesh.rollout_shape` (tensor-parallel
+    over the fewest devices whose share of one compute-dtype copy of the policy takes at most
+    ROLLOUT_COPY_FRACTION of `device_bytes`, this process's device by default, the compile-only slice's chip;
+    else the training mesh). Every process decides alike (same devices)."""
+    if cfg.rollout_mesh is not None:
+        sizes = dict(zip(("data", "fsdp", "tensor"), cfg.rollout_mesh, strict=True))
+        return _resolve_mesh_shape(sizes, cfg.device_count)
     device_bytes = device_memory_bytes() if device_bytes is None else device_bytes
-    if cfg.mesh_shape[1] == 1 or not device_bytes:
-        return False
+    config = run.model.config
     params = sum(x.size for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
-    copy = params * (2 if cfg.bf16 else 4) / cfg.mesh_shape[2]
-    return copy <= GATHER_FRACTION * device_bytes
+    copy = params * (2 if cfg.bf16 else 4)
+    return rollout_shape(cfg.mesh_shape, copy, device_bytes, config.num_heads, config.num_kv_heads,
+                         ROLLOUT_COPY_FRACTION)
 
 
-def sampling_config(
-    cfg: RLOOConfig, run: Run, num_generations: int, device_bytes: int | None = None
-) -> SamplingConfig:
-    """`device_bytes`: the memory per device the run is sized for (None: this process's device)."""
+def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> SamplingConfig:
     return SamplingConfig(
         max_new_tokens=cfg.max_completion_length,
         num_generations=num_generations,
@@ -286,13 +286,12 @@ def sampling_config(
         repetition_penalty=cfg.repetition_penalty,
         eos_token_ids=run.eos_ids,
         pad_token_id=int(run.tokenizer.pad_token_id),
-        gather_weights=gather_for_decode(cfg, run, device_bytes),
     )
 
 
-def step_config(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> StepConfig:
+def step_config(cfg: RLOOConfig, run: Run) -> StepConfig:
     return StepConfig(
-        sampling=sampling_config(cfg, run, cfg.num_generations, device_bytes),
+        sampling=sampling_config(cfg, run, cfg.num_generations),
         rloo=RLOOOptions(
             beta=cfg.beta,
             epsilon=cfg.epsilon,

@@ -70,6 +70,7 @@ def per_token_logps_from_hidden(
     *,
     chunk_size: int = 128,
     with_entropy: bool = False,
+    frozen_unembed: bool = False,
 ) -> Array | tuple[Array, Array]:
     """Per-token log-probs straight from hidden states, never holding the full ``[B, T, V]`` logits.
 
@@ -77,6 +78,13 @@ def per_token_logps_from_hidden(
     ``x[id] - logsumexp(x)`` and dropped. The chunk function is rematerialised (``jax.checkpoint``) so the backward
     pass also holds one chunk of logits at a time: peak extra memory is ``B * chunk_size * V`` floats instead of
     ``B * T * V``.
+
+    ``frozen_unembed``: the unembedding's weights get no gradient (LoRA: the head is part of the frozen base), so
+    the only gradient is the hidden state's, ``d logp / d h = unembed^T((onehot(id) - softmax(x)) / T)``, a
+    ``[D]`` vector per position that needs no upstream cotangent: each chunk computes it in the forward pass,
+    beside its logits (``_with_grad``), and the backward pass only scales it. Two unembedding matmuls per
+    position instead of three (forward, the backward's recomputed logits and their transpose); the values are
+    the same, and so is the gradient up to the order of one product.
 
     Args:
       hidden: ``[B, T, D]`` final hidden states (after the final norm).
@@ -100,19 +108,53 @@ def per_token_logps_from_hidden(
     h = h.reshape(b, n, chunk, d).swapaxes(0, 1)  # [n, B, chunk, D]
     ids = ids.reshape(b, n, chunk).swapaxes(0, 1)
 
+    def logits_of(hc: Array) -> Array:
+        return constrain(unembed(hc), ("batch", None, "vocab"))  # rows over the data shards, vocab over tensor
+
+    def entropy(logits: Array, lp: Array) -> Array:
+        return entropy_from_logits(jax.lax.stop_gradient(logits), temperature) if with_entropy else jnp.zeros_like(lp)
+
     @jax.checkpoint
     def one(args: tuple[Array, Array]) -> tuple[Array, Array]:
         hc, idc = args
-        logits = constrain(unembed(hc), ("batch", None, "vocab"))  # rows over the data shards, vocab over tensor
+        logits = logits_of(hc)
         lp = per_token_logps(logits, idc, temperature)
-        ent = entropy_from_logits(jax.lax.stop_gradient(logits), temperature) if with_entropy else jnp.zeros_like(lp)
-        return lp, ent
+        return lp, entropy(logits, lp)
 
-    lp, ent = jax.lax.map(one, (h, ids))
+    def one_frozen(args: tuple[Array, Array]) -> tuple[Array, Array]:
+        hc, idc = args
+        logits, transpose = jax.vjp(logits_of, jax.lax.stop_gradient(hc))
+        lp = per_token_logps(logits, idc, temperature)
+        x = _scaled(logits, temperature)
+        probs = jnp.exp(x - jax.nn.logsumexp(x, axis=-1, keepdims=True))
+        picked = jax.nn.one_hot(idc, logits.shape[-1], dtype=jnp.float32)
+        (grad,) = transpose(((picked - probs) / temperature).astype(logits.dtype))  # d lp / d hc [B, chunk, D]
+        return _with_grad(jax.lax.stop_gradient(lp), hc, jax.lax.stop_gradient(grad)), entropy(logits, lp)
+
+    lp, ent = jax.lax.map(one_frozen if frozen_unembed else one, (h, ids))
     lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
     if not with_entropy:
         return lp
     return lp, ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+
+@jax.custom_vjp
+def _with_grad(value: Array, x: Array, grad: Array) -> Array:
+    """``value`` [...], whose derivative with respect to ``x`` [..., D] is ``grad`` [..., D] (computed by the
+    caller, e.g. in a forward pass): the backward pass returns ``cotangent[..., None] * grad`` for ``x``. ``value``
+    and ``grad`` themselves carry no gradient (stop them before)."""
+    return value
+
+
+def _with_grad_fwd(value: Array, x: Array, grad: Array) -> tuple[Array, Array]:
+    return value, grad.astype(x.dtype)
+
+
+def _with_grad_bwd(grad: Array, ct: Array) -> tuple[Array, Array, Array]:
+    return jnp.zeros_like(ct), (ct[..., None] * grad).astype(grad.dtype), jnp.zeros_like(grad)
+
+
+_with_grad.defvjp(_with_grad_fwd, _with_grad_bwd)
 
 
 def completion_mask(
