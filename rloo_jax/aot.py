@@ -277,13 +277,12 @@ def table_lines(report: Report) -> list[str]:
     layout = report.settings.get("rollout_mesh")
     if layout is not None:
         train = report.settings["mesh"]
-        line = (f"rollout layout: data {layout['data']} x fsdp {layout['fsdp']} x tensor {layout['tensor']} "
-                f"(training: {train['data']} x {train['fsdp']} x {train['tensor']})")
+        lines.append(f"rollout layout: data {layout['data']} x fsdp {layout['fsdp']} x tensor {layout['tensor']} "
+                     f"(training: {train['data']} x {train['fsdp']} x {train['tensor']})")
         r = report.reshard
         if r is not None and r.fits:
-            line += (f"; the weights move into it once per generation: {r.ici_bytes / 1e9:.2f} GB/chip over ICI, "
-                     f"{r.bytes_accessed / 1e9:.2f} GB HBM, est. {r.estimated_seconds:.3f} s (in the rollout's)")
-        lines.append(line)
+            lines.append(f"  weights moved into it once per generation: {r.ici_bytes / 1e9:.2f} GB/chip over ICI, "
+                         f"{r.bytes_accessed / 1e9:.2f} GB HBM, est. {r.estimated_seconds:.3f} s (in the rollout's)")
     chip = slc.chip
     ici = "" if math.isnan(chip.ici_bandwidth) else f", ICI in {chip.ici_bandwidth / 2e9:.0f} GB/s"
     lines.append(
