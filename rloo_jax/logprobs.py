@@ -14,9 +14,12 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from rloo_jax.mesh import constrain
+from rloo_jax.mesh import LOGICAL_RULES, constrain
 
 Array = jax.Array
+
+VOCAB_PARALLEL = {**LOGICAL_RULES, "vocab": ("data", "fsdp", "tensor")}
+"""The log-prob pass's rule table: the logits' vocabulary split over every device (``per_token_logps_from_hidden``)."""
 
 
 def _scaled(logits: Array, temperature: float) -> Array:
@@ -79,6 +82,12 @@ def per_token_logps_from_hidden(
     pass also holds one chunk of logits at a time: peak extra memory is ``B * chunk_size * V`` floats instead of
     ``B * T * V``.
 
+    On a mesh the logits are vocabulary-parallel: every row of a chunk on every device, the vocabulary split over
+    all of them (``VOCAB_PARALLEL``). The unembedding weight is multiplied where it lies (its FSDP shards split
+    anew, never gathered whole) and each device's part of its gradient is its own; with the chunk's rows split
+    over the data shards instead, every device gathered the whole ``[D, V]`` weight for every chunk and, training
+    it, held and all-reduced a whole ``[D, V]`` gradient per chunk (BENCHMARKS.md).
+
     ``frozen_unembed``: the unembedding's weights get no gradient (LoRA: the head is part of the frozen base), so
     the only gradient is the hidden state's, ``d logp / d h = unembed^T((onehot(id) - softmax(x)) / T)``, a
     ``[D]`` vector per position that needs no upstream cotangent: each chunk computes it in the forward pass,
@@ -109,7 +118,10 @@ def per_token_logps_from_hidden(
     ids = ids.reshape(b, n, chunk).swapaxes(0, 1)
 
     def logits_of(hc: Array) -> Array:
-        return constrain(unembed(hc), ("batch", None, "vocab"))  # rows over the data shards, vocab over tensor
+        return constrain(unembed(constrain(hc, (None, None, None))), (None, None, "vocab"), VOCAB_PARALLEL)
+
+    def rows(x: Array) -> Array:  # back to rows over the data shards
+        return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
     def entropy(logits: Array, lp: Array) -> Array:
         return entropy_from_logits(jax.lax.stop_gradient(logits), temperature) if with_entropy else jnp.zeros_like(lp)
@@ -119,7 +131,7 @@ def per_token_logps_from_hidden(
         hc, idc = args
         logits = logits_of(hc)
         lp = per_token_logps(logits, idc, temperature)
-        return lp, entropy(logits, lp)
+        return rows(lp), rows(entropy(logits, lp))
 
     def one_frozen(args: tuple[Array, Array]) -> tuple[Array, Array]:
         hc, idc = args
@@ -129,7 +141,8 @@ def per_token_logps_from_hidden(
         probs = jnp.exp(x - jax.nn.logsumexp(x, axis=-1, keepdims=True))
         picked = jax.nn.one_hot(idc, logits.shape[-1], dtype=jnp.float32)
         (grad,) = transpose(((picked - probs) / temperature).astype(logits.dtype))  # d lp / d hc [B, chunk, D]
-        return _with_grad(jax.lax.stop_gradient(lp), hc, jax.lax.stop_gradient(grad)), entropy(logits, lp)
+        grad = rows(jax.lax.stop_gradient(grad))
+        return _with_grad(rows(jax.lax.stop_gradient(lp)), hc, grad), rows(entropy(logits, lp))
 
     lp, ent = jax.lax.map(one_frozen if frozen_unembed else one, (h, ids))
     lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
