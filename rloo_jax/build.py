@@ -290,10 +290,10 @@ def device_memory_bytes() -> int | None:
 
 
 def rollout_mesh_shape(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> tuple[int, int, int]:
-    """`rollout_mesh` resolved to (data, fsdp, tensor) sizes. None: `rloo_jax.mesh.rollout_shape` (tensor-parallel
-    over the fewest devices whose share of one compute-dtype copy of the policy takes at most
-    ROLLOUT_COPY_FRACTION of `device_bytes`, this process's device by default, the compile-only slice's chip;
-    else the training mesh). Every process decides alike (same devices)."""
+    """`rollout_mesh` resolved to (data, fsdp, tensor) sizes. None: `rloo_jax.mesh.rollout_shape` (whole weights on
+    every device where one compute-dtype copy of the policy takes at most ROLLOUT_COPY_FRACTION of `device_bytes`,
+    this process's device by default, the compile-only slice's chip; else tensor-parallel as far as the heads
+    allow where that share fits; else the training mesh). Every process decides alike (same devices)."""
     if cfg.rollout_mesh is not None:
         sizes = dict(zip(("data", "fsdp", "tensor"), cfg.rollout_mesh, strict=True))
         return _resolve_mesh_shape(sizes, cfg.device_count)

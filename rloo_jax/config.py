@@ -548,10 +548,11 @@ class RLOOConfig:
         "the policy's weights move into its layout once per generation, decode runs on it, and its completions "
         "come back in the training layout. With fsdp 1 each device decodes from its whole tensor shard (no "
         "per-step weight gathers); tensor > 1 splits heads, MLP columns, vocabulary and the KV cache's heads. "
-        "None: the training mesh where it does not split the weights over fsdp (or on CPU); else tensor-parallel "
-        "over the fewest devices whose share of one compute-dtype copy of the weights is at most 1/4 of a "
-        "device's memory, data-parallel over the rest (docs/scale.md). Compile-only measured, Llama-3.1-8B LoRA "
-        "r 64 on v5e-8: 2 x 1 x 4 chosen, decode 2.34x -> 1.04x the floor, estimated step 82.6 -> 24.9 s.",
+        "None: where training splits the weights over fsdp, the whole weights on every device if one "
+        "compute-dtype copy takes at most 1/4 of a device's memory, else tensor-parallel over as many devices as "
+        "the KV heads allow if that share fits, data-parallel over the rest; else (or on CPU) the training mesh "
+        "(docs/scale.md). Compile-only, Llama-3.1-8B LoRA r 64 on v5e-8: 1 x 1 x 8 chosen, decode 45.5 -> 7.2 GB "
+        "per step and chip, estimated step 82.6 -> 23.0 s.",
     )
     coordinator_address: str | None = _opt(
         None,

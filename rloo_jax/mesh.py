@@ -125,24 +125,25 @@ def rollout_shape(
 
     Where training splits the weights over fsdp, a decode step on the training mesh would all-gather every
     layer from the other devices at every generated token. The sampler instead takes a mesh of its own over the
-    same devices: tensor-parallel over the fewest devices ``t`` whose share of one compute-dtype copy of the
-    weights, ``copy_bytes / t``, is at most ``fraction`` of a device's memory, data-parallel over the rest (fsdp 1:
-    each device holds its tensor shard whole, gathered once per generation). ``t`` divides the devices, the query
-    heads and the KV heads (the KV cache splits by KV head) and is a multiple of the training mesh's tensor size;
-    ``t`` = that size is the "gathered" sampler (whole weights per tensor shard). The fewest devices, because each
-    tensor-parallel step adds two all-reduces per layer. No such ``t``, no fsdp in training, or no memory figure
-    (CPU): the training mesh itself.
+    same devices, fsdp 1 (each device holds its share of one compute-dtype copy of the weights, ``copy_bytes /
+    tensor``, moved there once per generation), data-parallel over the devices its tensor parallelism leaves:
 
-    E.g. 8 devices, training (1, 8, 1), 32 heads / 8 KV heads, 16.9 GB devices (a 4.2 GB budget): 16 GB of weights
-    -> t = 4 (4 GB each): (2, 1, 4); 3 GB -> t = 1: (8, 1, 1), the gathered sampler; 64 GB -> none: (1, 8, 1).
+    - the training mesh's tensor size (whole weights per tensor shard) where that share is at most ``fraction`` of
+      a device's memory: decoding then adds no collective at all;
+    - else the largest tensor size ``t`` that divides the devices, the query heads and the KV heads (the KV cache
+      splits by KV head; a multiple of training's), where ``copy_bytes / t`` is at most that: a tensor-parallel
+      step adds two all-reduces per layer whatever ``t``, and each device reads and holds the least;
+    - else, or with no fsdp in training or no memory figure (CPU): the training mesh itself.
+
+    E.g. 8 devices, training (1, 8, 1), 32 heads / 8 KV heads, 16.9 GB devices (a 4.2 GB budget): 3 GB of weights
+    -> (8, 1, 1); 16 GB -> t = 8 (2 GB each): (1, 1, 8); 64 GB -> (1, 8, 1).
     """
-    data, fsdp, tensor = train_shape
+    data, fsdp, tensor = (int(x) for x in train_shape)
     n = data * fsdp * tensor
-    if fsdp == 1 or not device_bytes:
+    sizes = [t for t in range(tensor, n + 1, tensor) if not (n % t or heads % t or kv_heads % t)]
+    if fsdp == 1 or not device_bytes or not sizes:
         return data, fsdp, tensor
-    for t in range(tensor, n + 1, tensor):
-        if n % t or heads % t or kv_heads % t:
-            continue
+    for t in (tensor, sizes[-1]):
         if copy_bytes / t <= fraction * device_bytes:
             return n // t, 1, t
     return data, fsdp, tensor

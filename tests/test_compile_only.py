@@ -376,10 +376,10 @@ def test_a_decode_step_reads_its_kv_cache_once(scan_layers):
 
 
 def test_rollout_mesh_default_follows_device_memory():
-    """None (the default): where FSDP splits the weights, tensor-parallel over the fewest devices whose share of one
-    compute-dtype copy is at most 1/4 of a device's memory, data-parallel over the rest; the training mesh where
-    no share is that small, where nothing is split over fsdp, and without a device figure (CPU); an explicit
-    value wins."""
+    """None (the default): where FSDP splits the weights, whole weights on every device where one compute-dtype
+    copy takes at most 1/4 of a device's memory, else tensor-parallel as far as the heads allow where that share
+    fits; the training mesh where no share is that small, where nothing is split over fsdp, and without a device
+    figure (CPU); an explicit value wins."""
     import types
 
     import jax

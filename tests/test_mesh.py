@@ -369,24 +369,23 @@ def test_mesh_shape_resolution_and_errors():
 
 
 def test_rollout_shape_rule_goldens():
-    """The sampler's own layout (`rollout_mesh` None): tensor-parallel over the fewest devices whose share of the
-    weights fits 1/4 of a device, dividing the heads; the training mesh where that buys nothing or nothing fits."""
+    """The sampler's own layout (`rollout_mesh` None): whole weights on every device where a copy fits 1/4 of one,
+    else tensor-parallel as far as the heads allow where that share fits; else the training mesh."""
     gb = 1e9
 
     def rule(train, weights, device=16.9 * gb, heads=32, kv_heads=8):
         return rmesh.rollout_shape(train, weights * gb, device, heads, kv_heads)
 
-    assert rule((1, 8, 1), 16) == (2, 1, 4)  # 4.0 GB per device <= 4.225
-    assert rule((1, 8, 1), 17.2) == (1, 1, 8)  # 4.3 GB does not fit: 8-way
-    assert rule((1, 8, 1), 3) == (8, 1, 1)  # the gathered sampler: whole weights on every device
+    assert rule((1, 8, 1), 3) == (8, 1, 1)  # 3 GB <= 4.225: whole weights, data-parallel over all 8
+    assert rule((1, 8, 1), 16) == (1, 1, 8)  # 16 GB does not fit whole: tensor-parallel over 8, 2 GB each
     assert rule((1, 8, 1), 64) == (1, 8, 1)  # 8 GB per device even 8-way: the training mesh
     assert rule((1, 8, 1), 16, device=None) == (1, 8, 1)  # no memory figure (CPU)
     assert rule((8, 1, 1), 16) == (8, 1, 1) and rule((1, 1, 8), 16) == (1, 1, 8)  # no fsdp: nothing to gather
     assert rule((1, 8, 1), 16, kv_heads=2) == (1, 8, 1)  # t must divide the KV heads: 2-way holds 8 GB
     assert rule((1, 8, 1), 8, kv_heads=2) == (4, 1, 2)
-    assert rule((1, 8, 1), 16, heads=28, kv_heads=4) == (2, 1, 4)
-    assert rule((1, 4, 2), 3) == (4, 1, 2)  # never less tensor-parallel than training
-    assert rule((2, 2, 2), 16) == (2, 1, 4)
+    assert rule((1, 8, 1), 16, heads=28, kv_heads=4) == (2, 1, 4)  # 28 heads: at most 4-way on 8 devices
+    assert rule((1, 4, 2), 3) == (4, 1, 2)  # whole weights per tensor shard of training (never less split)
+    assert rule((2, 2, 2), 16) == (1, 1, 8)
 
 
 def test_process_slice_and_cluster_detection(monkeypatch):
