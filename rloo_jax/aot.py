@@ -176,6 +176,7 @@ class Report:
     topology: Slice
     programs: list[ProgramReport]
     settings: dict[str, Any]
+    reshard: ProgramReport | None = None  # the move of the weights into the sampler's layout (inside the rollout)
 
     @property
     def fits(self) -> bool:
@@ -200,7 +201,11 @@ class Report:
                          "ici_bidirectional_bytes_per_second": chip.ici_bandwidth, "assumption": ROOFLINE},
             "settings": self.settings,
             "programs": {p.name: p.to_json() for p in self.programs},
-        }
+        } | ({} if self.reshard is None else {"rollout_reshard": {
+            "ici_bytes_per_chip": self.reshard.ici_bytes, "hbm_bytes_per_chip": self.reshard.bytes_accessed,
+            "copy_bytes_per_chip": self.reshard.output_bytes, "estimated_seconds": self.reshard.estimated_seconds,
+            "compile_seconds": self.reshard.compile_seconds,
+        }})
 
     def write(self, output_dir: str) -> str:
         """`<output_dir>/compile_report.json` (a local folder or a URL); returns its path."""
@@ -266,10 +271,19 @@ def table_lines(report: Report) -> list[str]:
                 f"{p.name} decode: {p.decode.trips} steps of {step:.2f} GB/chip (HBM + ICI), "
                 f"{p.decode_bytes_ratio:.2f}x the floor of {floor:.2f} GB (matrices + KV caches)"
             )
-            gathered = report.settings.get("sampler_gather_weights", True)
-            if _ici_bound(p.decode.per_iteration, slc.chip) and not gathered:
+            fsdp = report.settings.get("rollout_mesh", {}).get("fsdp", 1)
+            if _ici_bound(p.decode.per_iteration, slc.chip) and fsdp > 1:
                 lines.append(f"  {p.name} decode is ICI-bound (FSDP gathers the weights at every step); "
-                             "--sampler_gather_weights true: once")
+                             "a --rollout_mesh with fsdp 1 gathers them once")
+    layout = report.settings.get("rollout_mesh")
+    if layout is not None:
+        train = report.settings["mesh"]
+        lines.append(f"rollout layout: data {layout['data']} x fsdp {layout['fsdp']} x tensor {layout['tensor']} "
+                     f"(training: {train['data']} x {train['fsdp']} x {train['tensor']})")
+        r = report.reshard
+        if r is not None and r.fits:
+            lines.append(f"  weights moved into it once per generation: {r.ici_bytes / 1e9:.2f} GB/chip over ICI, "
+                         f"{r.bytes_accessed / 1e9:.2f} GB HBM, est. {r.estimated_seconds:.3f} s (in the rollout's)")
     chip = slc.chip
     ici = "" if math.isnan(chip.ici_bandwidth) else f", ICI in {chip.ici_bandwidth / 2e9:.0f} GB/s"
     lines.append(
@@ -398,21 +412,33 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     import jax
     import jax.numpy as jnp
 
-    from rloo_jax.build import make_optimizer, model_options, policy, prepare, sampling_config, step_config
+    from rloo_jax.build import (
+        make_optimizer,
+        model_options,
+        policy,
+        prepare,
+        rollout_mesh_shape,
+        sampling_config,
+        step_config,
+    )
     from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops
-    from rloo_jax.mesh import make_mesh, replicated
+    from rloo_jax.mesh import make_mesh, replicated, reshaped
     from rloo_jax.models import abstract_model
     from rloo_jax.rloo import RLOOOptions
-    from rloo_jax.step import RLOOStep, StepConfig
+    from rloo_jax.sampling import rollout_weights
+    from rloo_jax.step import RLOOStep, StepConfig, policy_params
     from rloo_jax.tpu import topology_devices
 
     devices = topology_devices(slc)
     run = prepare(cfg, abstract=True)
     mesh = make_mesh(*cfg.mesh_shape, devices=devices)
-    scfg = step_config(cfg, run, slc.chip.hbm_bytes)
+    scfg = step_config(cfg, run)
     optimizer, _ = make_optimizer(cfg, max(cfg.max_steps, 1))
     pol = policy(cfg, run.model)
-    step = RLOOStep(pol.graphdef, optimizer, scfg, mesh=mesh, ref_graphdef=pol.ref_graphdef)
+    layout = rollout_mesh_shape(cfg, run, slc.chip.hbm_bytes)  # the sampler's mesh, as training resolves it
+    rollout_mesh = reshaped(mesh, layout)
+    step = RLOOStep(pol.graphdef, optimizer, scfg, mesh=mesh, ref_graphdef=pol.ref_graphdef,
+                    rollout_mesh=rollout_mesh)
     state = step.abstract_state(pol.params, pol.ref_params, pol.frozen)
     b, p = cfg.prompts_per_generation, prompt_length(cfg)
     n = b * cfg.num_generations
@@ -442,9 +468,9 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
         programs.append(report)
 
     def decode_floor(prompts: int, group: int) -> float:
-        """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; tensor
-        parallelism splits it) and its share of the KV caches."""
-        weights = model.matmul_params * itemsize / cfg.mesh_shape[2]
+        """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
+        sampler's tensor parallelism splits it) and its share of the KV caches."""
+        weights = model.matmul_params * itemsize / layout[2]
         return weights + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
 
     g = cfg.num_generations
@@ -454,9 +480,12 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     add("rollout", lambda: step.lower_rollout(state, (b, p)), state_bytes + batch, rollout_flops / chips,
         decode_floor(b, g))
     # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
-    # gradients (2 forwards; the adapters' own matmuls are left out: r / hidden of the projections')
+    # gradients (2 forwards) and the adapters, trained matrices of their own, 6 FLOPs per parameter and token
+    adapter_params = sum(x.size for x in jax.tree.leaves(pol.params)) if cfg.use_peft else 0
+
     def update_flops(width: int) -> float:
-        return (2 if cfg.use_peft else 3) * cfg.num_iterations * model.batch_forward(b, p, g, width) / chips
+        base = (2 if cfg.use_peft else 3) * model.batch_forward(b, p, g, width)
+        return cfg.num_iterations * (base + 6.0 * adapter_params * model.tokens(b, p, g, width)) / chips
 
     add("update", lambda: step.lower_update(state, (b, p), weights), state_bytes + batch, update_flops(c))
     # the update at each narrower completion width the trainer runs when a generation batch ends early
@@ -466,8 +495,8 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
             update_flops(w))
     if cfg.eval_steps:
         g = cfg.resolved_num_generations_eval
-        eval_cfg = StepConfig(sampling=sampling_config(cfg, run, g, hbm), rloo=RLOOOptions(beta=0.0))
-        sampler = RLOOStep(pol.graphdef, optimizer, eval_cfg, mesh=mesh)
+        eval_cfg = StepConfig(sampling=sampling_config(cfg, run, g), rloo=RLOOOptions(beta=0.0))
+        sampler = RLOOStep(pol.graphdef, optimizer, eval_cfg, mesh=mesh, rollout_mesh=rollout_mesh)
         sampler.state_shardings = step.state_shardings
         eb = cfg.eval_batch_size // g
         add("eval_rollout", lambda: sampler.lower_rollout(state, (eb, p)), state_bytes,
@@ -482,7 +511,7 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
         "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
         "max_completion_length": cfg.max_completion_length, **options, "mu_dtype": cfg.mu_dtype,
         "matmul_precision": cfg.matmul_precision, "recompute_old_logps": scfg.recompute,
-        "beta": cfg.beta, "sampler_gather_weights": scfg.sampling.gather_weights,
+        "beta": cfg.beta, "rollout_mesh": dict(zip(("data", "fsdp", "tensor"), layout, strict=True)),
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
@@ -493,4 +522,13 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     if cfg.use_peft:
         settings.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
                         trainable_params=sum(x.size for x in jax.tree.leaves(pol.params)))
-    return Report(slc, programs, settings)
+    # what the rollout spends moving the weights into its layout (it runs inside the rollout program: not a step
+    # of its own), compiled alone from the sampler's own function
+    def move(s: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(rollout_mesh.abstract_mesh):
+            return rollout_weights(pol.graphdef, policy_params(s), mesh.abstract_mesh)
+
+    out(f"compiling the rollout's weight layout for {slc.name} ...")
+    reshard = compile_program("rollout_layout", lambda: jax.jit(move).lower(state), hbm, state_bytes)
+    reshard.estimated_seconds = reshard.roofline(slc.chip)
+    return Report(slc, programs, settings, reshard)

@@ -25,6 +25,7 @@ from rloo_jax.config import RLOOConfig
 from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError
 from rloo_jax.lora import split_adapters, with_adapters
+from rloo_jax.mesh import _resolve_mesh_shape, rollout_shape
 from rloo_jax.metrics import check_report_to
 from rloo_jax.models import ModelLoadError, abstract_model, attention, load_causal_lm, load_tokenizer, lora_spec
 from rloo_jax.models.hf import resolve_checkpoint
@@ -101,9 +102,39 @@ def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTra
     )
     chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
     # Non-finite gradients skip the whole update (params and AdamW moments kept). The consecutive-skip limit is
-    # enforced on the host (`skipped_updates`), so apply_if_finite itself must never fall through and apply one.
-    guarded = optax.apply_if_finite(optax.chain(*chain, adamw), max_consecutive_errors=NEVER)
-    return guarded, schedule
+    # enforced on the host (`skipped_updates`).
+    return skip_if_not_finite(optax.chain(*chain, adamw)), schedule
+
+
+def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`optax.apply_if_finite(inner, max_consecutive_errors=<never>)` as elementwise selects: the update is always
+    computed, then every leaf of the updates (0) and of the optimizer state (its old value) is kept where any
+    gradient is not finite. The same state (`optax.ApplyIfFiniteState`, read by `train.skipped_updates`) and the
+    same numbers. Without apply_if_finite's `lax.cond` XLA fuses each leaf's moments, update and parameter into one
+    kernel that writes them in place (the donated state); the cond made it hold new and old copies of the moments
+    and the updates apart: 18.4 -> GiB per chip for Llama-3.1-8B full fine-tuning on a v5e-16 (BENCHMARKS.md)."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params: Any) -> optax.ApplyIfFiniteState:
+        return optax.ApplyIfFiniteState(
+            notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True, jnp.bool_),
+            total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params),
+        )
+
+    def update(updates: Any, state: optax.ApplyIfFiniteState, params: Any = None, **extra: Any) -> tuple:
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates)]))
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
+        new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+        new_inner = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_inner, state.inner_state)
+        bump = optax.safe_int32_increment
+        return new_updates, optax.ApplyIfFiniteState(
+            notfinite_count=jnp.where(finite, jnp.zeros([], jnp.int32), bump(state.notfinite_count)),
+            last_finite=finite,
+            total_notfinite=jnp.where(finite, state.total_notfinite, bump(state.total_notfinite)),
+            inner_state=new_inner,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -302,7 +333,7 @@ def given_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-GATHER_FRACTION = 0.2  # of a device's memory: the most the sampler's gathered weights may take by default
+ROLLOUT_COPY_FRACTION = 0.25  # of a device's memory: the most the sampler's share of the weights may take by default
 
 
 def device_memory_bytes() -> int | None:
@@ -311,25 +342,24 @@ def device_memory_bytes() -> int | None:
     return None if not stats else stats.get("bytes_limit")
 
 
-def gather_for_decode(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> bool:
-    """`sampler_gather_weights` resolved. None: on where the mesh splits the weights over fsdp and one
-    compute-dtype copy of the policy (÷ tensor parallelism) takes at most GATHER_FRACTION of `device_bytes` (this
-    process's device by default; the compile-only slice's chip). Every process decides alike (same devices)."""
-    if cfg.sampler_gather_weights is not None:
-        return cfg.sampler_gather_weights
+def rollout_mesh_shape(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> tuple[int, int, int]:
+    """`rollout_mesh` resolved to (data, fsdp, tensor) sizes. None: `rloo_jax.mesh.rollout_shape` (whole weights on
+    every device where one compute-dtype copy of the policy takes at most ROLLOUT_COPY_FRACTION of `device_bytes`,
+    this process's device by default, the compile-only slice's chip; else tensor-parallel as far as the heads
+    allow where that share fits; else the training mesh). Every process decides alike (same devices)."""
+    if cfg.rollout_mesh is not None:
+        sizes = dict(zip(("data", "fsdp", "tensor"), cfg.rollout_mesh, strict=True))
+        return _resolve_mesh_shape(sizes, cfg.device_count)
     device_bytes = device_memory_bytes() if device_bytes is None else device_bytes
-    if cfg.mesh_shape[1] == 1 or not device_bytes:
-        return False
+    config = run.model.config
     params = sum(x.size for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
-    bf16 = cfg.bf16 if cfg.bf16 is not None else run.model.config.dtype == "bfloat16"  # None: as the model loaded
-    copy = params * (2 if bf16 else 4) / cfg.mesh_shape[2]
-    return copy <= GATHER_FRACTION * device_bytes
+    bf16 = cfg.bf16 if cfg.bf16 is not None else config.dtype == "bfloat16"  # None: as the model loaded
+    copy = params * (2 if bf16 else 4)
+    return rollout_shape(cfg.mesh_shape, copy, device_bytes, config.num_heads, config.num_kv_heads,
+                         ROLLOUT_COPY_FRACTION)
 
 
-def sampling_config(
-    cfg: RLOOConfig, run: Run, num_generations: int, device_bytes: int | None = None
-) -> SamplingConfig:
-    """`device_bytes`: the memory per device the run is sized for (None: this process's device)."""
+def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> SamplingConfig:
     return SamplingConfig(
         max_new_tokens=cfg.max_completion_length,
         num_generations=num_generations,
@@ -340,13 +370,12 @@ def sampling_config(
         repetition_penalty=cfg.repetition_penalty,
         eos_token_ids=run.eos_ids,
         pad_token_id=int(run.tokenizer.pad_token_id),
-        gather_weights=gather_for_decode(cfg, run, device_bytes),
     )
 
 
-def step_config(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> StepConfig:
+def step_config(cfg: RLOOConfig, run: Run) -> StepConfig:
     return StepConfig(
-        sampling=sampling_config(cfg, run, cfg.num_generations, device_bytes),
+        sampling=sampling_config(cfg, run, cfg.num_generations),
         rloo=RLOOOptions(
             beta=cfg.beta,
             epsilon=cfg.epsilon,

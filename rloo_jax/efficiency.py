@@ -16,7 +16,8 @@ scored positions; query-key pairs B * P (P + 1) / 2 + N * (C P + C (C + 1) / 2).
 
 - update: 3 x forward per pass over the generation batch (the backward is two matmuls per forward matmul: the
   input's gradient and the weight's), x `num_iterations` passes. Full fine-tuning: every matrix is trained (with
-  frozen matrices, e.g. LoRA, theirs need no weight gradient: 4 instead of 6 x params x tokens).
+  frozen matrices, e.g. LoRA, theirs need no weight gradient: 4 instead of 6 x params x tokens). LoRA's adapters
+  are trained matrices of their own: 6 x adapter params x tokens more (`Transformer.tokens`).
 - reference: 1 x forward (in the rollout program, with beta > 0).
 - sampling: the prefill (B * P tokens, B scored positions) + C - 1 decode steps of N rows (the first token comes
   from the prefill's logits; step s feeds slot s - 1 at position P + s - 1, which attends to P + s keys).
@@ -121,6 +122,11 @@ class Transformer:
     def matmul_params(self) -> int:
         return self.num_layers * self.layer_params + self.unembed_params
 
+    @staticmethod
+    def tokens(prompts: int, prompt_length: int, group: int, completion_length: int) -> int:
+        """Tokens through the layers in one forward over a generation batch: B * P + B * G * C."""
+        return prompts * prompt_length + prompts * group * completion_length
+
     def batch_forward(self, prompts: int, prompt_length: int, group: int, completion_length: int) -> float:
         """One forward over B prompts and their B * G completions, each prompt once (the module docstring)."""
         b, p, n, c = prompts, prompt_length, prompts * group, completion_length
@@ -130,7 +136,7 @@ class Transformer:
             self.num_layers,
             self.unembed_params,
             self.attention_width,
-            tokens=b * p + n * c,
+            tokens=self.tokens(b, p, group, c),
             scored=n * c,
             pairs=pairs,
         )

@@ -14,9 +14,12 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from rloo_jax.mesh import constrain
+from rloo_jax.mesh import LOGICAL_RULES, constrain
 
 Array = jax.Array
+
+VOCAB_PARALLEL = {**LOGICAL_RULES, "vocab": ("data", "fsdp", "tensor")}
+"""The log-prob pass's rule table: the logits' vocabulary split over every device (``per_token_logps_from_hidden``)."""
 
 
 def _scaled(logits: Array, temperature: float) -> Array:
@@ -70,6 +73,7 @@ def per_token_logps_from_hidden(
     *,
     chunk_size: int = 64,
     with_entropy: bool = False,
+    frozen_unembed: bool = False,
 ) -> Array | tuple[Array, Array]:
     """Per-token log-probs straight from hidden states, never holding the full ``[N, T, V]`` logits.
 
@@ -77,6 +81,19 @@ def per_token_logps_from_hidden(
     ``x[id] - logsumexp(x)`` and dropped. The chunk function is rematerialised (``jax.checkpoint``) so the backward
     pass also holds one chunk of logits at a time: peak extra memory is ``N * chunk_size * V`` floats instead of
     ``N * T * V``.
+
+    On a mesh the logits are vocabulary-parallel: every row of a chunk on every device, the vocabulary split over
+    all of them (``VOCAB_PARALLEL``). The unembedding weight is multiplied where it lies (its FSDP shards split
+    anew, never gathered whole) and each device's part of its gradient is its own; with the chunk's rows split
+    over the data shards instead, every device gathered the whole ``[D, V]`` weight for every chunk and, training
+    it, held and all-reduced a whole ``[D, V]`` gradient per chunk (BENCHMARKS.md).
+
+    ``frozen_unembed``: the unembedding's weights get no gradient (LoRA: the head is part of the frozen base), so
+    the only gradient is the hidden state's, ``d logp / d h = unembed^T((onehot(id) - softmax(x)) / T)``, a
+    ``[D]`` vector per position that needs no upstream cotangent: each chunk computes it in the forward pass,
+    beside its logits (``_with_grad``), and the backward pass only scales it. Two unembedding matmuls per
+    position instead of three (forward, the backward's recomputed logits and their transpose); the values are
+    the same, and so is the gradient up to the order of one product.
 
     Args:
       hidden: ``[N, T, D]`` final hidden states (after the final norm).
@@ -100,19 +117,57 @@ def per_token_logps_from_hidden(
     h = h.reshape(b, n, chunk, d).swapaxes(0, 1)  # [n, N, chunk, D]
     ids = ids.reshape(b, n, chunk).swapaxes(0, 1)
 
+    def logits_of(hc: Array) -> Array:
+        return constrain(unembed(constrain(hc, (None, None, None))), (None, None, "vocab"), VOCAB_PARALLEL)
+
+    def rows(x: Array) -> Array:  # back to rows over the data shards
+        return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+    def entropy(logits: Array, lp: Array) -> Array:
+        return entropy_from_logits(jax.lax.stop_gradient(logits), temperature) if with_entropy else jnp.zeros_like(lp)
+
     @jax.checkpoint
     def one(args: tuple[Array, Array]) -> tuple[Array, Array]:
         hc, idc = args
-        logits = constrain(unembed(hc), ("batch", None, "vocab"))  # rows over the data shards, vocab over tensor
+        logits = logits_of(hc)
         lp = per_token_logps(logits, idc, temperature)
-        ent = entropy_from_logits(jax.lax.stop_gradient(logits), temperature) if with_entropy else jnp.zeros_like(lp)
-        return lp, ent
+        return rows(lp), rows(entropy(logits, lp))
 
-    lp, ent = jax.lax.map(one, (h, ids))
+    def one_frozen(args: tuple[Array, Array]) -> tuple[Array, Array]:
+        hc, idc = args
+        logits, transpose = jax.vjp(logits_of, jax.lax.stop_gradient(hc))
+        lp = per_token_logps(logits, idc, temperature)
+        x = _scaled(logits, temperature)
+        probs = jnp.exp(x - jax.nn.logsumexp(x, axis=-1, keepdims=True))
+        picked = jax.nn.one_hot(idc, logits.shape[-1], dtype=jnp.float32)
+        (grad,) = transpose(((picked - probs) / temperature).astype(logits.dtype))  # d lp / d hc [B, chunk, D]
+        grad = rows(jax.lax.stop_gradient(grad))
+        return _with_grad(rows(jax.lax.stop_gradient(lp)), hc, grad), rows(entropy(logits, lp))
+
+    lp, ent = jax.lax.map(one_frozen if frozen_unembed else one, (h, ids))
     lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
     if not with_entropy:
         return lp
     return lp, ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+
+@jax.custom_vjp
+def _with_grad(value: Array, x: Array, grad: Array) -> Array:
+    """``value`` [...], whose derivative with respect to ``x`` [..., D] is ``grad`` [..., D] (computed by the
+    caller, e.g. in a forward pass): the backward pass returns ``cotangent[..., None] * grad`` for ``x``. ``value``
+    and ``grad`` themselves carry no gradient (stop them before)."""
+    return value
+
+
+def _with_grad_fwd(value: Array, x: Array, grad: Array) -> tuple[Array, Array]:
+    return value, grad.astype(x.dtype)
+
+
+def _with_grad_bwd(grad: Array, ct: Array) -> tuple[Array, Array, Array]:
+    return jnp.zeros_like(ct), (ct[..., None] * grad).astype(grad.dtype), jnp.zeros_like(grad)
+
+
+_with_grad.defvjp(_with_grad_fwd, _with_grad_bwd)
 
 
 def completion_mask(

@@ -51,6 +51,8 @@ __all__ = [
     "process_slice",
     "replicate",
     "replicated",
+    "reshaped",
+    "rollout_shape",
     "row_major",
     "shard_params",
     "state_shardings",
@@ -96,6 +98,55 @@ def make_mesh(
     sizes = {"data_parallel": data_parallel, "fsdp": fsdp, "tensor_parallel": tensor_parallel}
     shape = _resolve_mesh_shape(sizes, len(devices))
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def reshaped(mesh: Mesh, shape: Sequence[int]) -> Mesh:
+    """A ``(data, fsdp, tensor)`` mesh of ``shape`` over the very devices of ``mesh``, in the same order: e.g. the
+    sampler's own layout of a training mesh (``rollout_shape``). The same rule table lays arrays out on it, and
+    one jitted program may use both (a constraint onto the other mesh is a resharding between their layouts).
+    ``shape`` of ``mesh`` itself gives ``mesh``. E.g. a (1, 8, 1) mesh reshaped (1, 1, 8): the fsdp axis's
+    devices become the tensor axis's, in order."""
+    shape = tuple(shape)
+    if shape == tuple(mesh.devices.shape):
+        return mesh
+    return make_mesh(*shape, devices=list(mesh.devices.flat))
+
+
+def rollout_shape(
+    train_shape: Sequence[int],
+    copy_bytes: float,
+    device_bytes: float | None,
+    heads: int,
+    kv_heads: int,
+    fraction: float = 0.25,
+) -> tuple[int, int, int]:
+    """The sampler's ``(data, fsdp, tensor)`` sizes for a training mesh of ``train_shape`` (the rule behind
+    ``rollout_mesh`` None).
+
+    Where training splits the weights over fsdp, a decode step on the training mesh would all-gather every
+    layer from the other devices at every generated token. The sampler instead takes a mesh of its own over the
+    same devices, fsdp 1 (each device holds its share of one compute-dtype copy of the weights, ``copy_bytes /
+    tensor``, moved there once per generation), data-parallel over the devices its tensor parallelism leaves:
+
+    - the training mesh's tensor size (whole weights per tensor shard) where that share is at most ``fraction`` of
+      a device's memory: decoding then adds no collective at all;
+    - else the largest tensor size ``t`` that divides the devices, the query heads and the KV heads (the KV cache
+      splits by KV head; a multiple of training's), where ``copy_bytes / t`` is at most that: a tensor-parallel
+      step adds two all-reduces per layer whatever ``t``, and each device reads and holds the least;
+    - else, or with no fsdp in training or no memory figure (CPU): the training mesh itself.
+
+    E.g. 8 devices, training (1, 8, 1), 32 heads / 8 KV heads, 16.9 GB devices (a 4.2 GB budget): 3 GB of weights
+    -> (8, 1, 1); 16 GB -> t = 8 (2 GB each): (1, 1, 8); 64 GB -> (1, 8, 1).
+    """
+    data, fsdp, tensor = (int(x) for x in train_shape)
+    n = data * fsdp * tensor
+    sizes = [t for t in range(tensor, n + 1, tensor) if not (n % t or heads % t or kv_heads % t)]
+    if fsdp == 1 or not device_bytes or not sizes:
+        return data, fsdp, tensor
+    for t in (tensor, sizes[-1]):
+        if copy_bytes / t <= fraction * device_bytes:
+            return n // t, 1, t
+    return data, fsdp, tensor
 
 
 def _resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ Two entry points:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 
@@ -26,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import Mesh
 
-from rloo_jax.mesh import LOGICAL_RULES, constrain
+from rloo_jax.mesh import BATCH_AXES, LOGICAL_RULES, constrain
 
 __all__ = [
     "Generation",
@@ -41,6 +43,7 @@ __all__ = [
     "greedy_tokens",
     "inverse_cdf_sample",
     "min_p_filter",
+    "rollout_weights",
     "row_uniforms",
     "step_uniforms",
     "token_logps",
@@ -74,10 +77,6 @@ class SamplingConfig:
     eos_token_ids: tuple[int, ...] = ()
     """Every id here ends a row (the EOS is kept and counts in the mask)."""
     pad_token_id: int = 0
-    gather_weights: bool = False
-    """On a mesh: gather the FSDP-sharded matrices once per call, before the decode loop, instead of in every
-    decode step (tensor-parallel splits stay): decode then reads its weights from HBM rather than over ICI, at
-    the cost of holding one whole compute-dtype copy per tensor-parallel shard (``gathered_for_decode``)."""
     """Emitted after a row has finished; its mask and log-prob are 0."""
 
     def __post_init__(self) -> None:
@@ -312,7 +311,8 @@ def _completion_mask(ids: jax.Array, eos_token_ids: tuple[int, ...]) -> jax.Arra
 
 
 def compute_dtype_weights(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
-    """Matmul weights (``kernel``, ``embedding``) cast to the model's compute dtype once, e.g. f32 -> bf16.
+    """Matmul weights (``kernel``, ``embedding``, LoRA's ``lora_a``/``lora_b``/``qkv_lora_a``) cast to the model's
+    compute dtype once, e.g. f32 -> bf16.
 
     The layers cast them on every use anyway (same values); casting before the decode loop means each step reads
     half the weight bytes instead of converting every weight again. Norm scales keep their dtype (the norms
@@ -322,23 +322,46 @@ def compute_dtype_weights(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.Stat
 
     def cast(path: tuple, x: jax.Array) -> jax.Array:
         names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
-        weight = bool(names & {"kernel", "embedding"})
+        weight = bool(names & {"kernel", "embedding", "lora_a", "lora_b", "qkv_lora_a"})
         return x.astype(dtype) if weight and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
 
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def gathered_for_decode(params: nnx.State) -> nnx.State:
-    """Every parameter laid out by the rule table without FSDP (``"embed"`` unsharded; tensor parallelism kept),
-    inside a function traced on a mesh: XLA gathers each matrix once here, and a decode loop that follows reads
-    the whole copy instead of all-gathering every layer at every step. A no-op without a mesh."""
-    rules = {**LOGICAL_RULES, "embed": None}
+def rollout_weights(
+    graphdef: nnx.GraphDef, params: nnx.State, source: jax.sharding.AbstractMesh | None = None
+) -> nnx.State:
+    """What the sampler decodes with: the matrices in the compute dtype (``compute_dtype_weights``), every parameter
+    laid out by the rule table on the mesh the function is traced on (``rloo_jax.mesh.constrain``). Traced on the
+    sampler's own mesh (``generate_fn``'s ``mesh``), this is where the weights move from the training layout into
+    the sampler's, once per call: e.g. from FSDP shards to tensor-parallel ones, so that the decode loop that
+    follows reads its weights from HBM instead of gathering every layer over ICI at every step. A no-op layout
+    without a mesh, and on the training mesh itself.
+
+    ``source``: the mesh the weights arrive on. Where it is FSDP over all its devices (the default training mesh),
+    ``embed`` is first split over the sampler's data axes (from FSDP over every device: an all-to-all within each
+    group of tensor-parallel devices), then gathered (an all-gather over the data axes): for the direct move,
+    XLA's partitioner gathers whole matrices on every device and slices them (BENCHMARKS.md)."""
+    via_fsdp = source is not None and not source.empty and source.shape["data"] * source.shape["tensor"] == 1
 
     def one(v: nnx.Variable) -> nnx.Variable:
-        logical = v.get_metadata().get("out_sharding") or (None,) * v[...].ndim
-        return v.replace(constrain(v[...], tuple(logical), rules))
+        logical = tuple(v.get_metadata().get("out_sharding") or (None,) * v[...].ndim)
+        x = constrain(v[...], logical, {**LOGICAL_RULES, "embed": BATCH_AXES}) if via_fsdp else v[...]
+        return v.replace(constrain(x, logical))
 
+    params = compute_dtype_weights(graphdef, params)
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _traced_on(mesh: Mesh | jax.sharding.AbstractMesh | None) -> contextlib.AbstractContextManager:
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh)
+
+
+def _rows(x: jax.Array) -> jax.Array:
+    """``x [rows, ...]`` laid out by rows on the mesh traced on (a no-op without one)."""
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
 
 def generate_fn(
@@ -348,6 +371,7 @@ def generate_fn(
     prompt_mask: jax.Array,
     key: jax.Array,
     cfg: SamplingConfig,
+    mesh: Mesh | None = None,
 ) -> Generation:
     """Sample ``cfg.num_generations`` completions of ``cfg.max_new_tokens`` slots per prompt; jittable.
 
@@ -356,9 +380,29 @@ def generate_fn(
     s of every row is chosen from the logits after token s-1, in a ``lax.while_loop`` that stops once every
     row has emitted an EOS (finished rows emit pad). ``graphdef`` and ``cfg`` must be static under an outer
     jit.
+
+    ``mesh``: the sampler's own layout (``rloo_jax.mesh.reshaped``, e.g. tensor-parallel where training is FSDP):
+    the weights move into it once (``rollout_weights``) and everything is traced on it, so the model's activation
+    and KV-cache constraints follow its axes. Inputs and outputs may live on another mesh of the same devices
+    (the caller's jit shardings). None: the mesh the caller traces on, if any.
     """
-    params = compute_dtype_weights(graphdef, params)
-    model = nnx.merge(graphdef, gathered_for_decode(params) if cfg.gather_weights else params)
+    caller = jax.sharding.get_abstract_mesh()
+    with _traced_on(mesh):  # every input enters the sampler's mesh: the weights by the rule table, rows by rows
+        inputs = _rows(prompt_ids), _rows(prompt_mask), constrain(key, ())
+        gen = _generate(graphdef, rollout_weights(graphdef, params, caller), *inputs, cfg)
+    with _traced_on(caller):  # and the completions return to the caller's
+        return jax.tree.map(_rows, gen)
+
+
+def _generate(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    key: jax.Array,
+    cfg: SamplingConfig,
+) -> Generation:
+    model = nnx.merge(graphdef, params)
     prompt_ids, prompt_mask = _left_align(prompt_ids.astype(jnp.int32), prompt_mask.astype(jnp.int32))
     num_prompts = prompt_ids.shape[0]
     group, length, pad = cfg.num_generations, cfg.max_new_tokens, cfg.pad_token_id

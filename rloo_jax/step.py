@@ -153,6 +153,7 @@ def completion_logps(
     chunk: int = 64,  # StepConfig.logprob_chunk
     with_entropy: bool = False,
     dropout_key: Array | None = None,
+    frozen_unembed: bool = False,
 ) -> Array | tuple[Array, Array]:
     """Per-token log-probs of the completions under ``params``: ``[N, C]`` float32 (and entropy ``[N, C]``).
 
@@ -161,14 +162,16 @@ def completion_logps(
     G completions attend to its keys (``CausalLM.completion_hidden_states``; the same numbers as one forward over
     ``[prompt; completion]``, without repeating the prompt G times). The vocabulary projection runs in chunks of
     ``chunk`` positions (``per_token_logps_from_hidden``). With LoRA, ``params`` is ``lora.merge_params(base,
-    adapters)``; ``dropout_key`` applies the adapters' dropout (training forwards).
+    adapters)``; ``dropout_key`` applies the adapters' dropout (training forwards), and ``frozen_unembed`` (the
+    head gets no gradient) computes the log-probs' gradient in the forward pass (``per_token_logps_from_hidden``).
     """
     model = nnx.merge(graphdef, params)
     if completion_ids.shape[0] % prompt_ids.shape[0]:
         raise ValueError(f"{completion_ids.shape[0]} completions do not split into {prompt_ids.shape[0]} prompts")
     hidden = model.completion_hidden_states(prompt_ids, prompt_mask, completion_ids, completion_mask, dropout_key)
     return per_token_logps_from_hidden(
-        hidden, model.unembed, completion_ids, temperature, chunk_size=chunk, with_entropy=with_entropy
+        hidden, model.unembed, completion_ids, temperature, chunk_size=chunk, with_entropy=with_entropy,
+        frozen_unembed=frozen_unembed,
     )
 
 
@@ -234,6 +237,10 @@ class RLOOStep:
     LoRA: ``graphdef`` is the model with adapters, ``ref_graphdef`` the same model without them; the state trains
     the adapters (``params``) on a ``frozen`` base, which with ``ref_graphdef`` is also the reference (no copy).
 
+    ``rollout_mesh``: the sampler's own mesh over the mesh's devices (``rloo_jax.mesh.reshaped``, e.g.
+    tensor-parallel decode where training is FSDP); the sampling program moves the policy's weights into its
+    layout once per call and hands its outputs back in the training layout. None: the training mesh.
+
     ``mesh=None``: plain ``jax.jit`` on the default device. With a ``mesh`` (``rloo_jax.mesh.make_mesh``), call
     ``init_state`` first: it places the state on its shardings (``self.state_shardings``), which the jitted
     functions then take as explicit ``in_shardings``/``out_shardings``; batch arrays are split over data x fsdp
@@ -249,12 +256,14 @@ class RLOOStep:
         mesh: jax.sharding.Mesh | None = None,
         rules: Rules | None = None,
         ref_graphdef: nnx.GraphDef | None = None,
+        rollout_mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         self.graphdef = graphdef
         self.ref_graphdef = graphdef if ref_graphdef is None else ref_graphdef
         self.optimizer = optimizer
         self.cfg = cfg
         self.mesh = mesh
+        self.rollout_mesh = mesh if rollout_mesh is None else rollout_mesh  # the sampler's layout (its own mesh)
         self.rules = LOGICAL_RULES if rules is None else rules
         self.state_shardings: TrainState | None = None  # set by init_state when there is a mesh
         self._sharded_jits: dict[tuple, Callable] = {}
@@ -496,7 +505,7 @@ class RLOOStep:
         """Sample the completions: the rollout without reference log-probs, ``max_new_tokens`` wide."""
         cfg = self.cfg
         sc = cfg.sampling
-        gen = generate_fn(self.graphdef, policy_params(state), prompt_ids, prompt_mask, key, sc)
+        gen = generate_fn(self.graphdef, policy_params(state), prompt_ids, prompt_mask, key, sc, self.rollout_mesh)
         prompt_ids, prompt_mask = _left_align(prompt_ids, prompt_mask)
         # TRL's mask/truncation rule (a pad id as last token counts as terminated)
         mask, truncated = completion_mask(gen.completion_ids, sc.eos_token_ids or (-1,), sc.pad_token_id)
@@ -580,6 +589,7 @@ class RLOOStep:
         logps, entropy = completion_logps(
             self.graphdef, whole, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"],
             cfg.temperature, cfg.logprob_chunk, with_entropy=True, dropout_key=key,
+            frozen_unembed=frozen is not None,  # LoRA: the head is part of the frozen base
         )
         mask = mb["mask"].astype(jnp.float32)
         old = jax.lax.stop_gradient(logps) if cfg.on_policy else mb["old_logps"]

@@ -48,6 +48,7 @@ from rloo_jax.build import (
     make_optimizer,
     policy,
     prepare,
+    rollout_mesh_shape,
     sampling_config,
     step_config,
 )
@@ -70,6 +71,7 @@ from rloo_jax.mesh import (
     make_mesh,
     process_slice,
     replicate,
+    reshaped,
 )
 from rloo_jax.metrics import (
     JsonlWriter,
@@ -523,7 +525,10 @@ def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
     lr_at(0)  # compiled here, not at the first logged step (no compile after step 1)
     pol = policy(cfg, run.model)  # the whole model, or with use_peft adapters on a frozen base
     graphdef = pol.graphdef
-    step_fn = RLOOStep(graphdef, optimizer, scfg, mesh=place.mesh, ref_graphdef=pol.ref_graphdef)
+    # the sampler's own layout over the same devices (`rollout_mesh`; the training mesh where nothing is gained)
+    rollout_mesh = None if place.mesh is None else reshaped(place.mesh, rollout_mesh_shape(cfg, run))
+    step_fn = RLOOStep(graphdef, optimizer, scfg, mesh=place.mesh, ref_graphdef=pol.ref_graphdef,
+                       rollout_mesh=rollout_mesh)
     # with a mesh: placed on its shardings (FSDP / tensor parallel)
     state = step_fn.init_state(pol.params, pol.ref_params, pol.frozen)
     eval_sampler = None
@@ -532,7 +537,7 @@ def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
         # no reference log-probs); it shares the training state's shardings instead of initialising its own
         eval_scfg = StepConfig(sampling=sampling_config(cfg, run, cfg.resolved_num_generations_eval),
                                rloo=RLOOOptions(beta=0.0))
-        eval_sampler = RLOOStep(graphdef, optimizer, eval_scfg, mesh=place.mesh)
+        eval_sampler = RLOOStep(graphdef, optimizer, eval_scfg, mesh=place.mesh, rollout_mesh=rollout_mesh)
         eval_sampler.state_shardings = step_fn.state_shardings
     out = cfg.output_dir  # a local folder or a URL (gs://...): every output goes through rloo_jax.outputs
     paths = {

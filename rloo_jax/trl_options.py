@@ -172,7 +172,7 @@ _GROUPS: list[tuple[str, str, Decision]] = [
      accepted("prompts are always padded to a multiple of prompt_bucket and completions cut to completion_bucket "
               "widths (one compile per bucket)")),
     ("ds3_gather_for_generation", "ds3_gather_for_generation",
-     accepted("no DeepSpeed; on a mesh see sampler_gather_weights")),
+     accepted("no DeepSpeed; on a mesh the sampler gets its own layout, see rollout_mesh")),
     ("disable_dropout", "disable_dropout",
      accepted("the models here have no dropout (LoRA's lora_dropout aside): as TRL with disable_dropout true")),
     ("router_aux_loss_coef", "router_aux_loss_coef", accepted("no mixture-of-experts model family here")),

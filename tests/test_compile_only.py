@@ -118,7 +118,14 @@ def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys): 
     # the mesh is the slice's: fsdp over its 4 chips; the batch validated for them (4 x 4 x 2 completions)
     assert report["settings"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert report["settings"]["completions_per_generation"] == 32 and report["settings"]["remat_policy"] == "full"
-    assert report["settings"]["sampler_gather_weights"] is True  # the default, resolved for a v5e chip
+    # the sampler's own mesh, resolved for a v5e chip: the whole (tiny) model on every chip, data-parallel over 4,
+    # and what moving the weights into it costs: all-gathers receive 3/4 of the f32 matrices (and norms), in TPU
+    # tiles that pad these tiny matrices' minor dimensions (1.78x the bare bytes measured)
+    assert report["settings"]["rollout_mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+    reshard = report["rollout_reshard"]
+    assert 3 * 4 * 83968 / 4 <= reshard["ici_bytes_per_chip"] < 2 * 3 * 4 * 83968 / 4
+    assert reshard["copy_bytes_per_chip"] >= 4 * 83968 and 0 < reshard["estimated_seconds"] < 1e-3
+    assert "rollout layout: data 4 x fsdp 1 x tensor 1 (training: 1 x 4 x 1)" in out
     assert "FITS: every program fits v5e-4" in out and "update" in out
     assert not (tmp_path / "out" / "checkpoints").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
 
@@ -135,7 +142,9 @@ def test_compile_only_with_lora_and_completion_buckets(tmp_path, tiny_checkpoint
     report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
     programs = report["programs"]
     assert set(programs) == {"rollout", "update", "update@8", "update@16"}
-    assert programs["update"]["model_flops"] == 2 * 208437248 / 4
+    # the frozen base: 2 forwards; the adapters (8192 parameters): 6 FLOPs per parameter and token, 8 x 16 prompt
+    # and 32 x 32 completion tokens
+    assert programs["update"]["model_flops"] == (2 * 208437248 + 6 * 8192 * (8 * 16 + 32 * 32)) / 4
     flops = [programs[n]["flops"] for n in ("update@8", "update@16", "update")]
     assert flops == sorted(flops) and flops[0] < 0.6 * flops[2]
     # the estimated step: the rollout and the full-width update, not the narrower ones
@@ -145,27 +154,32 @@ def test_compile_only_with_lora_and_completion_buckets(tmp_path, tiny_checkpoint
     assert report["settings"]["trainable_params"] == 2 * 4 * (4 * (64 + 64) - 2 * 32 + 2 * (64 + 128) + (128 + 64))
 
 
-def test_sampler_gather_weights_moves_decode_off_ici(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
-    """FSDP over 4 chips: by default every decode step all-gathers the weights over ICI; gathered once before the
-    loop, a decode step receives almost nothing over ICI."""
+def test_rollout_mesh_moves_decode_off_ici(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
+    """FSDP over 4 chips: the sampler on the training mesh all-gathers the weights over ICI at every decode step;
+    on a mesh of its own it moves them once per generation: whole on every chip (the default for this tiny
+    model), or tensor-parallel over 2 (each chip reads half the matrices at every step)."""
     model = config_only_model(tmp_path, TINY_LLAMA, tiny_checkpoint("tokenizer"))
-    rollouts, outs = [], []
-    for gather in ("false", "true"):
-        code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", "--sampler_gather_weights",
-                                                                     gather])
+    rollouts, outs = {}, {}
+    for layout in ("1,4,1", None, "2,1,2"):
+        extra = [] if layout is None else ["--rollout_mesh", layout]
+        code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", *extra])
         assert code == 0, err
         report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
         assert report["settings"]["attn_implementation"] == "splash"  # the default for a TPU
-        rollouts.append(report["programs"]["rollout"])
-        outs.append(out)
+        rollouts[layout], outs[layout] = report["programs"]["rollout"], out
+        sizes = map(int, (layout or "4,1,1").split(","))
+        assert report["settings"]["rollout_mesh"] == dict(zip(("data", "fsdp", "tensor"), sizes, strict=True))
     # the report names the option where the decode steps wait on ICI, and only there
-    advice = "decode is ICI-bound (FSDP gathers the weights at every step); --sampler_gather_weights true: once"
-    assert advice in outs[0] and advice not in outs[1]
-    sharded, gathered = rollouts
+    advice = "decode is ICI-bound (FSDP gathers the weights at every step); a --rollout_mesh with fsdp 1"
+    assert advice in outs["1,4,1"] and advice not in outs[None] and advice not in outs["2,1,2"]
+    sharded, gathered, tp = rollouts["1,4,1"], rollouts[None], rollouts["2,1,2"]
     assert sharded["decode_ici_bytes_per_step"] > 3 * 2 * 83968 / 4  # 3/4 of the bf16 matrices, every step
     # what still crosses: the rows' finished flags and sampled tokens (768 bytes)
     assert gathered["decode_ici_bytes_per_step"] < 0.01 * sharded["decode_ici_bytes_per_step"]
     assert gathered["decode_bytes_ratio"] < sharded["decode_bytes_ratio"]
+    # tensor-parallel: the floor holds half the matrices; two all-reduces per layer cross ICI instead
+    assert tp["decode_floor_bytes_per_step"] == 4 * 83968 / 2 + 294912 / 4  # half the completions of the test above
+    assert 0 < tp["decode_ici_bytes_per_step"] < 0.2 * sharded["decode_ici_bytes_per_step"]
 
 
 def test_compile_only_says_what_does_not_fit(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
@@ -440,15 +454,17 @@ def test_a_decode_step_reads_its_kv_cache_once(scan_layers):
     assert cost.ici_bytes < 0.01 * caches
 
 
-def test_sampler_gather_weights_default_follows_device_memory():
-    """None (the default): gather where FSDP splits the weights and one compute-dtype copy (÷ tensor) is at most
-    1/5 of a device's memory; an explicit value wins; off on one fsdp shard and without a device figure (CPU)."""
+def test_rollout_mesh_default_follows_device_memory():
+    """None (the default): where FSDP splits the weights, whole weights on every device where one compute-dtype
+    copy takes at most 1/4 of a device's memory, else tensor-parallel as far as the heads allow where that share
+    fits; the training mesh where no share is that small, where nothing is split over fsdp, and without a device
+    figure (CPU); an explicit value wins."""
     import types
 
     import jax
     from flax import nnx
 
-    from rloo_jax.build import gather_for_decode
+    from rloo_jax.build import rollout_mesh_shape
     from rloo_jax.config import config_from_dict
     from rloo_jax.models.config import ModelConfig
     from rloo_jax.models.transformer import CausalLM
@@ -463,15 +479,17 @@ def test_sampler_gather_weights_default_follows_device_memory():
 
     def resolved(device_bytes, **options):
         values = {"model_name_or_path": "demo", "dataset_name": "demo", "reward_funcs": ["format"],
-                  "per_device_train_batch_size": 4,
-                  "num_generations": 4, **options}
-        return gather_for_decode(config_from_dict(values, device_count=4), run, device_bytes)
+                  "per_device_train_batch_size": 4, "num_generations": 4, **options}
+        return rollout_mesh_shape(config_from_dict(values, device_count=4), run, device_bytes)
 
     copy_bf16 = 2 * params
-    assert resolved(5 * copy_bf16, bf16=True) is True  # exactly 1/5
-    assert resolved(5 * copy_bf16 - 1, bf16=True) is False
-    assert resolved(5 * copy_bf16 - 1, bf16=False) is False and resolved(10 * copy_bf16, bf16=False) is True
-    assert resolved(5 * copy_bf16 // 2, bf16=True, fsdp=2, tensor_parallel=2) is True  # a copy per tensor shard
-    assert resolved(10**12, fsdp=1, data_parallel=4) is False  # nothing to gather: the weights are whole
-    assert resolved(None) is False  # this process's device: the CPU reports no memory figure
-    assert resolved(1, sampler_gather_weights=True) is True and resolved(10**12, sampler_gather_weights=False) is False
+    assert resolved(4 * copy_bf16, bf16=True) == (4, 1, 1)  # exactly 1/4: whole weights on every device
+    assert resolved(4 * copy_bf16 - 1, bf16=True) == (2, 1, 2)  # half of them on each: 2 heads over 2 devices
+    assert resolved(2 * copy_bf16 - 1, bf16=True) == (1, 4, 1)  # no share small enough (the heads stop at 2)
+    assert resolved(4 * copy_bf16, bf16=False) == (2, 1, 2)  # float32: twice the bytes
+    assert resolved(2 * copy_bf16, bf16=True, fsdp=2, tensor_parallel=2) == (2, 1, 2)  # training's tensor split kept
+    assert resolved(10**12, fsdp=1, data_parallel=4) == (4, 1, 1)  # nothing to gather: the weights are whole
+    assert resolved(None) == (1, 4, 1)  # this process's device: the CPU reports no memory figure
+    assert resolved(1, rollout_mesh=(1, 1, 4)) == (1, 1, 4) and resolved(10**12, rollout_mesh=(-1, 1, 2)) == (2, 1, 2)
+    with pytest.raises(ConfigError, match="rollout_mesh: .*needs 3 devices but 4"):
+        resolved(None, rollout_mesh=(3, 1, 1))

@@ -92,6 +92,37 @@ def test_logps_from_hidden_equals_full_logits_path(chunk):
         np.testing.assert_allclose(a, b_, atol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_frozen_unembed_gives_the_same_logps_and_hidden_gradient_with_two_matmuls(chunk):
+    """LoRA's frozen head: the hidden state's gradient computed in the forward pass equals autodiff's, and the
+    jitted gradient does two [T, D] x [D, V] matmuls instead of three (no logits recomputed in the backward)."""
+    from rloo_jax import hlo
+
+    rng = np.random.default_rng(4)
+    b, t, d, v = 2, 7, 6, 23
+    hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, v, size=(b, t)))
+
+    def logps(h, frozen):
+        return rj.per_token_logps_from_hidden(h, lambda x: x @ w, ids, 0.8, chunk_size=chunk, with_entropy=True,
+                                              frozen_unembed=frozen)
+
+    def loss(h, frozen):
+        return jnp.sum(logps(h, frozen)[0] * jnp.arange(t))
+
+    want, got = jax.jit(lambda h: logps(h, False))(hidden), jax.jit(lambda h: logps(h, True))(hidden)
+    np.testing.assert_array_equal(got[0], want[0])  # the same forward ops: the same bits
+    np.testing.assert_array_equal(got[1], want[1])
+    grads = [jax.jit(jax.grad(loss), static_argnums=1)(hidden, f) for f in (False, True)]
+    np.testing.assert_allclose(grads[1], grads[0], atol=1e-5)  # measured 1.9e-6: the product order differs
+    assert np.abs(grads[0]).max() > 0.1
+    if chunk == 3:  # a loop over 3 chunks: matmul FLOPs of the compiled value-and-gradient program, 3 : 2
+        flops = [hlo.flops(jax.jit(jax.value_and_grad(loss), static_argnums=1).lower(hidden, f).compile().as_text())
+                 for f in (False, True)]
+        assert flops[0] == 1.5 * flops[1] > 0
+
+
 def test_logps_from_hidden_peak_memory_is_chunked():
     """The chunked pass must not allocate the [B, T, V] float32 logits (the point of the function)."""
     b, t, d, v = 2, 256, 16, 4096

@@ -26,7 +26,7 @@ from rloo_jax import mesh as rmesh
 from rloo_jax.models import init_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT = 240
+TIMEOUT = 400
 
 TINY = dict(
     model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=64,
@@ -143,14 +143,39 @@ else:
     hlo = jitted.lower(*rollout_args).compile().as_text()
     out["cache_shapes"] = sorted(set(re.findall(r"f32\[2,\d+,\d+,6,8\]", hlo)))
     out["single"], out["sharded"] = single, sharded
-    # the sampler with its weights gathered once before decoding: the same samples as sharded decoding
+    # the sampler on meshes of its own over the same devices: data-parallel with whole weights (the "gathered"
+    # sampler), tensor-parallel x data-parallel (heads, MLP, vocabulary and KV heads over 2), tensor-parallel over
+    # all 8 (the 4 heads and 2 KV heads do not split 8 ways: replicated, the MLP and vocabulary split)
+    out["layouts"] = {}
+    for shape in [(8, 1, 1), (4, 1, 2), (1, 1, 8)]:
+        r_step = RLOOStep(m_step.graphdef, optax.sgd(0.5), CFG, mesh=mesh, rollout_mesh=M.reshaped(mesh, shape))
+        params = nnx.split(init_causal_lm(TINY, seed=0))[1]
+        r_state = r_step.init_state(copy(params), jax.tree.map(lambda x: x + 0.01, copy(params)))
+        ro = r_step.sample(r_state, *rollout_args[1:])  # the sampling program alone (the reference pass: training's)
+        rows = {name: M.local_rows(getattr(ro, name)).tolist() for name in ("completion_ids", "old_logps")}
+        out["layouts"][str(shape)] = dict(rows, spec=str(ro.completion_ids.sharding.spec),
+                                          devices=[d.id for d in r_step.rollout_mesh.devices.flat])
+    out["mesh_devices"] = [d.id for d in mesh.devices.flat]
+    # greedy decoding on the tensor-parallel sampler == on one device (== transformers, tests/test_sampling.py)
     import dataclasses
-    g_cfg = dataclasses.replace(CFG, sampling=dataclasses.replace(CFG.sampling, gather_weights=True))
-    g_step = RLOOStep(m_step.graphdef, optax.sgd(0.5), g_cfg, mesh=mesh)
-    g_state = g_step.init_state(*(copy(nnx.split(init_causal_lm(TINY, seed=0))[1]) for _ in range(2)))
-    out["gathered_completions"] = M.local_rows(g_step.rollout(g_state, *rollout_args[1:]).completion_ids).tolist()
+    from rloo_jax.sampling import generate_fn
+    greedy = dataclasses.replace(CFG.sampling, temperature=0.0)
+    params = nnx.split(init_causal_lm(TINY, seed=0))[1]
+    one = jax.jit(generate_fn, static_argnums=(0, 5))(m_step.graphdef, params, IDS, MASK, jax.random.key(0), greedy)
+    tp = M.reshaped(mesh, (1, 1, 8))
+    on_tp = jax.jit(generate_fn, static_argnums=(0, 5, 6))(
+        m_step.graphdef, M.shard_params(params, M.param_shardings(params, mesh)), *rollout_args[1:3],
+        jax.random.key(0), greedy, tp)
+    out["greedy"] = [np.asarray(one.completion_ids).tolist(), M.local_rows(on_tp.completion_ids).tolist()]
     out["lora_single"], _, _, _ = scenario(None, lora=True)
-    out["lora_sharded"], l_state, _, _ = scenario(mesh, lora=True)
+    out["lora_sharded"], l_state, l_step, _ = scenario(mesh, lora=True)
+    # LoRA (adapters and the frozen base) sampled tensor-parallel x data-parallel
+    tp_step = RLOOStep(l_step.graphdef, optax.sgd(0.5), l_step.cfg, mesh=mesh, ref_graphdef=l_step.ref_graphdef,
+                       rollout_mesh=M.reshaped(mesh, (4, 1, 2)))
+    _, l_params, l_frozen, _ = lora_parts()
+    ro = tp_step.sample(tp_step.init_state(l_params, frozen=l_frozen), *rollout_args[1:])
+    out["lora_tp"] = {"completions": M.local_rows(ro.completion_ids).tolist(),
+                      "old_logps": M.local_rows(ro.old_logps).tolist()}
     a = l_state.params["model"]["layers"]["attn"]["q"]["lora_a"][...]  # [L 2, embed 32, r 4]
     out["lora_a"] = {"shard": list(a.addressable_shards[0].data.shape), "spec": str(a.sharding.spec)}
     out["lora_frozen_head_shard"] = list(l_state.frozen["lm_head"]["kernel"][...].addressable_shards[0].data.shape)
@@ -343,6 +368,26 @@ def test_mesh_shape_resolution_and_errors():
     assert rmesh.make_mesh(1, -1, 1).devices.shape == (1, len(jax.devices()), 1)
 
 
+def test_rollout_shape_rule_goldens():
+    """The sampler's own layout (`rollout_mesh` None): whole weights on every device where a copy fits 1/4 of one,
+    else tensor-parallel as far as the heads allow where that share fits; else the training mesh."""
+    gb = 1e9
+
+    def rule(train, weights, device=16.9 * gb, heads=32, kv_heads=8):
+        return rmesh.rollout_shape(train, weights * gb, device, heads, kv_heads)
+
+    assert rule((1, 8, 1), 3) == (8, 1, 1)  # 3 GB <= 4.225: whole weights, data-parallel over all 8
+    assert rule((1, 8, 1), 16) == (1, 1, 8)  # 16 GB does not fit whole: tensor-parallel over 8, 2 GB each
+    assert rule((1, 8, 1), 64) == (1, 8, 1)  # 8 GB per device even 8-way: the training mesh
+    assert rule((1, 8, 1), 16, device=None) == (1, 8, 1)  # no memory figure (CPU)
+    assert rule((8, 1, 1), 16) == (8, 1, 1) and rule((1, 1, 8), 16) == (1, 1, 8)  # no fsdp: nothing to gather
+    assert rule((1, 8, 1), 16, kv_heads=2) == (1, 8, 1)  # t must divide the KV heads: 2-way holds 8 GB
+    assert rule((1, 8, 1), 8, kv_heads=2) == (4, 1, 2)
+    assert rule((1, 8, 1), 16, heads=28, kv_heads=4) == (2, 1, 4)  # 28 heads: at most 4-way on 8 devices
+    assert rule((1, 4, 2), 3) == (4, 1, 2)  # whole weights per tensor shard of training (never less split)
+    assert rule((2, 2, 2), 16) == (1, 1, 8)
+
+
 def test_process_slice_and_cluster_detection(monkeypatch):
     assert rmesh.process_slice(8, 0, 2) == slice(0, 4)
     assert rmesh.process_slice(8, 1, 2) == slice(4, 8)
@@ -378,8 +423,30 @@ def test_sampler_sharded_equals_single_device(compare):
     assert sharded["completions_spec"] == "P(('data', 'fsdp'),)"  # N = 8 rows split over data x fsdp = 4
 
 
-def test_sampler_with_gathered_weights_samples_the_same(compare):
-    assert compare["gathered_completions"] == compare["sharded"]["completions"]
+@pytest.mark.parametrize("shape", ["(8, 1, 1)", "(4, 1, 2)", "(1, 1, 8)"])
+def test_rollout_on_its_own_mesh_samples_the_same(compare, shape):
+    """The sampler on a mesh of its own (data-parallel with whole weights, tensor-parallel x data-parallel,
+    tensor-parallel over all 8 devices; the weights resharded inside the rollout program): the same tokens and the
+    same log-probs as on the (2, 2, 2) training mesh, handed back in the training layout over the same devices."""
+    want, got = compare["sharded"], compare["layouts"][shape]
+    assert got["completion_ids"] == want["completions"]
+    np.testing.assert_allclose(got["old_logps"], want["old_logps"], atol=1e-5)  # measured 2.1e-6 with tensor 8
+    if shape == "(4, 1, 2)":  # the same tensor split as training: not one bit differs
+        assert got["old_logps"] == want["old_logps"]
+    assert got["spec"] == "P(('data', 'fsdp'),)" and got["devices"] == compare["mesh_devices"]
+
+
+def test_greedy_on_the_tensor_parallel_sampler_equals_one_device(compare):
+    """Greedy decoding on an 8-way tensor-parallel sampler mesh picks the tokens one device picks (which are
+    transformers' own: tests/test_sampling.py::test_greedy_matches_transformers_with_early_eos)."""
+    one, tp = compare["greedy"]
+    assert tp == one and len({tuple(row) for row in one}) == 4  # 4 prompts, G = 2 identical greedy rows each
+
+
+def test_lora_samples_the_same_on_a_tensor_parallel_sampler(compare):
+    want, got = compare["lora_sharded"], compare["lora_tp"]
+    assert got["completions"] == want["completions"]
+    np.testing.assert_allclose(got["old_logps"], want["old_logps"], atol=1e-5)  # measured 1.2e-6
 
 
 def test_kv_cache_is_sharded_in_the_sampler(compare):
