@@ -6,6 +6,7 @@ tokenizer alone (parameters as shapes, no dataset), which is what `--compile_onl
 Both go through the same functions, so the compiled programs are the ones training runs.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,7 +26,7 @@ from rloo_jax.config import RLOOConfig
 from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError
 from rloo_jax.lora import split_adapters, with_adapters
-from rloo_jax.mesh import _resolve_mesh_shape, rollout_shape
+from rloo_jax.mesh import _resolve_mesh_shape, host_memory, rollout_shape
 from rloo_jax.metrics import check_report_to
 from rloo_jax.models import ModelLoadError, abstract_model, attention, load_causal_lm, load_tokenizer, lora_spec
 from rloo_jax.models.hf import resolve_checkpoint
@@ -285,7 +286,13 @@ def prepare(cfg: RLOOConfig, abstract: bool = False, given: Given | None = None)
     tokenizer = load_tokenizer(model_dir, padding_side="left") if given.tokenizer is None else \
         given_tokenizer(given.tokenizer)
     options = model_options(cfg, "tpu" if abstract else jax.default_backend())
-    model = abstract_model(model_dir, **options) if abstract else load_causal_lm(model_dir, **options)
+    if abstract:
+        model = abstract_model(model_dir, **options)
+    else:
+        # on a mesh the weights wait in host memory until the train state shards them (a whole 8B model in bf16
+        # does not fit one 16 GB chip); on one device they load there directly
+        with host_memory() if cfg.device_count > 1 else contextlib.nullcontext():
+            model = load_causal_lm(model_dir, **options)
     encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
     train_ds = eval_ds = None
     if not abstract:

@@ -19,6 +19,7 @@ process loads ``process_slice(...)`` of the prompts, ``host_local_batch_to_globa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -54,6 +55,7 @@ __all__ = [
     "reshaped",
     "rollout_shape",
     "row_major",
+    "host_memory",
     "shard_params",
     "state_shardings",
 ]
@@ -286,6 +288,15 @@ def param_shardings(model_or_state: nnx.Module | nnx.State, mesh: Mesh, rules: R
         return v.replace(NamedSharding(mesh, fit_spec(tuple(logical), v.shape, mesh, rules)))
 
     return jax.tree.map(one, state, is_leaf=_is_variable)
+
+
+def host_memory() -> Any:
+    """A context placing new arrays in host memory (JAX's CPU device, uncommitted), where whole weights may wait
+    before they are sharded; the default device when the CPU backend is not enabled (JAX_PLATFORMS without cpu)."""
+    try:
+        return jax.default_device(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:
+        return contextlib.nullcontext()
 
 
 def shard_params(params: Any, shardings: Any) -> Any:

@@ -506,9 +506,10 @@ def load_reward_model_scorer(
     right-padded, as TRL's reward_processing_classes; `attn_implementation` as the policy's) and wrap them as a
     reward function; its weights go to the devices at the first call, or sharded by `place_reward_models(funcs,
     mesh)`."""
+    from rloo_jax.mesh import host_memory
     from rloo_jax.models import load_reward_model, load_tokenizer
 
-    with _host_memory():
+    with host_memory():
         model = load_reward_model(path, dtype=dtype, attn_implementation=attn_implementation)
     if tokenizer is not None:
         tokenizer.padding_side = "right"
@@ -520,19 +521,6 @@ def load_reward_model_scorer(
         bucket=bucket,
         chat_template_kwargs=chat_template_kwargs,
     )
-
-
-def _host_memory() -> Any:
-    """A context placing new arrays in host memory (JAX's CPU device), where a whole reward model may wait before
-    it is sharded; the default device when the CPU backend is not enabled (JAX_PLATFORMS without cpu)."""
-    import contextlib
-
-    import jax
-
-    try:
-        return jax.default_device(jax.local_devices(backend="cpu")[0])
-    except RuntimeError:
-        return contextlib.nullcontext()
 
 
 class RewardModelCall:

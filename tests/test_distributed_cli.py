@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rloo_jax.config import config_from_dict, distributed_options, load_config
@@ -250,7 +251,13 @@ def test_final_export_of_sharded_params_matches_one_device(runs):
         assert set(got) == set(want)
         for key, value in want.items():
             assert got[key].shape == value.shape
-            assert abs(got[key] - value).max() < 1e-4, (name, key)
+            diff = abs(got[key] - value)
+            # The runs differ only in f32 summation order. AdamW divides by sqrt(v) + eps (1e-8): a weight whose
+            # gradient is near eps turns a rounding difference of ~1e-9 into an update difference up to ~lr/4,
+            # so a few weights move by up to 1.2e-4 (measured on CI's CPU; 2 steps at lr 1e-3 and 5e-4 move a
+            # weight by at most 1.5e-3). A misplaced or mis-gathered shard moves most weights of a matrix by ~0.1.
+            assert diff.max() < 4e-4, (name, key)
+            assert np.mean(diff < 1e-6) > 0.99, (name, key)
 
 
 def test_batch_without_whole_groups_across_data_shards_is_a_config_error(runs):

@@ -85,8 +85,10 @@ def scenario(mesh, lora=False):
     if lora:
         import dataclasses
         graphdef, params, frozen, ref_graphdef = lora_parts()
-        step = RLOOStep(graphdef, optax.sgd(0.5), dataclasses.replace(CFG, dropout_seed=3), mesh=mesh,
-                        ref_graphdef=ref_graphdef)
+        # one micro-batch of all 4 prompts: they split over the 4 data shards, so each prompt runs once for its G
+        # completions on the mesh as on one device, and draws the same dropout masks (docs/lora.md)
+        cfg = dataclasses.replace(CFG, dropout_seed=3, steps_per_generation=1, gradient_accumulation_steps=1)
+        step = RLOOStep(graphdef, optax.sgd(0.5), cfg, mesh=mesh, ref_graphdef=ref_graphdef)
         state = step.init_state(params, frozen=frozen)
     else:
         graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))

@@ -54,7 +54,7 @@ def test_resolved_settings_by_platform():
     assert numerics.resolve(resolved, "gpu") is resolved  # nothing left to resolve
     assert numerics.describe(make(scan_layers=False), resolved, "gpu") == (
         "numerics on gpu (* auto): bf16 true*, matmul_precision default*, gradient_checkpointing true*, "
-        "scan_layers false, attn_implementation cudnn*")
+        "scan_layers false,\n  attn_implementation cudnn*")  # wrapped at 118 characters
 
 
 # ------------------------------------------------------------------------------------------------ precision in HLO
@@ -96,7 +96,8 @@ def test_compile_only_traces_at_the_resolved_precision(tmp_path, tiny_checkpoint
     seen = {}
 
     def lowered_only(name, lower, hbm_bytes, resident_bytes):  # the HLO, not libtpu's compile (fast)
-        seen[name] = dot_precisions(lower().as_text())
+        if name != "rollout_layout":  # the sampler's weight move has no matmul
+            seen[name] = dot_precisions(lower().as_text())
         return aot.ProgramReport(name, True, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
 
     monkeypatch.setattr(aot, "compile_program", lowered_only)

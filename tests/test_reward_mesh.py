@@ -176,9 +176,10 @@ def test_compile_only_report_counts_the_sharded_reward_model(tmp_path, tiny_chec
     report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
     programs, s = report["programs"], report["settings"]
     assert set(programs) == {"rollout", "update", "reward_model_0"} and "est. step" in out
-    # float32 weights of the reward model (TINY_LLAMA without its LM head, plus the score head [64, 1]), / 4 chips
+    # bf16 weights (bf16 is on for a TPU) of the reward model (TINY_LLAMA without its LM head, plus the score head
+    # [64, 1]), / 4 chips
     d, f, v, layers = 64, 128, 160, 2
-    weights = 4 * (v * d + layers * (2 * d * d + 2 * d * 32 + 3 * d * f + 2 * d) + d + d) // 4
+    weights = 2 * (v * d + layers * (2 * d * d + 2 * d * 32 + 3 * d * f + 2 * d) + d + d) // 4
     assert s["reward_model_bytes_per_chip"] == [weights]
     rm = programs["reward_model_0"]
     assert rm["fits"] and rm["flops"] > 0 and rm["argument_bytes"] < 4 * weights  # the compiler got a shard

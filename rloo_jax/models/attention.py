@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -263,9 +264,34 @@ def _splash_local(
     # the compiler counts no FLOPs inside a Pallas kernel: the forward kernel's, by the blocks it visits, travel
     # in the name scope to `rloo_jax.hlo` (which scales them for the backward kernels)
     flops = attention_kernel_flops(b, h, dh, block_sparse_pairs(tp, sp, bq, bkv, offset, window))
+    call = _at_precision(lambda q, k, v, qs, ks: jax.vmap(kernel)(q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks)),
+                         "highest" if q.dtype == jnp.float32 else "default")
     with jax.named_scope(kernel_flops_scope(flops)):
-        o = jax.vmap(kernel)(qs, kp, vp, segment_ids=sk.SegmentIds(q=q_seg, kv=kv_seg))
+        o = call(qs, kp, vp, q_seg, kv_seg)
     return o.transpose(0, 2, 1, 3)[:, :t]
+
+
+def _at_precision(fn: Callable[..., jax.Array], precision: str) -> Callable[..., jax.Array]:
+    """`fn` with its forward and backward traced at a fixed default matmul precision: the Pallas kernels' dots take
+    the process-wide one (`rloo_jax.numerics`), and Mosaic compiles no bf16 dot at `highest` (a bf16 run whose
+    float32 matmuls are asked for at `highest` would not compile). bf16 kernels run at `default` (their products
+    are exact in the float32 accumulator); float32 kernels at `highest`, float32 whatever the run's setting."""
+
+    @jax.custom_vjp
+    def call(*args: jax.Array) -> jax.Array:
+        with jax.default_matmul_precision(precision):
+            return fn(*args)
+
+    def forward(*args: jax.Array) -> tuple[jax.Array, Any]:
+        with jax.default_matmul_precision(precision):
+            return jax.vjp(fn, *args)
+
+    def backward(pullback: Any, g: jax.Array) -> Any:
+        with jax.default_matmul_precision(precision):
+            return pullback(g)
+
+    call.defvjp(forward, backward)
+    return call
 
 
 # ----------------------------------------------------------------------------------------------- cuDNN (GPU)
