@@ -259,13 +259,17 @@ def _splash_local(
         mask = sm.LocalMask((tp, sp), window_size=(window - 1, 0), offset=offset)
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                interpret=interpret)
+
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, qs: jax.Array, ks: jax.Array) -> jax.Array:
+        # built where it runs: the kernel holds its mask's block tables as arrays of the trace that makes it
+        kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                    interpret=interpret)
+        return jax.vmap(kernel)(q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks))
+
     # the compiler counts no FLOPs inside a Pallas kernel: the forward kernel's, by the blocks it visits, travel
     # in the name scope to `rloo_jax.hlo` (which scales them for the backward kernels)
     flops = attention_kernel_flops(b, h, dh, block_sparse_pairs(tp, sp, bq, bkv, offset, window))
-    call = _at_precision(lambda q, k, v, qs, ks: jax.vmap(kernel)(q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks)),
-                         "highest" if q.dtype == jnp.float32 else "default")
+    call = _at_precision(run, "highest" if q.dtype == jnp.float32 else "default")
     with jax.named_scope(kernel_flops_scope(flops)):
         o = call(qs, kp, vp, q_seg, kv_seg)
     return o.transpose(0, 2, 1, 3)[:, :t]
