@@ -3,11 +3,12 @@
 `python -m rloo_jax.train --config FILE --compile_only --topology v5e-8` builds the run exactly as training would
 (`rloo_jax.build.prepare(abstract=True)`: the model from its `config.json` alone, no weights read; the tokenizer;
 the optimizer; the mesh over the slice's chips, `rloo_jax.tpu`), then compiles every per-step program for that
-slice with the real TPU compiler (libtpu; no TPU needed) and reads the compiler's own figures: per-chip argument /
-output / temporary bytes (`memory_analysis`) and the matmul FLOPs of the compiled program (`rloo_jax.hlo`: XLA's
-`cost_analysis` counts a loop body once, so a scan over layers would report one layer). A program larger than
-the chip's HBM fails to compile with RESOURCE_EXHAUSTED; that is reported as "does not fit", with how far over it
-is and the options that bring it down.
+slice with the real TPU compiler (libtpu; no TPU needed), the chip's HBM as its limit, and reads the compiler's
+own figures: per-chip argument / output bytes (`memory_analysis`), the temp heap it assigns (`temp_heap_bytes`)
+and the matmul FLOPs of the compiled program (`rloo_jax.hlo`: XLA's `cost_analysis` counts a loop body once, so a
+scan over layers would report one layer). A program larger than the chip's HBM fails to compile with
+RESOURCE_EXHAUSTED; that is reported as "does not fit", with how far over it is and the options that bring it
+down.
 
 Per program it also sets the compiler's figures against what the model needs (`rloo_jax.efficiency`): FLOPs
 against model FLOPs (the update's remat, padding and recomputation), the decode loop's bytes per step (HBM + ICI)
@@ -51,6 +52,8 @@ class ProgramReport:
     model_flops: float = math.nan  # what the model needs per call (`rloo_jax.efficiency`), per chip
     decode_floor_bytes: float = math.nan  # per chip per decode step: the matrices it multiplies + its KV caches
     estimated_seconds: float = math.nan  # roofline (`roofline`)
+    code_bytes: int = 0  # the program's code, held in HBM beside its heap (the compiler's "overlays")
+    analysis_temp_bytes: int = 0  # memory_analysis's temporaries: the heap + its fragmentation again (not held)
 
     @property
     def flops_ratio(self) -> float:
@@ -83,8 +86,9 @@ class ProgramReport:
     @property
     def peak_bytes_per_chip(self) -> int:
         """Live at once: what stays resident (or the arguments, if more) + outputs not aliased to (donated)
-        arguments + temporaries."""
-        return max(self.resident_bytes, self.argument_bytes) + self.output_bytes - self.alias_bytes + self.temp_bytes
+        arguments + the temp heap + the code."""
+        return (max(self.resident_bytes, self.argument_bytes) + self.output_bytes - self.alias_bytes + self.temp_bytes
+                + self.code_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,6 +99,8 @@ class ProgramReport:
             "output_bytes": self.output_bytes,
             "alias_bytes": self.alias_bytes,
             "temp_bytes": self.temp_bytes,
+            "code_bytes": self.code_bytes,
+            "analysis_temp_bytes": self.analysis_temp_bytes,
             "host_temp_bytes": self.host_temp_bytes,
             "flops": self.flops,
             "model_flops": self.model_flops,
@@ -113,29 +119,60 @@ class ProgramReport:
         })
 
 
+# the compiler's out-of-memory verdicts: an early exit when far over (arguments + program), else its full report
 _OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
+_PROGRAM_HBM = re.compile(r"^\s*program\s+([\d.]+)([KMGT]?)\s*$", re.M)  # heap + code (its "overlays")
+_TEMP_HEAP = re.compile(r"^allocation \d+: size (\d+), preallocated-temp", re.M)  # HBM (color 0) only
+_SCALE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _figure(m: re.Match[str]) -> int:
+    return int(float(m.group(1)) * _SCALE[m.group(2)])
+
+
+def temp_heap_bytes(dump_dir: str) -> int:
+    """The HBM the compiler gives a program's temporaries: the size of its preallocated temp heap, from the
+    buffer assignment it dumps. `memory_analysis().temp_size_in_bytes` on TPU adds the heap's fragmentation to
+    it a second time (BENCHMARKS.md: the 8B update on v5e-16 reported 9.99 GiB of temporaries in a 7.49 GiB
+    heap, and compiled under a 13.67 GiB limit with 6.54 GiB of arguments while reporting 10.24): the heap is
+    what the chip holds and what the compiler's own out-of-memory check counts."""
+    import glob
+
+    files = glob.glob(f"{dump_dir}/*after_optimizations-buffer-assignment.txt")
+    if len(files) != 1:
+        raise RuntimeError(f"expected one buffer assignment from the TPU compiler in {dump_dir}, found {files}")
+    with open(files[0]) as f:
+        return sum(int(m.group(1)) for m in _TEMP_HEAP.finditer(f.read()))
 
 
 def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, resident_bytes: int) -> ProgramReport:
-    """Lower and compile one program; a RESOURCE_EXHAUSTED compile becomes a report with `fits=False` (its
+    """Lower and compile one program with the chip's HBM as the compiler's limit (it then packs the program to
+    fit, as it would on the chip); a RESOURCE_EXHAUSTED compile becomes a report with `fits=False` (its
     temporaries as the compiler counted them). `resident_bytes`: per chip, what is in HBM whatever the program
-    (the train state and the program's inputs, from their shardings)."""
+    (the train state and the program's inputs, from their shardings). Temporaries are the compiler's temp heap
+    (`temp_heap_bytes`); `memory_analysis`'s figure is kept as `analysis_temp_bytes`."""
+    import tempfile
+
     from rloo_jax.models.attention import compile_target
     from rloo_jax.sampling import DECODE_LOOP
 
     t0 = time.perf_counter()
-    try:
-        with quiet_stderr(), compile_target("tpu"):  # traced on this host's CPU for a TPU (attention kernels)
-            compiled = lower().compile()
-    except Exception as e:  # noqa: BLE001 - only the out-of-memory verdict is a result; the rest re-raises
-        text = str(e)
-        m = _OVER_HBM.search(text)
-        if "RESOURCE_EXHAUSTED" not in text or m is None:
-            raise
-        scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]
-        temp = int(float(m.group(1)) * scale)
-        seconds = time.perf_counter() - t0
-        return ProgramReport(name, False, resident_bytes, 0, 0, 0, temp, 0, math.nan, seconds)
+    with tempfile.TemporaryDirectory() as dump:
+        options = {"xla_tpu_max_hbm_size_mib": hbm_bytes // 2**20, "xla_dump_to": dump,
+                   "xla_dump_hlo_pass_re": "^$"}  # no per-pass dumps: the buffer assignment is what we read
+        try:
+            with quiet_stderr(), compile_target("tpu"):  # traced on this host's CPU for a TPU (attention kernels)
+                compiled = lower().compile(options)
+        except Exception as e:  # noqa: BLE001 - only the out-of-memory verdict is a result; the rest re-raises
+            text = str(e)
+            program, total = _PROGRAM_HBM.search(text), _OVER_HBM.search(text)
+            if "RESOURCE_EXHAUSTED" not in text or (program or total) is None:
+                raise
+            # the early exit counts the arguments in: what is left past the resident state, at least
+            temp = _figure(program) if program else max(_figure(total) - resident_bytes, 0)
+            seconds = time.perf_counter() - t0
+            return ProgramReport(name, False, resident_bytes, 0, 0, 0, temp, 0, math.nan, seconds)
+        heap = temp_heap_bytes(dump)
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     analysis = hlo.analyze(compiled.as_text())
@@ -146,13 +183,15 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
         argument_bytes=int(mem.argument_size_in_bytes),
         output_bytes=int(mem.output_size_in_bytes),
         alias_bytes=int(mem.alias_size_in_bytes),
-        temp_bytes=int(mem.temp_size_in_bytes),
+        temp_bytes=heap,
         host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0)),
         flops=analysis.total.flops,
         compile_seconds=seconds,
         bytes_accessed=analysis.total.hbm_bytes,
         ici_bytes=analysis.total.ici_bytes,
         decode=hlo.named_loop(analysis, DECODE_LOOP),
+        code_bytes=int(mem.generated_code_size_in_bytes),
+        analysis_temp_bytes=int(mem.temp_size_in_bytes),
     )
     report.fits = report.peak_bytes_per_chip <= hbm_bytes
     return report
@@ -248,18 +287,18 @@ def _ici_bound(cost: hlo.Cost, chip: Chip) -> bool:
 
 
 def table_lines(report: Report) -> list[str]:
-    """The per-program table as text lines: what stays resident (train state + inputs), the program's
-    temporaries, the peak against the chip's HBM, compiler FLOPs per call and their ratio to the model's, HBM and
+    """The per-program table as text lines: what stays resident (train state + inputs), the program's temp
+    heap and code, the peak against the chip's HBM, compiler FLOPs per call and their ratio to the model's, HBM and
     ICI bytes per call, the roofline seconds, compile seconds; then the decode loop against its floor and the
     roofline's assumption and step time."""
     slc, hbm = report.topology, report.topology.chip.hbm_bytes
-    head = (f"{'program':13s} {'resident':>10s} {'temporaries':>12s} {'peak/chip':>10s} {'of HBM':>7s} "
+    head = (f"{'program':13s} {'resident':>10s} {'temp + code':>12s} {'peak/chip':>10s} {'of HBM':>7s} "
             f"{'TFLOP/call':>10s} {'x model':>7s} {'HBM GB':>7s} {'ICI GB':>7s} {'est. s':>7s} {'compile':>8s}")
     lines = [head]
     for p in report.programs:
         resident = max(p.resident_bytes, p.argument_bytes)
         lines.append(
-            f"{p.name:13s} {gib(resident):>10s} {gib(p.temp_bytes):>12s} {gib(p.peak_bytes_per_chip):>10s} "
+            f"{p.name:13s} {gib(resident):>10s} {gib(p.temp_bytes + p.code_bytes):>12s} {gib(p.peak_bytes_per_chip):>10s} "
             f"{100 * p.peak_bytes_per_chip / hbm:6.0f}% {_num(p.flops / 1e12, '10.2f'):>10s} "
             f"{_num(p.flops_ratio, '.2f') + 'x':>7s} {_num(p.bytes_accessed / 1e9, '7.1f'):>7s} "
             f"{_num(p.ici_bytes / 1e9, '7.1f'):>7s} {_num(p.estimated_seconds, '7.2f'):>7s} {p.compile_seconds:7.1f}s"
