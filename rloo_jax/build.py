@@ -89,8 +89,13 @@ def warmup_steps(cfg: RLOOConfig, total_steps: int) -> int:
     return math.ceil((cfg.warmup_steps or cfg.warmup_ratio) * total_steps)
 
 
-def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-    """clip_by_global_norm -> AdamW (first moment in `mu_dtype`; decay on matrices only)."""
+def make_optimizer(
+    cfg: RLOOConfig, total_steps: int, platform: str | None = None
+) -> tuple[optax.GradientTransformation, Callable]:
+    """clip_by_global_norm -> AdamW (first moment in `mu_dtype`; decay on matrices only), skipped whole on
+    non-finite gradients: `skip_if_not_finite` for an accelerator, `optax.apply_if_finite` on CPU (the same state
+    and numbers; XLA:CPU does not fuse the selects into AdamW's loops: 126 against 81 ms per update of a 26M-parameter
+    model, BENCHMARKS.md Session 6). `platform`: the backend the program is compiled for (default: JAX's)."""
     schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, warmup_steps(cfg, total_steps), total_steps)
     adamw = optax.adamw(
         schedule,
@@ -104,7 +109,10 @@ def make_optimizer(cfg: RLOOConfig, total_steps: int) -> tuple[optax.GradientTra
     chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
     # Non-finite gradients skip the whole update (params and AdamW moments kept). The consecutive-skip limit is
     # enforced on the host (`skipped_updates`).
-    return skip_if_not_finite(optax.chain(*chain, adamw)), schedule
+    inner = optax.chain(*chain, adamw)
+    if (platform or jax.default_backend()) == "cpu":
+        return optax.apply_if_finite(inner, max_consecutive_errors=NEVER), schedule
+    return skip_if_not_finite(inner), schedule
 
 
 def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -113,7 +121,8 @@ def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTra
     gradient is not finite. The same state (`optax.ApplyIfFiniteState`, read by `train.skipped_updates`) and the
     same numbers. Without apply_if_finite's `lax.cond` XLA fuses each leaf's moments, update and parameter into one
     kernel that writes them in place (the donated state); the cond made it hold new and old copies of the moments
-    and the updates apart: 18.4 -> GiB per chip for Llama-3.1-8B full fine-tuning on a v5e-16 (BENCHMARKS.md)."""
+    and the updates apart (Llama-3.1-8B full fine-tuning on a v5e-16, BENCHMARKS.md Session 5). On CPU, where XLA
+    does not fuse the selects, `make_optimizer` takes apply_if_finite."""
     inner = optax.with_extra_args_support(inner)
 
     def init(params: Any) -> optax.ApplyIfFiniteState:

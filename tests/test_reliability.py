@@ -241,23 +241,32 @@ SMALL = [
 
 
 def test_optimizer_skips_non_finite_updates_and_counts_them():
+    """The skip for an accelerator (elementwise selects) and the CPU one (optax.apply_if_finite) give the same
+    state tree (a checkpoint moves between them) and bit-identical parameters, moments and counts."""
     cfg = load_config(["--learning_rate", "0.1"], base=demo.DEFAULT_CONFIG)
-    opt, _ = make_optimizer(cfg, total_steps=10)
+    opts = {p: make_optimizer(cfg, total_steps=10, platform=p)[0] for p in ("cpu", "tpu")}
     params = {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}
-    state = opt.init(params)
+    states = {p: opt.init(params) for p, opt in opts.items()}
+    assert jax.tree.structure(states["cpu"]) == jax.tree.structure(states["tpu"])
     good = {"w": jnp.full((2, 2), 0.5), "b": jnp.ones(2)}
     bad = {"w": jnp.array([[1.0, jnp.nan], [0.0, 0.0]]), "b": jnp.array([jnp.inf, 0.0])}
     for grads, expect in ((good, (0, 0)), (bad, (1, 1)), (bad, (2, 2)), (good, (0, 2))):
-        updates, new_state = opt.update(grads, state, params)
-        new_params = optax.apply_updates(params, updates)
-        if grads is bad:  # the update is a no-op: params and AdamW moments kept
-            assert jax.tree.all(jax.tree.map(jnp.array_equal, new_params, params))
-            assert jax.tree.all(jax.tree.map(jnp.array_equal, new_state.inner_state, state.inner_state))
-        else:
-            assert not jnp.array_equal(new_params["w"], params["w"])
-        assert skipped_updates(new_state) == expect
-        params, state = new_params, new_state
-    assert not nonfinite_leaves((params, state))
+        after = {}
+        for p, opt in opts.items():
+            state = states[p]
+            updates, new_state = jax.jit(opt.update)(grads, state, params)
+            new_params = optax.apply_updates(params, updates)
+            if grads is bad:  # the update is a no-op: params and AdamW moments kept
+                assert jax.tree.all(jax.tree.map(jnp.array_equal, new_params, params))
+                assert jax.tree.all(jax.tree.map(jnp.array_equal, new_state.inner_state, state.inner_state))
+            else:
+                assert not jnp.array_equal(new_params["w"], params["w"])
+            assert skipped_updates(new_state) == expect
+            after[p] = (new_params, new_state)
+        assert jax.tree.all(jax.tree.map(jnp.array_equal, after["cpu"], after["tpu"]))
+        params = after["cpu"][0]
+        states = {p: after[p][1] for p in opts}
+    assert not nonfinite_leaves((params, states["cpu"]))
 
 
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, capsys):
