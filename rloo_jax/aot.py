@@ -298,7 +298,8 @@ def table_lines(report: Report) -> list[str]:
     for p in report.programs:
         resident = max(p.resident_bytes, p.argument_bytes)
         lines.append(
-            f"{p.name:13s} {gib(resident):>10s} {gib(p.temp_bytes + p.code_bytes):>12s} {gib(p.peak_bytes_per_chip):>10s} "
+            f"{p.name:13s} {gib(resident):>10s} {gib(p.temp_bytes + p.code_bytes):>12s} "
+            f"{gib(p.peak_bytes_per_chip):>10s} "
             f"{100 * p.peak_bytes_per_chip / hbm:6.0f}% {_num(p.flops / 1e12, '10.2f'):>10s} "
             f"{_num(p.flops_ratio, '.2f') + 'x':>7s} {_num(p.bytes_accessed / 1e9, '7.1f'):>7s} "
             f"{_num(p.ici_bytes / 1e9, '7.1f'):>7s} {_num(p.estimated_seconds, '7.2f'):>7s} {p.compile_seconds:7.1f}s"
