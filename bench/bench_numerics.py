@@ -26,13 +26,13 @@ import numpy as np
 from common import distinct_reward, make_step, prompts, timeit
 
 import rloo_jax as rj
-from rloo_jax.step import RLOOStep
+from rloo_jax.programs import Programs
 
 
 def measure(size: str, dtype: str, steps: int, repeats: int) -> dict:
     step, state = make_step(size, dtype, num_prompts=8, group=8, new_tokens=64)
     cfg = dataclasses.replace(step.cfg, recompute_old_logps=True)
-    recompute = RLOOStep(step.graphdef, step.optimizer, cfg)
+    recompute = Programs(step.graphdef, step.optimizer, cfg)
     ids, mask = (jnp.asarray(x) for x in prompts(8, seed=1))
     w = jnp.ones(1)
     out = {"gap_mean": [], "gap_max": [], "seq_gap_max": [], "kl_sampler": [], "kl_recomputed": [],

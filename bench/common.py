@@ -15,7 +15,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rloo_jax.train import cpu_compile_flags  # noqa: E402
+from rloo_jax.cli import cpu_compile_flags  # noqa: E402
 
 cpu_compile_flags()  # the trainer's XLA flags, so in-process figures match `python -m rloo_jax.train`
 
@@ -26,9 +26,10 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rloo_jax.models import init_causal_lm  # noqa: E402
-from rloo_jax.rloo import RLOOOptions  # noqa: E402
+from rloo_jax.algorithms import RLOO  # noqa: E402
 from rloo_jax.sampling import SamplingConfig  # noqa: E402
-from rloo_jax.step import RLOOStep, StepConfig  # noqa: E402
+from rloo_jax.programs import Programs
+from rloo_jax.step import StepConfig  # noqa: E402
 
 VOCAB, PAD_ID, EOS_ID = 836, 0, 1
 SIZES = {
@@ -53,7 +54,7 @@ def make_step(size: str, dtype: str = "float32", num_prompts: int = 2, group: in
     sc = SamplingConfig(max_new_tokens=new_tokens, num_generations=group, temperature=1.0,
                         eos_token_ids=(EOS_ID,), pad_token_id=PAD_ID)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5, weight_decay=0.0))
-    step = RLOOStep(graphdef, opt, StepConfig(sampling=sc, rloo=RLOOOptions(beta=beta)))
+    step = Programs(graphdef, opt, StepConfig(sampling=sc, algorithm=RLOO(beta=beta)))
     ref = jax.tree.map(jnp.copy, params) if beta else None
     return step, step.init_state(params, ref)
 

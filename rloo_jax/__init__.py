@@ -1,6 +1,36 @@
-"""rloo_jax: REINFORCE Leave-One-Out (TRL's RLOOTrainer math) as pure, jittable JAX functions."""
+"""rloo_jax: TRL's RLOO and GRPO trainers (REINFORCE Leave-One-Out, Group Relative Policy Optimization) as pure,
+jittable JAX functions on one algorithm-generic step."""
 
 from rloo_jax import numerics
+from rloo_jax.algorithms import GRPO, RLOO, Algorithm, LossInputs, ScoreInputs
+from rloo_jax.algorithms.common import (
+    combine_rewards,
+    importance_sampling_weights,
+    nanstd,
+    sampling_logp_difference,
+    sequence_kl,
+    token_kl,
+)
+from rloo_jax.algorithms.grpo import (
+    aggregate,
+    entropy_mask,
+    gamma_weights,
+    group_advantages,
+    grpo_advantages,
+    grpo_kl,
+    importance_ratio,
+    off_policy_mask,
+    per_token_loss,
+)
+from rloo_jax.algorithms.rloo import (
+    RLOOOptions,
+    clipped_objective,
+    kl_loss,
+    normalize_advantages,
+    rloo_advantages,
+    rloo_loss,
+    score_completions,
+)
 from rloo_jax.config import RLOOConfig
 from rloo_jax.errors import ConfigError, DataError, RewardError
 from rloo_jax.logprobs import (
@@ -20,24 +50,9 @@ from rloo_jax.models import (
     load_tokenizer,
     save_pretrained,
 )
-from rloo_jax.rloo import (
-    RLOOOptions,
-    clipped_objective,
-    combine_rewards,
-    grpo_advantages,
-    importance_sampling_weights,
-    kl_loss,
-    nanstd,
-    normalize_advantages,
-    rloo_advantages,
-    rloo_loss,
-    sampling_logp_difference,
-    score_completions,
-    sequence_kl,
-    token_kl,
-)
+from rloo_jax.programs import Program, Programs
 from rloo_jax.sampling import Generation, SamplingConfig, generate, generate_fn
-from rloo_jax.step import RLOOStep, Rollout, StepConfig, TrainState, completion_width, truncate
+from rloo_jax.step import ImportanceSampling, Rollout, Step, StepConfig, TrainState, completion_width, truncate
 
 __version__ = "0.1.0"
 
@@ -45,18 +60,40 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     """`rloo_jax.RLOOTrainer`, imported on first use: it imports the training loop (`rloo_jax.train`), which
     `python -m rloo_jax.train` must find not yet imported."""
-    if name == "RLOOTrainer":
-        from rloo_jax.trainer import RLOOTrainer
+    if name in ("RLOOTrainer", "GRPOTrainer"):
+        from rloo_jax import trainer
 
-        return RLOOTrainer
+        return getattr(trainer, name)
+    if name == "GRPOConfig":
+        from rloo_jax.config import GRPOConfig
+
+        return GRPOConfig
     raise AttributeError(f"module 'rloo_jax' has no attribute {name!r}")
 
 
 __all__ = [
+    "GRPO",
+    "RLOO",
+    "Algorithm",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "ImportanceSampling",
+    "LossInputs",
+    "Program",
+    "Programs",
+    "ScoreInputs",
+    "Step",
+    "aggregate",
+    "entropy_mask",
+    "gamma_weights",
+    "group_advantages",
+    "grpo_kl",
+    "importance_ratio",
+    "off_policy_mask",
+    "per_token_loss",
     "CausalLM",
     "Generation",
     "ModelLoadError",
-    "RLOOStep",
     "RLOOTrainer",
     "RewardModel",
     "Rollout",

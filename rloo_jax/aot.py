@@ -216,6 +216,7 @@ class Report:
     programs: list[ProgramReport]
     settings: dict[str, Any]
     reshard: ProgramReport | None = None  # the move of the weights into the sampler's layout (inside the rollout)
+    tokens_per_step: int = 0  # prompt + completion tokens of one generation batch, at the compiled (maximum) lengths
 
     @property
     def fits(self) -> bool:
@@ -228,6 +229,13 @@ class Report:
         runs instead of `update`); host work (reward functions, decoding text) is not included."""
         return sum(p.estimated_seconds for p in self.programs if p.name != "eval_rollout" and "@" not in p.name)
 
+    @property
+    def tokens_per_second_per_chip(self) -> float:
+        """NeMo-RL's throughput measure: the prompt + completion tokens of a step (every completion with its prompt,
+        at the compiled maximum lengths) / the estimated step time / the chips."""
+        seconds = self.estimated_step_seconds
+        return self.tokens_per_step / seconds / self.topology.chips if seconds > 0 else math.nan
+
     def to_json(self) -> dict[str, Any]:
         chip = self.topology.chip
         return {
@@ -236,6 +244,8 @@ class Report:
             "hbm_bytes_per_chip": chip.hbm_bytes,
             "fits": self.fits,
             "estimated_step_seconds": self.estimated_step_seconds,
+            "tokens_per_step": self.tokens_per_step,
+            "estimated_tokens_per_second_per_chip": self.tokens_per_second_per_chip,
             "roofline": {"peak_bf16_flops_per_chip": chip.peak_bf16_flops, "hbm_bytes_per_second": chip.hbm_bandwidth,
                          "ici_bidirectional_bytes_per_second": chip.ici_bandwidth, "assumption": ROOFLINE},
             "settings": self.settings,
@@ -333,7 +343,8 @@ def table_lines(report: Report) -> list[str]:
     rm = " + reward models" if any(p.name.startswith("reward_model") for p in report.programs) else ""
     lines.append(
         f"est. step: {_num(report.estimated_step_seconds, '.2f')} s on the device (rollout + update{rm}), "
-        "host work (reward functions, decoding text) not included"
+        f"{_num(report.tokens_per_second_per_chip, ',.0f')} tokens/s per chip ({report.tokens_per_step:,} prompt + "
+        "completion tokens a step, at the maximum lengths); host work (reward functions, decoding text) not included"
     )
     return lines
 
@@ -450,7 +461,6 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
 
 def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     import jax
-    import jax.numpy as jnp
 
     from rloo_jax.build import (
         make_optimizer,
@@ -462,11 +472,11 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
         step_config,
     )
     from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops
-    from rloo_jax.mesh import make_mesh, replicated, reshaped
+    from rloo_jax.mesh import make_mesh, reshaped
     from rloo_jax.models import abstract_model
-    from rloo_jax.rloo import RLOOOptions
+    from rloo_jax.programs import Programs
     from rloo_jax.sampling import rollout_weights
-    from rloo_jax.step import RLOOStep, StepConfig, policy_params
+    from rloo_jax.step import policy_params
     from rloo_jax.tpu import topology_devices
 
     devices = topology_devices(slc)
@@ -477,12 +487,12 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     pol = policy(cfg, run.model)
     layout = rollout_mesh_shape(cfg, run, slc.chip.hbm_bytes)  # the sampler's mesh, as training resolves it
     rollout_mesh = reshaped(mesh, layout)
-    step = RLOOStep(pol.graphdef, optimizer, scfg, mesh=mesh, ref_graphdef=pol.ref_graphdef,
-                    rollout_mesh=rollout_mesh)
-    state = step.abstract_state(pol.params, pol.ref_params, pol.frozen)
+    programs = Programs(pol.graphdef, optimizer, scfg, mesh=mesh, ref_graphdef=pol.ref_graphdef,
+                        rollout_mesh=rollout_mesh)
+    state = programs.abstract_state(pol.params, pol.ref_params, pol.frozen)
     b, p = cfg.prompts_per_generation, prompt_length(cfg)
     n = b * cfg.num_generations
-    weights = jax.ShapeDtypeStruct((len(cfg.resolved_reward_weights),), jnp.float32, sharding=replicated(mesh))
+    num_rewards = len(cfg.resolved_reward_weights)
     hbm = slc.chip.hbm_bytes
     options = model_options(cfg, "tpu")
     width = -(-(p + cfg.max_completion_length) // cfg.prompt_bucket) * cfg.prompt_bucket  # prompt + completion
@@ -515,9 +525,9 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
 
     g = cfg.num_generations
     # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed)
-    passes = (cfg.beta > 0) + scfg.recompute
+    passes = scfg.algorithm.needs_reference + scfg.recompute
     rollout_flops = model.sampling(b, p, g, c) + passes * model.batch_forward(b, p, g, c)
-    add("rollout", lambda: step.lower_rollout(state, (b, p)), state_bytes + batch, rollout_flops / chips,
+    add("rollout", programs.rollout_program(b, p).lower, state_bytes + batch, rollout_flops / chips,
         decode_floor(b, g))
     # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
     # gradients (2 forwards) and the adapters, trained matrices of their own, 6 FLOPs per parameter and token
@@ -527,19 +537,16 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
         base = (2 if cfg.use_peft else 3) * model.batch_forward(b, p, g, width)
         return cfg.num_iterations * (base + 6.0 * adapter_params * model.tokens(b, p, g, width)) / chips
 
-    add("update", lambda: step.lower_update(state, (b, p), weights), state_bytes + batch, update_flops(c))
+    add("update", programs.update_program(b, p, c, num_rewards).lower, state_bytes + batch, update_flops(c))
     # the update at each narrower completion width the trainer runs when a generation batch ends early
     # (completion_bucket): what such a step costs instead of the full-width update above
     for w in narrower_widths(c, cfg.completion_bucket):
-        add(f"update@{w}", lambda w=w: step.lower_update(state, (b, p), weights, w), state_bytes + batch,
+        add(f"update@{w}", programs.update_program(b, p, w, num_rewards).lower, state_bytes + batch,
             update_flops(w))
     if cfg.eval_steps:
         g = cfg.resolved_num_generations_eval
-        eval_cfg = StepConfig(sampling=sampling_config(cfg, run, g), rloo=RLOOOptions(beta=0.0))
-        sampler = RLOOStep(pol.graphdef, optimizer, eval_cfg, mesh=mesh, rollout_mesh=rollout_mesh)
-        sampler.state_shardings = step.state_shardings
         eb = cfg.eval_batch_size // g
-        add("eval_rollout", lambda: sampler.lower_rollout(state, (eb, p)), state_bytes,
+        add("eval_rollout", programs.sample_program(eb, p, sampling_config(cfg, run, g)).lower, state_bytes,
             model.sampling(eb, p, g, c) / chips, decode_floor(eb, g))
     for i, (rm, lower, _) in enumerate(reward_models):
         t = Transformer.of(rm.config)  # its head: D x 1 at one position per row
@@ -555,8 +562,10 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "num_iterations": cfg.num_iterations,
+        "num_iterations": cfg.num_iterations, "algorithm": cfg.ALGORITHM,
     }
+    if cfg.ALGORITHM == "grpo":
+        settings["loss_type"] = cfg.loss_type
     if reward_models:  # their weights per chip, resident in every program's figure
         settings["reward_model_bytes_per_chip"] = [rm_bytes for *_, rm_bytes in reward_models]
     if cfg.use_peft:
@@ -571,4 +580,4 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     out(f"compiling the rollout's weight layout for {slc.name} ...")
     reshard = compile_program("rollout_layout", lambda: jax.jit(move).lower(state), hbm, state_bytes)
     reshard.estimated_seconds = reshard.roofline(slc.chip)
-    return Report(slc, programs, settings, reshard)
+    return Report(slc, programs, settings, reshard, tokens_per_step=n * (p + cfg.max_completion_length))

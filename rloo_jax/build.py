@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from rloo_jax import demo
-from rloo_jax.config import RLOOConfig
+from rloo_jax.config import TrainConfig
 from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError
 from rloo_jax.lora import split_adapters, with_adapters
@@ -38,9 +38,8 @@ from rloo_jax.rewards import (
     resolve_reward_funcs,
     warn_missing_extras,
 )
-from rloo_jax.rloo import RLOOOptions
 from rloo_jax.sampling import SamplingConfig, compute_dtype_weights
-from rloo_jax.step import StepConfig
+from rloo_jax.step import ImportanceSampling, StepConfig
 
 logger = logging.getLogger("rloo_jax")
 CACHE_ROOT = os.environ.get("RLOO_JAX_CACHE", os.path.join("~", ".cache", "rloo_jax"))
@@ -81,7 +80,7 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-def warmup_steps(cfg: RLOOConfig, total_steps: int) -> int:
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
     """Warmup in optimizer steps: warmup_steps >= 1 as is, a fraction in [0, 1) (warmup_steps or warmup_ratio)
     of `total_steps` rounded up (transformers' rule). warmup_steps 0.1 of 25 steps -> 3."""
     if cfg.warmup_steps >= 1:
@@ -90,7 +89,7 @@ def warmup_steps(cfg: RLOOConfig, total_steps: int) -> int:
 
 
 def make_optimizer(
-    cfg: RLOOConfig, total_steps: int, platform: str | None = None
+    cfg: TrainConfig, total_steps: int, platform: str | None = None
 ) -> tuple[optax.GradientTransformation, Callable]:
     """clip_by_global_norm -> AdamW (first moment in `mu_dtype`; decay on matrices only), skipped whole on
     non-finite gradients: `skip_if_not_finite` for an accelerator, `optax.apply_if_finite` on CPU (the same state
@@ -148,7 +147,7 @@ def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTra
 
 
 # ------------------------------------------------------------------------------------------------ models
-def model_options(cfg: RLOOConfig, platform: str) -> dict[str, Any]:
+def model_options(cfg: TrainConfig, platform: str) -> dict[str, Any]:
     """The policy's dtypes and execution options (`ModelConfig` fields) from the run config, for the platform
     the programs run on ("cpu", "gpu", "tpu"): `bf16`, `scan_layers` and `gradient_checkpointing` None mean on
     for accelerators, off on the CPU (where they cost time and memory is not the limit; BENCHMARKS.md), as
@@ -174,7 +173,7 @@ def model_options(cfg: RLOOConfig, platform: str) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Policy:
-    """The pieces of the train state (what `RLOOStep(graphdef, ..., ref_graphdef=)` and its `init_state(params,
+    """The pieces of the train state (what `Programs(graphdef, ..., ref_graphdef=)` and its `init_state(params,
     ref_params, frozen)` / `abstract_state` take)."""
 
     graphdef: nnx.GraphDef
@@ -184,7 +183,7 @@ class Policy:
     ref_graphdef: nnx.GraphDef | None = None  # LoRA: the model without its adapters
 
 
-def policy(cfg: RLOOConfig, model: Any) -> Policy:
+def policy(cfg: TrainConfig, model: Any) -> Policy:
     """The policy to train from the loaded (or abstract) model: the whole model and a reference copy, or with
     `use_peft` adapters on a frozen base (loaded in the compute dtype by `prepare`) that is also the reference."""
     abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
@@ -246,7 +245,7 @@ def refuse_custom_code(model_dir: str) -> None:
 class Run:
     """What the loop needs, all loaded and validated before anything is written (`abstract`: shapes only)."""
 
-    cfg: RLOOConfig
+    cfg: TrainConfig
     tokenizer: Any
     model: Any
     train_ds: Any
@@ -270,7 +269,7 @@ class Given:
     reward_tokenizers: list[Any] | None = None  # one per reward_funcs entry (None: a reward model's own)
 
 
-def prepare(cfg: RLOOConfig, abstract: bool = False, given: Given | None = None) -> Run:
+def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None) -> Run:
     """Resolve the demo, load tokenizer, policy, data and reward functions; check the first batch encodes.
 
     `abstract`: the policy and reward models as shapes from their `config.json` (no weights read), no dataset;
@@ -358,7 +357,7 @@ def device_memory_bytes() -> int | None:
     return None if not stats else stats.get("bytes_limit")
 
 
-def rollout_mesh_shape(cfg: RLOOConfig, run: Run, device_bytes: int | None = None) -> tuple[int, int, int]:
+def rollout_mesh_shape(cfg: TrainConfig, run: Run, device_bytes: int | None = None) -> tuple[int, int, int]:
     """`rollout_mesh` resolved to (data, fsdp, tensor) sizes. None: `rloo_jax.mesh.rollout_shape` (whole weights on
     every device where one compute-dtype copy of the policy takes at most ROLLOUT_COPY_FRACTION of `device_bytes`,
     this process's device by default, the compile-only slice's chip; else tensor-parallel as far as the heads
@@ -375,7 +374,7 @@ def rollout_mesh_shape(cfg: RLOOConfig, run: Run, device_bytes: int | None = Non
                          ROLLOUT_COPY_FRACTION)
 
 
-def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> SamplingConfig:
+def sampling_config(cfg: TrainConfig, run: Run, num_generations: int) -> SamplingConfig:
     return SamplingConfig(
         max_new_tokens=cfg.max_completion_length,
         num_generations=num_generations,
@@ -389,26 +388,20 @@ def sampling_config(cfg: RLOOConfig, run: Run, num_generations: int) -> Sampling
     )
 
 
-def step_config(cfg: RLOOConfig, run: Run) -> StepConfig:
+def step_config(cfg: TrainConfig, run: Run) -> StepConfig:
+    """The step's static options: the sampler's, the algorithm the config names (`make_algorithm`), the batching
+    and where the old log-probs come from."""
+    correction = None
+    if cfg.importance_sampling_correction:
+        correction = ImportanceSampling(cfg.importance_sampling_mode, cfg.importance_sampling_clip_min,
+                                        cfg.importance_sampling_clip_max)
     return StepConfig(
         sampling=sampling_config(cfg, run, cfg.num_generations),
-        rloo=RLOOOptions(
-            beta=cfg.beta,
-            epsilon=cfg.epsilon,
-            epsilon_high=cfg.epsilon_high,
-            normalize_advantages=cfg.normalize_advantages,
-            reward_clip_range=cfg.reward_clip_range,
-            mask_truncated_completions=cfg.mask_truncated_completions,
-            missing_eos_penalty=cfg.missing_eos_penalty,
-            kl_estimator=cfg.kl_estimator,
-            token_level_kl=cfg.token_level_kl,
-            importance_sampling_mode=cfg.importance_sampling_mode if cfg.importance_sampling_correction else None,
-            importance_sampling_clip_min=cfg.importance_sampling_clip_min,
-            importance_sampling_clip_max=cfg.importance_sampling_clip_max,
-        ),
+        algorithm=cfg.make_algorithm(),
         num_iterations=cfg.num_iterations,
         steps_per_generation=cfg.resolved_steps_per_generation,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         dropout_seed=cfg.seed if cfg.use_peft and cfg.lora_dropout > 0 else None,
         recompute_old_logps=cfg.recompute_old_logps,
+        importance_sampling=correction,
     )

@@ -16,7 +16,7 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -25,7 +25,7 @@ from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.mesh import _resolve_mesh_shape
 from rloo_jax.numerics import MatmulPrecision
 from rloo_jax.tpu import parse_slice
-from rloo_jax.trl_options import DECISIONS, is_trl_only, split_options
+from rloo_jax.trl_options import TABLES, is_trl_only, split_options
 
 logger = logging.getLogger("rloo_jax")
 
@@ -56,9 +56,14 @@ def _opt(default: Any, group: str, help: str) -> Any:
 
 
 @dataclass
-class RLOOConfig:
-    """Everything one RLOO run needs. Field names and defaults follow TRL 1.16's `RLOOConfig` (bf16 is off by
-    default: it needs an accelerator to pay off). Derived values are properties, never stored."""
+class TrainConfig:
+    """What every run needs, whatever the algorithm: model, memory, LoRA, rewards, data, generation, the shared
+    algorithm knobs (KL coefficient, clipping, iterations, the old log-probs and the sampler/trainer correction),
+    optimisation, logging and the mesh. `RLOOConfig` and `GRPOConfig` add their algorithm's own fields. Field names
+    and defaults follow TRL 1.16 (bf16 is off by default on CPU). Derived values are properties, never stored."""
+
+    ALGORITHM: ClassVar[str] = ""
+    """The algorithm's name on the command line (`python -m rloo_jax.train grpo`) and in config.yaml."""
 
     # --- model
     model_name_or_path: str | None = _opt(
@@ -227,16 +232,6 @@ class RLOOConfig:
         "than max_completion_length - L_cache get a linear penalty down to -1. 0 means "
         "max_completion_length // 4.",
     )
-    missing_eos_penalty: float | None = _opt(
-        None,
-        "rewards",
-        "Subtract this from the reward of completions that did not end with EOS (older TRL option).",
-    )
-    reward_clip_range: tuple[float, float] | None = _opt(
-        None,
-        "rewards",
-        "Clip range for rewards as (min, max), e.g. `-1,1`. If None, no clipping is applied.",
-    )
 
     # --- data
     dataset_name: str | None = _opt(
@@ -358,16 +353,6 @@ class RLOOConfig:
         "algorithm",
         "KL coefficient. If 0.0, the reference model is not kept, reducing memory usage and improving training speed.",
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = _opt(
-        "k1",
-        "algorithm",
-        "KL estimator for the penalty: k1 (TRL: old_logp - ref_logp), k2 or k3.",
-    )
-    token_level_kl: bool = _opt(
-        False,
-        "algorithm",
-        "Spread the KL penalty per token instead of subtracting the sequence KL from the reward (older TRL).",
-    )
     num_iterations: int = _opt(
         1,
         "algorithm",
@@ -420,12 +405,6 @@ class RLOOConfig:
         "algorithm",
         "Upper-bound epsilon value for clipping. If not specified, it defaults to the same value as the "
         "lower-bound specified in argument epsilon. Paper DAPO recommends 0.28.",
-    )
-    normalize_advantages: bool = _opt(
-        False,
-        "algorithm",
-        "Whether to normalize advantages. Normalization is done per generation batch to have mean 0.0 and "
-        "standard deviation of 1.0.",
     )
     mask_truncated_completions: bool = _opt(
         False,
@@ -763,11 +742,12 @@ class RLOOConfig:
     # ----------------------------------------------------------------------------------------- validation
     def validate(self) -> None:
         """Check every invariant once; raise one `ConfigError` naming the option and the fix."""
+        hints = _hints(type(self))
         for f in dataclasses.fields(self):
-            setattr(self, f.name, coerce(getattr(self, f.name), _hints()[f.name], f.name))
+            setattr(self, f.name, coerce(getattr(self, f.name), hints[f.name], f.name))
         if self.num_generations < 2:
             raise ConfigError(
-                f"num_generations must be >= 2 for the leave-one-out baseline (got "
+                f"num_generations must be >= 2 for a baseline within each prompt's group (got "
                 f"{self.num_generations}); set --num_generations 2 or more"
             )
         for name in (
@@ -901,8 +881,6 @@ class RLOOConfig:
                 "sync_ref_model needs a reference model, but beta is 0 (no reference model is "
                 "kept); set --beta > 0 or --sync_ref_model false"
             )
-        if self.reward_clip_range is not None and not self.reward_clip_range[0] < self.reward_clip_range[1]:
-            raise ConfigError(f"reward_clip_range must be (min, max) with min < max (got {self.reward_clip_range})")
         _check(self.soft_overlong_cache >= 0, "soft_overlong_cache", "must be >= 0", self.soft_overlong_cache)
         _check(self.completion_bucket >= 0, "completion_bucket", "must be >= 0 (0: no bucketing)",
                self.completion_bucket)
@@ -929,6 +907,14 @@ class RLOOConfig:
                 f"tfds_data_dir is only read for `tfds:` datasets (dataset_name is {self.dataset_name!r}); drop "
                 "--tfds_data_dir or pass --dataset_name tfds:<name>"
             )
+        self._validate_algorithm()
+
+    def _validate_algorithm(self) -> None:
+        """The algorithm's own checks (subclasses)."""
+
+    def make_algorithm(self) -> Any:
+        """The algorithm value the step composes (``rloo_jax.algorithms``), from this config."""
+        raise NotImplementedError(f"{type(self).__name__} names no algorithm; use RLOOConfig or GRPOConfig")
 
     def require_sources(self, num_rewards: int | None = None) -> None:
         """What a run needs beyond valid options: a model, a dataset and at least one reward, with one weight per
@@ -981,12 +967,6 @@ class RLOOConfig:
                 f"importance_sampling_mode {self.importance_sampling_mode} clips the ratio to [clip_min, clip_max]: "
                 "set --importance_sampling_clip_min and/or --importance_sampling_clip_max"
             )
-        if self.importance_sampling_mode.startswith("token_"):
-            raise ConfigError(
-                f"importance_sampling_mode {self.importance_sampling_mode} weights each token's loss, but RLOO's loss "
-                "is per sequence (TRL's RLOO): use sequence_mask or sequence_truncate (token modes need a token-level "
-                "loss: the Python API's RLOOOptions(level='token'))"
-            )
 
     def _validate_distributed(self) -> None:
         """Mesh sizes fit the devices (raises through `mesh_shape`); explicit process options are consistent."""
@@ -1002,34 +982,243 @@ class RLOOConfig:
 
     # ----------------------------------------------------------------------------------------- export
     def to_dict(self) -> dict[str, Any]:
-        """Plain YAML/JSON-ready values (tuples become lists)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        """Plain YAML/JSON-ready values (tuples become lists), the algorithm's name first."""
+        values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return {"algorithm": self.ALGORITHM, **values}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
 
-def _take_trl_options(init: Any) -> Any:
-    """`RLOOConfig(**kwargs)` also takes TRL's option names (`use_vllm=False`, `push_to_hub=False`, ...), decided
-    by `rloo_jax.trl_options` as the YAML and the command line are, so a TRL script's config line runs here.
-    Without device_count, the batch sizes and mesh are checked for the devices and processes JAX sees (with
-    several processes, call `jax.distributed.initialize()` first)."""
+@dataclass
+class RLOOConfig(TrainConfig):
+    """Everything one RLOO run needs: `TrainConfig` and RLOO's own fields, with TRL 1.16's `RLOOConfig` names and
+    defaults (KL in the reward, leave-one-out baseline, sequence-level clipped objective)."""
+
+    ALGORITHM: ClassVar[str] = "rloo"
+
+    missing_eos_penalty: float | None = _opt(
+        None,
+        "rewards",
+        "Subtract this from the reward of completions that did not end with EOS (older TRL option).",
+    )
+    reward_clip_range: tuple[float, float] | None = _opt(
+        None,
+        "rewards",
+        "Clip range for rewards as (min, max), e.g. `-1,1`. If None, no clipping is applied.",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = _opt(
+        "k1",
+        "algorithm",
+        "KL estimator for the penalty: k1 (TRL: old_logp - ref_logp), k2 or k3.",
+    )
+    token_level_kl: bool = _opt(
+        False,
+        "algorithm",
+        "Spread the KL penalty per token instead of subtracting the sequence KL from the reward (older TRL).",
+    )
+    normalize_advantages: bool = _opt(
+        False,
+        "algorithm",
+        "Whether to normalize advantages. Normalization is done per generation batch to have mean 0.0 and "
+        "standard deviation of 1.0.",
+    )
+
+    def _validate_algorithm(self) -> None:
+        if self.reward_clip_range is not None and not self.reward_clip_range[0] < self.reward_clip_range[1]:
+            raise ConfigError(f"reward_clip_range must be (min, max) with min < max (got {self.reward_clip_range})")
+        if self.importance_sampling_correction and self.importance_sampling_mode.startswith("token_"):
+            raise ConfigError(
+                f"importance_sampling_mode {self.importance_sampling_mode} weights each token's loss, but RLOO's loss "
+                "is per sequence (TRL's RLOO): use sequence_mask or sequence_truncate (token modes need a token-level "
+                "loss: GRPO, or the Python API's RLOO(level='token'))"
+            )
+
+    def make_algorithm(self) -> Any:
+        from rloo_jax.algorithms import RLOO
+
+        return RLOO(
+            beta=self.beta, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
+            normalize_advantages=self.normalize_advantages, reward_clip_range=self.reward_clip_range,
+            mask_truncated_completions=self.mask_truncated_completions, missing_eos_penalty=self.missing_eos_penalty,
+            kl_estimator=self.kl_estimator, token_level_kl=self.token_level_kl,
+        )
+
+
+_SCALE_REWARDS = {"true": "group", "false": "none"}  # TRL's GRPOConfig maps the booleans
+
+
+@dataclass
+class GRPOConfig(TrainConfig):
+    """Everything one GRPO run needs: `TrainConfig` and GRPO's own fields, with TRL 1.16's `GRPOConfig` names and
+    defaults (group-relative advantages, the KL as a k3 term of the loss, eight loss types; beta 0 and 8
+    generations by default)."""
+
+    ALGORITHM: ClassVar[str] = "grpo"
+
+    num_generations: int = _opt(
+        8,
+        "generation",
+        "Number of generations to sample per prompt (G). The generation batch (per_device_train_batch_size "
+        "* steps_per_generation) must be evenly divisible by this value.",
+    )
+    beta: float = _opt(
+        0.0,
+        "algorithm",
+        "KL coefficient of the k3 KL term in the loss. If 0.0 (default), the reference model is not loaded, reducing "
+        "memory usage and improving training speed. DeepSeek-R1 uses 0.001.",
+    )
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = _opt(
+        "dapo",
+        "grpo",
+        "The loss: grpo (token mean per sequence, then mean), dr_grpo (token sum / (sequences * "
+        "max_completion_length)), dapo (token sum / the generation batch's tokens per step: no length bias), bnpo "
+        "(token mean over the micro-batch), cispo (clipped importance weights times advantage times log-prob, "
+        "MiniMax-M1), sapo (a soft sigmoid gate instead of clipping), luspo (per-sequence token sums: sequence "
+        "level, GSPO-style), vespo (Gamma-weighted sequence ratios). docs/research_api.md has each formula.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = _opt(
+        "group",
+        "grpo",
+        "Advantages divided by the std of the group's rewards (group; TRL's True), of the whole batch's (batch), or "
+        "not at all (none; TRL's False, as Dr. GRPO recommends).",
+    )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = _opt(
+        "sum_then_normalize",
+        "grpo",
+        "Several reward functions: weighted sum, then scale_rewards (sum_then_normalize), or each normalised within "
+        "its group, then summed and normalised over the batch (normalize_then_sum, GDPO).",
+    )
+    delta: float | None = _opt(
+        None,
+        "grpo",
+        "Two-sided clipping (INTELLECT-2): the ratio of the unclipped term is capped at delta (> 1 + epsilon).",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = _opt(
+        "token",
+        "grpo",
+        "The importance ratio per token, or per sequence as the exp of the masked mean of the token log-ratios "
+        "(GSPO).",
+    )
+    sapo_temperature_neg: float = _opt(1.05, "grpo", "sapo's gate temperature where the advantage is <= 0.")
+    sapo_temperature_pos: float = _opt(1.0, "grpo", "sapo's gate temperature where the advantage is > 0.")
+    vespo_k_pos: float = _opt(2.0, "grpo", "vespo's power k where the advantage is >= 0.")
+    vespo_lambda_pos: float = _opt(3.0, "grpo", "vespo's decay lambda where the advantage is >= 0.")
+    vespo_k_neg: float = _opt(3.0, "grpo", "vespo's power k where the advantage is < 0.")
+    vespo_lambda_neg: float = _opt(2.0, "grpo", "vespo's decay lambda where the advantage is < 0.")
+    top_entropy_quantile: float = _opt(
+        1.0,
+        "grpo",
+        "Keep in the policy loss only the top rho quantile of the micro-batch's tokens by entropy (Beyond the 80/20 "
+        "rule: 0.2); 1.0 keeps all.",
+    )
+    entropy_coef: float = _opt(
+        0.0,
+        "grpo",
+        "Coefficient of the entropy bonus (loss - coef * mean token entropy); with use_adaptive_entropy, its start "
+        "value.",
+    )
+    use_adaptive_entropy: bool = _opt(
+        False,
+        "grpo",
+        "Skywork-OR1's adaptive control: after each optimizer step entropy_coef moves by entropy_coef_delta (up when "
+        "the step's mean entropy <= entropy_target, else down), and the bonus applies only while the last step's "
+        "entropy was <= entropy_target. Its state is checkpointed.",
+    )
+    entropy_coef_min: float = _opt(0.0, "grpo", "Lower bound of the adaptive entropy coefficient.")
+    entropy_coef_max: float = _opt(1.0, "grpo", "Upper bound of the adaptive entropy coefficient.")
+    entropy_coef_delta: float = _opt(0.005, "grpo", "Step of the adaptive entropy coefficient.")
+    entropy_target: float = _opt(0.2, "grpo", "Target mean token entropy (nats) of the adaptive control.")
+    off_policy_mask_threshold: float | None = _opt(
+        None,
+        "grpo",
+        "DeepSeek-V3.2's off-policy sequence mask: drop sequences with a negative advantage whose mean token KL from "
+        "the sampling policy exceeds this (e.g. 0.5). None: off.",
+    )
+    use_bias_correction_kl: bool = _opt(
+        True,
+        "grpo",
+        "Multiply the KL term by the (differentiable) importance ratio: the unbiased reverse-KL gradient "
+        "(DeepSeek-V3.2). Changes the KL gradient whenever beta != 0.",
+    )
+
+    def validate(self) -> None:
+        raw = self.scale_rewards
+        if isinstance(raw, bool) or str(raw).strip().lower() in _SCALE_REWARDS:
+            self.scale_rewards = _SCALE_REWARDS[str(raw).strip().lower()]
+        super().validate()
+
+    def _validate_algorithm(self) -> None:
+        _check(0.0 <= self.top_entropy_quantile <= 1.0, "top_entropy_quantile", "must be in [0, 1]",
+               self.top_entropy_quantile)
+        _check(self.delta is None or self.delta > 0, "delta", "must be > 0 or None", self.delta)
+        _check(self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
+               "off_policy_mask_threshold", "must be >= 0 or None", self.off_policy_mask_threshold)
+        for name in ("sapo_temperature_neg", "sapo_temperature_pos"):
+            _check(getattr(self, name) > 0, name, "must be > 0", getattr(self, name))
+        _check(self.entropy_coef_min <= self.entropy_coef_max, "entropy_coef_min", "must be <= entropy_coef_max",
+               self.entropy_coef_min)
+        _check(self.entropy_coef_delta >= 0, "entropy_coef_delta", "must be >= 0", self.entropy_coef_delta)
+        if (self.loss_type == "vespo" and self.importance_sampling_correction
+                and not self.importance_sampling_mode.startswith("token_")):
+            raise ConfigError(
+                f"loss_type vespo folds the sampler/trainer weights into its token-level Gamma weights (TRL): "
+                f"importance_sampling_mode must be token_truncate or token_mask (got {self.importance_sampling_mode})"
+            )
+        notes = {
+            ("luspo", "token"): "luspo is meant for importance_sampling_level sequence (the LUSPO paper's setup)",
+            ("vespo", "sequence"): "vespo computes sequence weights itself: importance_sampling_level should be token",
+        }
+        note = notes.get((self.loss_type, self.importance_sampling_level))
+        if note is None and self.importance_sampling_level == "sequence" and self.loss_type in (
+                "bnpo", "dr_grpo", "dapo", "cispo"):
+            note = (f"with importance_sampling_level sequence, {self.loss_type} sums per-token terms (each sequence "
+                    "weighted by its length); GSPO's setup is loss_type grpo")
+        if note:
+            logger.warning("note: %s (as TRL warns)", note)
+
+    def make_algorithm(self) -> Any:
+        from rloo_jax.algorithms import GRPO
+
+        names = [f.name for f in dataclasses.fields(GRPO) if f.name != "max_completion_length"]
+        return GRPO(**{name: getattr(self, name) for name in names},
+                    max_completion_length=self.max_completion_length)
+
+
+CONFIGS: dict[str, type[TrainConfig]] = {c.ALGORITHM: c for c in (RLOOConfig, GRPOConfig)}
+
+
+def _take_trl_options(cls: type[TrainConfig]) -> None:
+    """`RLOOConfig(**kwargs)` / `GRPOConfig(**kwargs)` also take TRL's option names (`use_vllm=False`,
+    `push_to_hub=False`, ...), decided by `rloo_jax.trl_options` as the YAML and the command line are, so a TRL
+    script's config line runs here; a misspelt name gets the command line's "did you mean" error. Without
+    device_count, the batch sizes and mesh are checked for the devices and processes JAX sees (with several
+    processes, call `jax.distributed.initialize()` first)."""
+    init = cls.__init__
 
     @functools.wraps(init)
-    def __init__(self: "RLOOConfig", *args: Any, **kwargs: Any) -> None:
+    def __init__(self: TrainConfig, *args: Any, **kwargs: Any) -> None:
         if "device_count" not in kwargs:  # built in Python: checked for the devices JAX sees (TRL: its processes)
             import jax
 
             kwargs.update(device_count=jax.device_count(), process_count=jax.process_count())
-        ours, checks = split_options(kwargs, _hints())
-        init(self, *args, **ours)
+        machine = {k: kwargs.pop(k) for k in ("device_count", "process_count")}
+        kwargs = {canonical_name(k, f"{cls.__name__}(...)", cls): v for k, v in kwargs.items()}
+        ours, checks = split_options(kwargs, _hints(cls), decisions(cls))
+        init(self, *args, **ours, **machine)
         for check in checks:
             check(self)
 
-    return __init__
+    cls.__init__ = __init__
 
 
-RLOOConfig.__init__ = _take_trl_options(RLOOConfig.__init__)
+for _cls in (RLOOConfig, GRPOConfig):
+    _take_trl_options(_cls)
+
+
+def decisions(cls: type[TrainConfig]) -> dict[str, Any]:
+    """The TRL option table of a config class (`rloo_jax.trl_options`)."""
+    return TABLES[cls.ALGORITHM]
 
 
 def _is_size(size: str) -> bool:
@@ -1062,13 +1251,14 @@ def _check_processes(num_processes: int | None, process_id: int | None) -> None:
         )
 
 
-_HINTS: dict[str, Any] = {}
+_HINTS: dict[type, dict[str, Any]] = {}
 
 
-def _hints() -> dict[str, Any]:
-    if not _HINTS:
-        _HINTS.update(typing.get_type_hints(RLOOConfig))
-    return _HINTS
+def _hints(cls: type[TrainConfig] = None) -> dict[str, Any]:
+    cls = RLOOConfig if cls is None else cls
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
 
 
 # ---------------------------------------------------------------------------------------------- value parsing
@@ -1158,13 +1348,18 @@ def _split_list(value: Any, name: str) -> list[Any]:
 
 
 # ------------------------------------------------------------------------------------------------ sources
-def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(RLOOConfig)]
+def field_names(cls: type[TrainConfig] = None) -> list[str]:
+    return [f.name for f in dataclasses.fields(RLOOConfig if cls is None else cls)]
 
 
-def canonical_name(name: str, source: str) -> str:
-    """Map an option name (or an old TRL alias) to a field name, or fail suggesting the nearest one."""
+def canonical_name(name: str, source: str, cls: type[TrainConfig] = None) -> str:
+    """Map an option name (or an old TRL alias) to a field name of `cls` (or a TRL option its table decides), or
+    fail suggesting the nearest one."""
+    cls = RLOOConfig if cls is None else cls
     name = name.replace("-", "_")
+    table, fields = decisions(cls), field_names(cls)
+    if name in fields or name in table:  # ours, or one of TRL's (decided in trl_options)
+        return name
     if name in ALIASES:
         new = ALIASES[name]
         logger.warning("note: `%s` is the old TRL name of `%s` (TRL <= 0.21); using %s", name, new, new)
@@ -1174,15 +1369,21 @@ def canonical_name(name: str, source: str) -> str:
         logger.warning("note: `%s` is TRL GRPO's name of `%s` (here between our sampler and trainer); using %s",
                        name, new, new)
         return new
-    if name in field_names() or name in DECISIONS:  # ours, or one of TRL's (decided in trl_options)
-        return name
-    near = difflib.get_close_matches(name, field_names() + list(ALIASES) + list(VLLM_ALIASES), n=1, cutoff=0.6)
+    near = difflib.get_close_matches(name, fields + list(ALIASES) + list(VLLM_ALIASES), n=1, cutoff=0.6)
     hint = f"; did you mean --{near[0]}?" if near else "; see --help for the list"
+    other = [c.__name__ for c in CONFIGS.values() if c is not cls and name in field_names(c)]
+    if other:
+        hint = f" ({name} is an option of {other[0]}, not of {cls.__name__}){hint}"
     raise ConfigError(f"unknown option {name!r} in {source}{hint}")
 
 
-def read_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML config file (safe loader) into {field_name: raw value}."""
+def read_yaml(path: str, cls: type[TrainConfig] = None) -> dict[str, Any]:
+    """Read a YAML config file (safe loader) into {field_name: raw value} (its `algorithm` key aside)."""
+    data = _load_yaml(path)
+    return {canonical_name(str(k), path, cls): v for k, v in data.items() if k != "algorithm"}
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -1194,25 +1395,51 @@ def read_yaml(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must be a mapping of option: value (got {type(data).__name__})")
-    return {canonical_name(str(k), path): v for k, v in data.items()}
+    return data
 
 
-def parse_argv(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
-    """Split argv into (the --config path, {field_name: raw string value}).
+def config_class(argv: Sequence[str], base: dict[str, Any] | None = None) -> tuple[type[TrainConfig], list[str]]:
+    """The algorithm a command line asks for, and the rest of it: `[rloo|grpo] [--config FILE] [--name value ...]`.
+    The first word names it; else the `--config` file's `algorithm:` key (config.yaml records it); else `base`'s;
+    else RLOO. A word and a file that disagree are an error."""
+    argv = list(argv)
+    named = None
+    if argv and not argv[0].startswith("-"):
+        named = argv.pop(0)
+        if named not in CONFIGS:
+            near = difflib.get_close_matches(named, list(CONFIGS), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise ConfigError(f"unknown algorithm {named!r}{hint}: the first word names one of {', '.join(CONFIGS)}")
+    path = next((a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "")
+                 for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
+    recorded = _load_yaml(path).get("algorithm") if path else (base or {}).get("algorithm")
+    if recorded is not None and str(recorded) not in CONFIGS:
+        raise ConfigError(f"{path or 'the config'}: algorithm {recorded!r} is not one of {', '.join(CONFIGS)}")
+    if named and recorded and named != recorded:
+        raise ConfigError(f"the command line names {named} but {path} is a {recorded} config (algorithm: {recorded});"
+                          " drop one of them")
+    return CONFIGS[named or recorded or "rloo"], argv
+
+
+def parse_argv(argv: Sequence[str], cls: type[TrainConfig] = None) -> tuple[str | None, dict[str, Any]]:
+    """Split argv (without the algorithm word) into (the --config path, {field_name: raw string value}).
 
     Accepts `--name value` and `--name=value`; a bare boolean `--flag` means true.
     """
+    cls = RLOOConfig if cls is None else cls
     config_path, overrides, i = None, {}, 0
-    hints = _hints()
+    hints, table = _hints(cls), decisions(cls)
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; options look like --name value or --name=value")
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --name value or --name=value (the "
+                              f"algorithm, one of {', '.join(CONFIGS)}, comes first)")
         key, has_eq, value = arg[2:].partition("=")
         if not has_eq:
             name = key.replace("-", "_")
-            name = ALIASES.get(name) or VLLM_ALIASES.get(name) or name
-            takes_flag = hints.get(name) in (bool, bool | None) or is_trl_only(name)  # `--bf16` alone means true
+            if name not in hints and name not in table:
+                name = ALIASES.get(name) or VLLM_ALIASES.get(name) or name
+            takes_flag = hints.get(name) in (bool, bool | None) or is_trl_only(name, table)  # `--bf16` alone: true
             if i + 1 < len(argv) and not (takes_flag and argv[i + 1].startswith("--")):
                 value, i = argv[i + 1], i + 1
             elif takes_flag:
@@ -1223,32 +1450,35 @@ def parse_argv(argv: Sequence[str]) -> tuple[str | None, dict[str, Any]]:
         if key == "config":
             config_path = value
         else:
-            overrides[canonical_name(key, "the command line")] = value
+            overrides[canonical_name(key, "the command line", cls)] = value
     return config_path, overrides
 
 
-def _raw_values(argv: Sequence[str], base: dict[str, Any] | None) -> dict[str, Any]:
-    config_path, overrides = parse_argv(argv)
-    values = dict(base or {})
+def _raw_values(argv: Sequence[str], base: dict[str, Any] | None) -> tuple[type[TrainConfig], dict[str, Any]]:
+    cls, argv = config_class(argv, base)
+    config_path, overrides = parse_argv(argv, cls)
+    values = {k: v for k, v in (base or {}).items() if k != "algorithm"}
     if config_path is not None:
-        values.update(read_yaml(config_path))
+        values.update(read_yaml(config_path, cls))
     values.update(overrides)
-    return values
+    return cls, values
 
 
 def load_config(
     argv: Sequence[str], base: dict[str, Any] | None = None, device_count: int = 1, process_count: int = 1
-) -> RLOOConfig:
-    """The validated config: `base` values, then the `--config` YAML file, then command-line overrides;
-    batch sizes and mesh checked for `device_count` devices in `process_count` processes."""
-    return config_from_dict(_raw_values(argv, base), device_count, process_count)
+) -> TrainConfig:
+    """The validated config of the algorithm `argv` names (`config_class`): `base` values, then the `--config`
+    YAML file, then command-line overrides; batch sizes and mesh checked for `device_count` devices in
+    `process_count` processes."""
+    cls, values = _raw_values(argv, base)
+    return config_from_dict(values, device_count, process_count, cls)
 
 
 def compile_only_slice(argv: Sequence[str]) -> str | None:
     """The `--topology` of a `--compile_only` run (from `--config` and the command line), else None: read before
     the rest of the config is validated, because the batch and mesh checks count the slice's chips."""
-    values = _raw_values(argv, None)
-    hints = _hints()
+    cls, values = _raw_values(argv, None)
+    hints = _hints(cls)
     if not coerce(values.get("compile_only", False), hints["compile_only"], "compile_only"):
         return None
     return coerce(values.get("topology"), hints["topology"], "topology")
@@ -1257,49 +1487,66 @@ def compile_only_slice(argv: Sequence[str]) -> str | None:
 def full_determinism_option(argv: Sequence[str]) -> bool:
     """`--full_determinism` from `--config` and the command line, before the rest of the config is validated:
     XLA reads its flags when the JAX backend starts, which happens before the config can be checked."""
-    return coerce(_raw_values(argv, None).get("full_determinism", False), bool, "full_determinism")
+    return coerce(_raw_values(argv, None)[1].get("full_determinism", False), bool, "full_determinism")
 
 
 def distributed_options(argv: Sequence[str]) -> tuple[str | None, int | None, int | None]:
     """(coordinator_address, num_processes, process_id) from `--config` and the command line, before the rest
     of the config is validated: the multi-process runtime must start first (the device count depends on it)."""
-    values = _raw_values(argv, None)
-    hints = _hints()
+    cls, values = _raw_values(argv, None)
+    hints = _hints(cls)
     names = ("coordinator_address", "num_processes", "process_id")
     address, count, index = (coerce(values.get(name), hints[name], name) for name in names)
     _check_processes(count, index)
     return address, count, index
 
 
-def config_from_dict(values: dict[str, Any], device_count: int = 1, process_count: int = 1) -> RLOOConfig:
-    """Build a validated config from {name: raw value}; values are coerced to the annotated types."""
-    hints = _hints()
-    parsed = {canonical_name(k, "the config"): v for k, v in values.items()}
-    parsed, checks = split_options(parsed, hints)  # TRL's options: refused, dropped with a note, or translated
+def config_from_dict(values: dict[str, Any], device_count: int = 1, process_count: int = 1,
+                     cls: type[TrainConfig] | None = None) -> TrainConfig:
+    """Build a validated config from {name: raw value}; values are coerced to the annotated types. `cls`: the
+    config class (default: the `algorithm` value's, else RLOOConfig)."""
+    values = dict(values)
+    recorded = values.pop("algorithm", None)
+    if cls is None:
+        if recorded is not None and str(recorded) not in CONFIGS:
+            raise ConfigError(f"algorithm {recorded!r} is not one of {', '.join(CONFIGS)}")
+        cls = CONFIGS[str(recorded or "rloo")]
+    hints = _hints(cls)
+    parsed = {canonical_name(k, "the config", cls): v for k, v in values.items()}
+    parsed, checks = split_options(parsed, hints, decisions(cls))  # TRL's: refused, dropped with a note, translated
     parsed = {k: coerce(v, hints[k], k) for k, v in parsed.items()}
-    cfg = RLOOConfig(**parsed, device_count=device_count, process_count=process_count)
+    cfg = cls(**parsed, device_count=device_count, process_count=process_count)
     for check in checks:
         check(cfg)
     cfg.require_sources()
     return cfg
 
 
-def format_help() -> str:
-    """`--help` text: usage, then every option grouped, with its type, default and help text."""
+_GROUP_ORDER = ("model", "memory", "peft", "rewards", "data", "generation", "algorithm", "grpo", "optimization",
+                "logging", "distributed")
+
+
+def format_help(cls: type[TrainConfig] = None) -> str:
+    """`--help` text: usage, then every option of `cls` grouped, with its type, default and help text."""
+    cls = RLOOConfig if cls is None else cls
+    name = cls.ALGORITHM.upper()
     lines = [
-        "usage: python -m rloo_jax.train [--config FILE.yaml] [--name value | --name=value ...]",
+        "usage: python -m rloo_jax.train [rloo|grpo] [--config FILE.yaml] [--name value | --name=value ...]",
         "",
-        "Train a causal LM with RLOO (TRL 1.16's RLOOTrainer math) in JAX. Options are read from the YAML "
-        "file first, then from the command line. With neither --config nor --model_name_or_path, the "
-        "built-in demo (configs/default.yaml: a tiny model on a synthetic task, no network) runs.",
+        f"Train a causal LM with {name} (TRL 1.16's {name} trainer math) in JAX; the first word picks the algorithm "
+        "(rloo by default, or the config file's `algorithm:`), e.g. `python -m rloo_jax.train grpo --help`. Options "
+        "are read from the YAML file first, then from the command line. With neither --config nor "
+        "--model_name_or_path, the built-in demo (configs/default.yaml: a tiny model on a synthetic task, no "
+        "network) runs.",
         f"Old TRL names are accepted: {', '.join(f'{k} -> {v}' for k, v in ALIASES.items())}; so are TRL GRPO's "
-        f"vllm_importance_sampling_* names ({', '.join(f'{k} -> {v}' for k, v in VLLM_ALIASES.items())}). So is "
-        "every other option of TRL 1.16's RLOOConfig and `trl rloo` script: read without effect (named in a note) "
-        "or refused with the reason (docs/trl_options.md).",
+        f"vllm_importance_sampling_* names. So is every other option of TRL 1.16's {cls.__name__} and `trl "
+        f"{cls.ALGORITHM}` script: read without effect (named in a note) or refused with the reason "
+        "(docs/trl_options.md).",
     ]
+    hints = _hints(cls)
+    fields = sorted(dataclasses.fields(cls), key=lambda f: _GROUP_ORDER.index(f.metadata["group"]))
     group = None
-    hints = _hints()
-    for f in dataclasses.fields(RLOOConfig):
+    for f in fields:
         if f.metadata["group"] != group:
             group = f.metadata["group"]
             lines += ["", f"{group}:"]

@@ -50,6 +50,16 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "num_completions_to_print": 4,
 }
 
+
+
+def default_config(algorithm: str = "rloo") -> dict[str, Any]:
+    """The demo run for `algorithm` (rloo, grpo): the same task and budget, its own output_dir (a checkpoint of one
+    algorithm never resumes as another)."""
+    if algorithm == "rloo":
+        return dict(DEFAULT_CONFIG)
+    return {**DEFAULT_CONFIG, "output_dir": f"outputs/demo-{algorithm}"}
+
+
 # Qwen2-shaped, ~77k parameters.
 MODEL_CONFIG: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"],

@@ -74,6 +74,7 @@ def per_token_logps_from_hidden(
     chunk_size: int = 64,
     with_entropy: bool = False,
     frozen_unembed: bool = False,
+    entropy_grad: bool = False,
 ) -> Array | tuple[Array, Array]:
     """Per-token log-probs straight from hidden states, never holding the full ``[N, T, V]`` logits.
 
@@ -101,7 +102,10 @@ def per_token_logps_from_hidden(
       token_ids: ``[N, T]``; ``hidden[:, t]`` predicts ``token_ids[:, t]``.
       temperature: > 0.
       chunk_size: positions per chunk (T is padded up to a multiple internally).
-      with_entropy: also return the entropy ``[N, T]`` (no gradient flows through it).
+      with_entropy: also return the entropy ``[N, T]``.
+      entropy_grad: the entropy carries its gradient (an entropy bonus in the loss); else it is a metric only,
+        with no gradient (and no backward pass of its own). With ``frozen_unembed`` its gradient with respect to the
+        hidden state, ``unembed^T(-p (log p + H) / T)``, is computed in the forward pass too.
 
     Returns:
       ``[N, T]`` float32 log-probs, or ``(logps, entropy)`` when ``with_entropy``.
@@ -124,7 +128,9 @@ def per_token_logps_from_hidden(
         return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
 
     def entropy(logits: Array, lp: Array) -> Array:
-        return entropy_from_logits(jax.lax.stop_gradient(logits), temperature) if with_entropy else jnp.zeros_like(lp)
+        if not with_entropy:
+            return jnp.zeros_like(lp)
+        return entropy_from_logits(logits if entropy_grad else jax.lax.stop_gradient(logits), temperature)
 
     @jax.checkpoint
     def one(args: tuple[Array, Array]) -> tuple[Array, Array]:
@@ -142,7 +148,13 @@ def per_token_logps_from_hidden(
         picked = jax.nn.one_hot(idc, logits.shape[-1], dtype=jnp.float32)
         (grad,) = transpose(((picked - probs) / temperature).astype(logits.dtype))  # d lp / d hc [B, chunk, D]
         grad = rows(jax.lax.stop_gradient(grad))
-        return _with_grad(rows(jax.lax.stop_gradient(lp)), hc, grad), rows(entropy(logits, lp))
+        lp = _with_grad(rows(jax.lax.stop_gradient(lp)), hc, grad)
+        if not (with_entropy and entropy_grad):
+            return lp, rows(entropy(logits, lp))
+        h = jax.lax.stop_gradient(entropy(logits, lp))
+        log_p = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
+        (h_grad,) = transpose((-probs * (log_p + h[..., None]) / temperature).astype(logits.dtype))  # d H / d hc
+        return lp, _with_grad(rows(h), hc, rows(jax.lax.stop_gradient(h_grad)))
 
     lp, ent = jax.lax.map(one_frozen if frozen_unembed else one, (h, ids))
     lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]

@@ -1,52 +1,42 @@
-"""The jitted core of a training step: rollout (sample + reference log-probs) and update (advantages + optax).
+"""What one training step computes, for any algorithm: the traced functions the jitted programs run.
 
-A step is two pure functions over a ``TrainState`` pytree; only the host work between them (decoding text,
-Python reward functions) lives in the trainer loop:
+    sampled  = step.sample(state, prompt_ids, prompt_mask, key)         # the sampler (KV cache)
+    rollout  = step.finish(state, sampled, width)                       # cut to width; reference / old log-probs
+    rewards_per_func = <host: decode, reward functions / reward models>  # [N, F], NaN for None
+    state, metrics = step.update(state, rollout, rewards_per_func, w)   # algorithm.score, then optimizer steps
 
-    rollout = step.rollout(state, prompt_ids, prompt_mask, key)          # jitted: sampler, ref log-probs
-    rewards_per_func = <host: decode, reward functions / reward models>   # [B*G, F] with NaN for None
-    state, metrics = step.update(state, rollout, rewards_per_func, w)   # jitted: RLOO + optimizer updates
+An algorithm (``rloo_jax.algorithms``: RLOO, GRPO, ...) enters only through its pure functions: ``score`` (per-row
+targets such as advantages, once per generation batch) and ``loss`` (one micro-batch), plus what they ask for
+(reference log-probs, an entropy gradient, a state carried between optimizer steps). Nothing here is jitted or
+placed on devices: ``rloo_jax.programs`` turns these functions into compiled programs (with shardings on a mesh)
+that the training loop calls and ``--compile_only`` lowers.
 
-With a device mesh (``RLOOStep(..., mesh=make_mesh(...))``) the same functions are jitted with explicit shardings:
-parameters and optimizer state by the rule table of ``rloo_jax.mesh`` (FSDP + tensor parallel; XLA gathers each
-layer's weights where it is used, never the whole model on one device), batches over data x fsdp, scalars
-replicated; ``update`` still donates the state.
-
-Shapes: B prompts, G generations, N = B*G completions, P prompt length, C completion length.
+Shapes: B prompts, G generations, N = B*G completions, P prompt length, C completion length, U optimizer updates
+per generation batch, M = gradient_accumulation_steps micro-batches per update.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
-from jax.sharding import NamedSharding
 
-from rloo_jax.logprobs import completion_mask, masked_mean, per_token_logps_from_hidden
-from rloo_jax.mesh import (
-    BATCH_AXES,
-    LOGICAL_RULES,
-    Rules,
-    batch_sharding,
-    constrain_batch,
-    replicate,
-    replicated,
-    shard_params,
-    state_shardings,
-)
-from rloo_jax.rloo import (
-    RLOOOptions,
-    clipped_objective,
+from rloo_jax.algorithms import RLOO, Algorithm
+from rloo_jax.algorithms.common import (
+    ImportanceSamplingMode,
+    LossInputs,
+    ScoreInputs,
     importance_sampling_weights,
-    kl_loss,
     sampling_logp_difference,
-    score_completions,
 )
+from rloo_jax.logprobs import completion_mask, masked_mean, per_token_logps_from_hidden
+from rloo_jax.mesh import BATCH_AXES, constrain_batch
 from rloo_jax.sampling import SamplingConfig, generate_fn
 
 Array = jax.Array
@@ -58,9 +48,10 @@ class TrainState:
 
     params: nnx.State  # what is trained: the policy's nnx.Param state, or with LoRA its adapters only
     opt_state: optax.OptState
-    ref_params: nnx.State | None  # frozen reference policy; None when beta == 0 or with LoRA
+    ref_params: nnx.State | None  # frozen reference policy; None without a reference or with LoRA
     step: Array  # [] int32, optimizer updates applied so far
     frozen: nnx.State | None = None  # LoRA: the base model (never trained; also the reference); else None
+    algo_state: Any = None  # what the algorithm carries between optimizer steps (GRPO: its entropy controller)
 
 
 @struct.dataclass
@@ -73,8 +64,18 @@ class Rollout:
     completion_mask: Array  # [N, C] int32 (zero rows for truncated completions if mask_truncated_completions)
     is_truncated: Array  # [N] bool
     old_logps: Array  # [N, C] float32, behaviour-policy log-probs: the sampler's, or recomputed by `finish`
-    ref_logps: Array | None  # [N, C] float32, reference log-probs; None when beta == 0
+    ref_logps: Array | None  # [N, C] float32, reference log-probs; None without a reference
     sampler_logps: Array | None = None  # [N, C] float32, the sampler's when old_logps were recomputed, else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportanceSampling:
+    """The sampler/trainer importance-sampling correction (TRL GRPO's ``vllm_importance_sampling_*``; here between
+    our sampler and the training forward): ``algorithms.common.importance_sampling_weights``."""
+
+    mode: ImportanceSamplingMode = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +83,8 @@ class StepConfig:
     """Static, hashable options of a step (TRL names). Built once from the run config."""
 
     sampling: SamplingConfig
-    rloo: RLOOOptions = RLOOOptions()
-    """The algorithm's knobs (beta, epsilon, normalisation, clipping, KL estimator, loss level ...)."""
+    algorithm: Algorithm = RLOO()
+    """What is optimised: its ``score`` and ``loss`` (``rloo_jax.algorithms``)."""
     num_iterations: int = 1
     """Optimisation passes over each generation batch (PPO epochs)."""
     steps_per_generation: int = 1
@@ -95,8 +96,10 @@ class StepConfig:
     step + u), i) (None: no dropout; the model's `lora.dropout` is then unused)."""
     recompute_old_logps: bool | None = None
     """Old log-probs from a training forward at the sampling parameters (``finish``, beside the reference pass)
-    instead of the sampler's; the KL in the reward then uses them too. None: when off-policy or with dropout
-    (the update's own forward cannot stand in for them then). See ``recompute``."""
+    instead of the sampler's. None: when off-policy, with dropout, or with the importance-sampling correction (the
+    update's own forward cannot stand in for them then). See ``recompute``."""
+    importance_sampling: ImportanceSampling | None = None
+    """The sampler/trainer correction; None: off."""
     logprob_chunk: int = 64
     """Sequence positions unembedded at a time when computing log-probs (bounds the [.., V] logits held: at
     8 rows x 1024 positions and V = 152k, 64 keeps the log-prob pass under 1/8 of the full float32 logits;
@@ -127,12 +130,13 @@ class StepConfig:
 
     @property
     def recompute(self) -> bool:
-        """Whether ``finish`` recomputes the old log-probs with a training forward (TRL's rule: off-policy). On
-        policy without dropout the update's forward runs at the sampling parameters and stands in for it: the
-        ratio is exactly 1 and the sampler/trainer gap is measured there, at no extra cost."""
+        """Whether ``finish`` recomputes the old log-probs with a training forward (TRL's rule: off-policy, or the
+        sampler/trainer correction, which TRL applies to vLLM's samples). On policy without dropout the update's
+        forward runs at the sampling parameters and stands in for it: the ratio is exactly 1 and the
+        sampler/trainer gap is measured there, at no extra cost."""
         if self.recompute_old_logps is not None:
             return self.recompute_old_logps
-        return not self.on_policy or self.dropout_seed is not None
+        return not self.on_policy or self.dropout_seed is not None or self.importance_sampling is not None
 
     @property
     def updates_per_generation(self) -> int:
@@ -154,6 +158,7 @@ def completion_logps(
     with_entropy: bool = False,
     dropout_key: Array | None = None,
     frozen_unembed: bool = False,
+    entropy_grad: bool = False,
 ) -> Array | tuple[Array, Array]:
     """Per-token log-probs of the completions under ``params``: ``[N, C]`` float32 (and entropy ``[N, C]``).
 
@@ -164,6 +169,7 @@ def completion_logps(
     ``chunk`` positions (``per_token_logps_from_hidden``). With LoRA, ``params`` is ``lora.merge_params(base,
     adapters)``; ``dropout_key`` applies the adapters' dropout (training forwards), and ``frozen_unembed`` (the
     head gets no gradient) computes the log-probs' gradient in the forward pass (``per_token_logps_from_hidden``).
+    ``entropy_grad``: the entropy carries a gradient (an entropy bonus in the loss).
     """
     model = nnx.merge(graphdef, params)
     if completion_ids.shape[0] % prompt_ids.shape[0]:
@@ -171,22 +177,25 @@ def completion_logps(
     hidden = model.completion_hidden_states(prompt_ids, prompt_mask, completion_ids, completion_mask, dropout_key)
     return per_token_logps_from_hidden(
         hidden, model.unembed, completion_ids, temperature, chunk_size=chunk, with_entropy=with_entropy,
-        frozen_unembed=frozen_unembed,
+        frozen_unembed=frozen_unembed, entropy_grad=entropy_grad,
     )
 
 
-def _completion_stats(mask: Array, lengths: Array, is_truncated: Array) -> dict[str, Array]:
-    """TRL's ``completions/*`` metrics from the EOS-cut lengths ``[N]``."""
+def completion_stats(lengths: Array, is_truncated: Array) -> dict[str, Array]:
+    """TRL's ``completions/*`` metrics from the EOS-cut lengths ``[N]`` (the terminated lengths: 0 when no
+    completion terminated, as TRL). Example: lengths [2, 5], truncated [False, True] -> mean 3.5, min 2, max 5,
+    clipped_ratio 0.5, mean/min/max_terminated_length 2."""
     lengths = lengths.astype(jnp.float32)
-    term = (~is_truncated).astype(jnp.float32)
-    n_term = jnp.sum(term)
+    term = ~is_truncated
+    n_term = jnp.sum(term.astype(jnp.float32))
     return {
         "completions/mean_length": jnp.mean(lengths),
         "completions/min_length": jnp.min(lengths),
         "completions/max_length": jnp.max(lengths),
         "completions/clipped_ratio": jnp.mean(is_truncated.astype(jnp.float32)),
-        # TRL: 0 when no completion terminated
         "completions/mean_terminated_length": jnp.where(n_term > 0, jnp.sum(lengths * term) / n_term, 0.0),
+        "completions/min_terminated_length": jnp.where(n_term > 0, jnp.min(jnp.where(term, lengths, jnp.inf)), 0.0),
+        "completions/max_terminated_length": jnp.where(n_term > 0, jnp.max(jnp.where(term, lengths, -jnp.inf)), 0.0),
     }
 
 
@@ -228,24 +237,28 @@ def sync_reference(params: nnx.State, ref_params: nnx.State, alpha: float) -> nn
     return jax.tree.map(lambda p, r: (alpha * p + (1.0 - alpha) * r).astype(r.dtype), params, ref_params)
 
 
+def reduce_metric(name: str, values: Array) -> Array:
+    """Per-micro-batch values of metric ``name`` -> one: the min of minima (``*_min``, ``*/min``), the max of
+    maxima, else the mean."""
+    if name.endswith(("_min", "/min")):
+        return jnp.min(values)
+    if name.endswith(("_max", "/max")):
+        return jnp.max(values)
+    return jnp.mean(values)
+
+
 # ----------------------------------------------------------------------------------------------- the step
 
 
-class RLOOStep:
-    """Holds only static things (graphdef, optax transform, StepConfig, mesh) and the jitted step functions.
+class Step:
+    """The traced functions of a training step, over static context only (graphdefs, the optax transform, the
+    ``StepConfig`` with its algorithm, the meshes). ``rloo_jax.programs.Programs`` jits them.
 
     LoRA: ``graphdef`` is the model with adapters, ``ref_graphdef`` the same model without them; the state trains
     the adapters (``params``) on a ``frozen`` base, which with ``ref_graphdef`` is also the reference (no copy).
-
-    ``rollout_mesh``: the sampler's own mesh over the mesh's devices (``rloo_jax.mesh.reshaped``, e.g.
-    tensor-parallel decode where training is FSDP); the sampling program moves the policy's weights into its
-    layout once per call and hands its outputs back in the training layout. None: the training mesh.
-
-    ``mesh=None``: plain ``jax.jit`` on the default device. With a ``mesh`` (``rloo_jax.mesh.make_mesh``), call
-    ``init_state`` first: it places the state on its shardings (``self.state_shardings``), which the jitted
-    functions then take as explicit ``in_shardings``/``out_shardings``; batch arrays are split over data x fsdp
-    (each function is compiled once per batch shape). Multi-process: pass global arrays
-    (``rloo_jax.mesh.host_local_batch_to_global`` for per-process rows, ``replicate`` for keys and weights).
+    ``mesh``: the training mesh (None: one device); ``rollout_mesh``: the sampler's own layout over the same devices
+    (None: the training mesh). ``grad_shardings``: the parameters' shardings, which each micro-batch's gradients
+    are reduce-scattered to (set by ``Programs`` on a mesh).
     """
 
     def __init__(
@@ -254,7 +267,6 @@ class RLOOStep:
         optimizer: optax.GradientTransformation,
         cfg: StepConfig,
         mesh: jax.sharding.Mesh | None = None,
-        rules: Rules | None = None,
         ref_graphdef: nnx.GraphDef | None = None,
         rollout_mesh: jax.sharding.Mesh | None = None,
     ) -> None:
@@ -262,233 +274,20 @@ class RLOOStep:
         self.ref_graphdef = graphdef if ref_graphdef is None else ref_graphdef
         self.optimizer = optimizer
         self.cfg = cfg
+        self.algorithm = cfg.algorithm
         self.mesh = mesh
-        self.rollout_mesh = mesh if rollout_mesh is None else rollout_mesh  # the sampler's layout (its own mesh)
-        self.rules = LOGICAL_RULES if rules is None else rules
-        self.state_shardings: TrainState | None = None  # set by init_state when there is a mesh
-        self._sharded_jits: dict[tuple, Callable] = {}
-        self._longest_jit = jax.jit(self._longest, out_shardings=None if mesh is None else replicated(mesh))
-        if mesh is None:
-            self.rollout: Callable[..., Rollout] = jax.jit(self._rollout)
-            self.sample: Callable[..., Rollout] = jax.jit(self._sample)
-            self.finish: Callable[..., Rollout] = jax.jit(self._finish, static_argnums=2)
-            self.update: Callable[..., tuple[TrainState, dict[str, Array]]] = jax.jit(self._update, donate_argnums=0)
-            self.score: Callable[..., tuple[Array, dict[str, Array]]] = jax.jit(self._score)
-            self.sync_reference = jax.jit(self._sync_reference, static_argnums=1)
-        else:
-            self.rollout = self._sharded_rollout
-            self.sample = self._sharded_sample
-            self.finish = self._sharded_finish
-            self.update = self._sharded_update
-            self.score = self._sharded_score
-            self.sync_reference = self._sharded_sync_reference
-            # traced under the mesh, so the model's activation constraints (`rloo_jax.mesh.constrain`) apply
-            self._rollout, self._update = self._on_mesh(self._rollout), self._on_mesh(self._update)
-            self._sample, self._finish = self._on_mesh(self._sample), self._on_mesh(self._finish)
+        self.rollout_mesh = mesh if rollout_mesh is None else rollout_mesh
+        self.grad_shardings: Any = None
 
-    def init_state(
-        self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None
-    ) -> TrainState:
-        """A fresh state; ``ref_params`` is required when beta > 0 (usually a copy of the initial policy), unless
-        ``frozen`` is given (LoRA: ``params`` are the adapters, ``frozen`` the base, which is the reference).
+    # -- state --------------------------------------------------------------------------------------------------
+    def new_state(self, params: nnx.State, ref_params: nnx.State | None, frozen: nnx.State | None) -> TrainState:
+        return TrainState(params, self.optimizer.init(params), ref_params, jnp.zeros((), jnp.int32), frozen,
+                          self.algorithm.init_state())
 
-        With a mesh the state is created directly on its shardings (the optimizer state is initialised sharded).
-        """
-        ref_params = self._check_reference(ref_params, frozen)
-        if self.mesh is None:
-            return TrainState(
-                params=params,
-                opt_state=self.optimizer.init(params),
-                ref_params=ref_params,
-                step=jnp.zeros((), jnp.int32),
-                frozen=frozen,
-            )
-        shardings = self._fix_shardings(params, ref_params, frozen)
-        params = shard_params(params, shardings.params)
-        return TrainState(
-            params=params,
-            opt_state=jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params),
-            ref_params=None if ref_params is None else shard_params(ref_params, shardings.ref_params),
-            step=replicate(np.zeros((), np.int32), self.mesh),
-            frozen=None if frozen is None else shard_params(frozen, shardings.frozen),
-        )
-
-    def _check_reference(self, ref_params: nnx.State | None, frozen: nnx.State | None) -> nnx.State | None:
-        """The reference to keep: None when beta == 0 or when the frozen base is the reference (LoRA)."""
-        if self.cfg.rloo.beta == 0.0 or frozen is not None:
-            return None
-        if ref_params is None:
-            raise ValueError("beta != 0 needs ref_params (a frozen copy of the initial policy)")
-        return ref_params
-
-    def _on_mesh(self, f: Callable) -> Callable:
-        def traced(*args: object) -> object:
-            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-                return f(*args)
-
-        return traced
-
-    def abstract_state(
-        self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None
-    ) -> TrainState:
-        """The state ``init_state`` would build, as ``ShapeDtypeStruct`` leaves (with their shardings on a mesh):
-        for ahead-of-time compilation (``lower_rollout``, ``lower_update``) without any parameter in memory.
-        ``params``/``ref_params``/``frozen`` may themselves be abstract (``nnx.eval_shape``)."""
-        ref_params = None if self.cfg.rloo.beta == 0.0 or frozen is not None else ref_params
-        abstract = jax.eval_shape(self._new_state, params, ref_params, frozen)
-        if self.mesh is None:
-            return abstract
-        shardings = self._fix_shardings(params, ref_params, frozen)
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-
-    def _new_state(self, params: nnx.State, ref_params: nnx.State | None, frozen: nnx.State | None) -> TrainState:
-        return TrainState(params, self.optimizer.init(params), ref_params, jnp.zeros((), jnp.int32), frozen)
-
-    def _fix_shardings(
-        self, params: nnx.State, ref_params: nnx.State | None, frozen: nnx.State | None = None
-    ) -> TrainState:
-        """The state's shardings by the rule table (``self.state_shardings``, which the sharded jits take)."""
-        abstract = jax.eval_shape(self._new_state, params, ref_params, frozen)
-        self.state_shardings = state_shardings(abstract, self.mesh, self.rules)
-        return self.state_shardings
-
-    # -- sharded entry points (mesh given) ----------------------------------------------------------------------
-    def _jit(self, name: str, key: tuple, make: Callable[[], Callable]) -> Callable:
-        """One jitted function per (entry point, batch shardings): shardings depend on the batch sizes."""
-        if self.state_shardings is None and name != "score":
-            raise RuntimeError("RLOOStep with a mesh: call init_state first (it fixes the state's shardings)")
-        if (name, *key) not in self._sharded_jits:
-            self._sharded_jits[(name, *key)] = make()
-        return self._sharded_jits[(name, *key)]
-
-    def _rollout_shardings(
-        self, num_prompts: int, with_ref: bool = True
-    ) -> tuple[NamedSharding, NamedSharding, Rollout]:
-        """Shardings of the prompts ``[B, ..]``, the completions ``[N, ..]`` (rows only: any width) and a whole
-        ``Rollout`` (``with_ref``: as ``finish`` returns it, with its reference log-probs when beta != 0 and the
-        sampler's log-probs when the old ones are recomputed; else as ``sample`` returns it)."""
-        b = batch_sharding(self.mesh, (num_prompts,))
-        n = batch_sharding(self.mesh, (num_prompts * self.cfg.num_generations,))
-        ro = Rollout(
-            prompt_ids=b, prompt_mask=b, completion_ids=n, completion_mask=n, is_truncated=n, old_logps=n,
-            ref_logps=n if self.cfg.rloo.beta != 0.0 and with_ref else None,
-            sampler_logps=n if self.cfg.recompute and with_ref else None,
-        )
-        return b, n, ro
-
-    def _rollout_jit(self, num_prompts: int) -> Callable:
-        if self.mesh is None:
-            return self.rollout
-        b, _, ro = self._rollout_shardings(num_prompts)
-        return self._jit("rollout", (b,), lambda: jax.jit(
-            self._rollout, in_shardings=(self.state_shardings, b, b, replicated(self.mesh)), out_shardings=ro
-        ))
-
-    def _sharded_rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
-        return self._rollout_jit(prompt_ids.shape[0])(state, prompt_ids, prompt_mask, key)
-
-    def _sharded_sample(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
-        b, _, ro = self._rollout_shardings(prompt_ids.shape[0], with_ref=False)
-        fn = self._jit("sample", (b,), lambda: jax.jit(
-            self._sample, in_shardings=(self.state_shardings, b, b, replicated(self.mesh)), out_shardings=ro
-        ))
-        return fn(state, prompt_ids, prompt_mask, key)
-
-    def _sharded_finish(self, state: TrainState, rollout: Rollout, width: int) -> Rollout:
-        num_prompts = rollout.prompt_ids.shape[0]
-        _, n, ro_in = self._rollout_shardings(num_prompts, with_ref=False)
-        _, _, ro = self._rollout_shardings(num_prompts)
-        fn = self._jit("finish", (n, width), lambda: jax.jit(
-            lambda s, r: self._finish(s, r, width), in_shardings=(self.state_shardings, ro_in), out_shardings=ro
-        ))
-        return fn(state, rollout)
-
-    def longest(self, rollout: Rollout) -> int:
-        """The generation batch's longest completion, EOS included (``max_new_tokens`` when one has no EOS): the
-        width ``finish`` must keep (``completion_width``). One small program; every process gets the value."""
-        return int(np.asarray(self._longest_jit(rollout.completion_ids).addressable_data(0)))
-
-    def _sharded_score(
-        self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
-    ) -> tuple[Array, dict[str, Array]]:
-        _, n, ro = self._rollout_shardings(rollout.prompt_ids.shape[0])
-        rep = replicated(self.mesh)
-        fn = self._jit("score", (n,), lambda: jax.jit(
-            self._score, in_shardings=(ro, n, rep), out_shardings=(n, rep)
-        ))
-        return fn(rollout, rewards_per_func, reward_weights)
-
-    def _update_jit(self, num_prompts: int) -> Callable:
-        if self.mesh is None:
-            return self.update
-        _, n, ro = self._rollout_shardings(num_prompts)
-        rep = replicated(self.mesh)
-        return self._jit("update", (n,), lambda: jax.jit(
-            self._update,
-            in_shardings=(self.state_shardings, ro, n, rep),
-            out_shardings=(self.state_shardings, rep),
-            donate_argnums=0,
-        ))
-
-    def _sharded_update(
-        self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
-    ) -> tuple[TrainState, dict[str, Array]]:
-        return self._update_jit(rollout.prompt_ids.shape[0])(state, rollout, rewards_per_func, reward_weights)
-
-    def compile_update(
-        self, state: TrainState, prompt_shape: tuple[int, int], reward_weights: Array, width: int | None = None
-    ) -> None:
-        """Compile ``update`` for prompts ``[B, P]`` (completions ``width`` wide, default ``max_new_tokens``)
-        before its first call; that call then reuses the executable.
-
-        The trainer runs this in a thread while the first rollout compiles and runs: XLA compiles the two
-        programs on two cores at once instead of one after the other (the first step's wall time). Rewards are
-        ``[B*G, F]`` float32 with ``F = len(reward_weights)``.
-        """
-        self.lower_update(state, prompt_shape, reward_weights, width).compile()
-
-    def _batch_sds(self, num_prompts: int) -> Callable[[tuple[int, ...], object], jax.ShapeDtypeStruct]:
-        """Abstract batch arrays with the shardings of the real arguments (or jit would compile again)."""
-        n = num_prompts * self.cfg.num_generations
-        pb, nb = self._rollout_shardings(num_prompts)[:2] if self.mesh is not None else (None, None)
-        return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=nb if shape[0] == n else pb)
-
-    def lower_rollout(self, state: TrainState, prompt_shape: tuple[int, int]) -> jax.stages.Lowered:
-        """``rollout`` lowered for prompts ``[B, P]`` (``state`` concrete or from ``abstract_state``)."""
-        b, p = prompt_shape
-        sds = self._batch_sds(b)
-        key = jax.eval_shape(lambda: jax.random.key(0))
-        key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=None if self.mesh is None else replicated(self.mesh))
-        return self._rollout_jit(b).lower(state, sds((b, p), jnp.int32), sds((b, p), jnp.int32), key)
-
-    def lower_update(
-        self,
-        state: TrainState,
-        prompt_shape: tuple[int, int],
-        reward_weights: Array | jax.ShapeDtypeStruct,
-        width: int | None = None,
-    ) -> jax.stages.Lowered:
-        """``update`` lowered for prompts ``[B, P]``, completions ``width`` wide (default ``max_new_tokens``) and
-        ``len(reward_weights)`` reward functions."""
-        b, p = prompt_shape
-        n, c = b * self.cfg.num_generations, width or self.cfg.sampling.max_new_tokens
-        sds, i32, f32 = self._batch_sds(b), jnp.int32, jnp.float32
-        rollout = Rollout(
-            prompt_ids=sds((b, p), i32), prompt_mask=sds((b, p), i32), completion_ids=sds((n, c), i32),
-            completion_mask=sds((n, c), i32), is_truncated=sds((n,), jnp.bool_), old_logps=sds((n, c), f32),
-            ref_logps=sds((n, c), f32) if self.cfg.rloo.beta != 0.0 else None,
-            sampler_logps=sds((n, c), f32) if self.cfg.recompute else None,
-        )
-        rewards = sds((n, reward_weights.shape[0]), f32)
-        return self._update_jit(b).lower(state, rollout, rewards, reward_weights)
-
-    def _sharded_sync_reference(self, state: TrainState, alpha: float) -> TrainState:
-        fn = self._jit("sync_reference", (alpha,), lambda: jax.jit(
-            lambda s: self._sync_reference(s, alpha),
-            in_shardings=(self.state_shardings,),
-            out_shardings=self.state_shardings,
-        ))
-        return fn(state)
+    def keeps_reference(self, frozen: nnx.State | None) -> bool:
+        """Whether the state holds a reference copy: the algorithm needs reference log-probs and there is no
+        frozen base to be the reference (LoRA)."""
+        return self.algorithm.needs_reference and frozen is None
 
     def _rows(self, x: Array, axis: int = 0) -> Array:
         """Keep a batch dimension split over data x fsdp after reshapes/repeats (no-op without a mesh)."""
@@ -498,18 +297,19 @@ class RLOOStep:
     # rollout = finish(sample(...), max_new_tokens) in one program. The trainer calls the two apart: after
     # sampling it reads the longest completion and finishes (reference pass) and updates at the smallest
     # completion width that holds it (``completion_width``), which skips the padding of early-ending batches.
-    def _rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
-        return self._finish(state, self._sample(state, prompt_ids, prompt_mask, key), self.cfg.sampling.max_new_tokens)
+    def rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
+        return self.finish(state, self.sample(state, prompt_ids, prompt_mask, key), self.cfg.sampling.max_new_tokens)
 
-    def _sample(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
-        """Sample the completions: the rollout without reference log-probs, ``max_new_tokens`` wide."""
-        cfg = self.cfg
-        sc = cfg.sampling
+    def sample(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array,
+               sampling: SamplingConfig | None = None) -> Rollout:
+        """Sample the completions: the rollout without reference log-probs, ``max_new_tokens`` wide. ``sampling``:
+        other sampler options (evaluation: num_generations_eval), default the step's."""
+        sc = self.cfg.sampling if sampling is None else sampling
         gen = generate_fn(self.graphdef, policy_params(state), prompt_ids, prompt_mask, key, sc, self.rollout_mesh)
         prompt_ids, prompt_mask = _left_align(prompt_ids, prompt_mask)
         # TRL's mask/truncation rule (a pad id as last token counts as terminated)
         mask, truncated = completion_mask(gen.completion_ids, sc.eos_token_ids or (-1,), sc.pad_token_id)
-        if cfg.rloo.mask_truncated_completions:
+        if self.algorithm.mask_truncated_completions:
             mask = mask * (~truncated)[:, None].astype(mask.dtype)
         return Rollout(
             prompt_ids=prompt_ids,
@@ -521,27 +321,28 @@ class RLOOStep:
             ref_logps=None,
         )
 
-    def _longest(self, completion_ids: Array) -> Array:
-        """[] int32: the longest EOS-cut completion (what ``_score``'s length metrics count)."""
+    def longest(self, completion_ids: Array) -> Array:
+        """[] int32: the longest EOS-cut completion (what the length metrics count)."""
         sc = self.cfg.sampling
         eos_mask, _ = completion_mask(completion_ids, sc.eos_token_ids or (-1,), sc.pad_token_id)
         return jnp.max(jnp.sum(eos_mask, axis=1))
 
-    def _finish(self, state: TrainState, rollout: Rollout, width: int) -> Rollout:
-        """The rollout cut to ``width`` completion positions (``truncate``), with the reference log-probs when
-        beta != 0 and, when ``cfg.recompute``, the old log-probs from a training forward at the sampling
+    def finish(self, state: TrainState, rollout: Rollout, width: int) -> Rollout:
+        """The rollout cut to ``width`` completion positions (``truncate``), with the reference log-probs when the
+        algorithm needs them and, when ``cfg.recompute``, the old log-probs from a training forward at the sampling
         parameters (no dropout; the sampler's kept as ``sampler_logps``). Both run in the update's micro-batches:
         these passes never hold more activations than a training step."""
         cfg = self.cfg
         rollout = truncate(rollout, width)
-        if cfg.rloo.beta == 0.0 and not cfg.recompute:
+        needs_ref = self.algorithm.needs_reference
+        if not needs_ref and not cfg.recompute:
             return rollout
         mask = rollout.completion_mask
-        micro = self._micro_batches(
+        micro = self.micro_batches(
             rollout.prompt_ids, rollout.prompt_mask, {"completion_ids": rollout.completion_ids, "mask": mask}
         )
         ref = state.frozen if state.ref_params is None else state.ref_params  # LoRA: the base, adapters off
-        passes = {"ref": (self.ref_graphdef, ref)} if cfg.rloo.beta != 0.0 else {}
+        passes = {"ref": (self.ref_graphdef, ref)} if needs_ref else {}
         if cfg.recompute:  # the policy exactly as it sampled (same parameters; training forward, no dropout)
             passes["old"] = (self.graphdef, policy_params(state))
 
@@ -559,124 +360,141 @@ class RLOOStep:
         return rollout
 
     # -- scoring ------------------------------------------------------------------------------------------------
-    def _score(self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array) -> tuple[Array, dict]:
-        """Advantages ``[N]`` and the generation-time metrics (rewards, KL, completion lengths)."""
-        adv, metrics = score_completions(
-            rewards_per_func,
-            rollout.completion_mask,
-            rollout.is_truncated,
-            rollout.old_logps,
-            rollout.ref_logps,
-            num_generations=self.cfg.num_generations,
-            reward_weights=reward_weights,
-            options=self.cfg.rloo,
-        )
-        eos_mask, _ = completion_mask(
-            rollout.completion_ids, self.cfg.sampling.eos_token_ids or (-1,), self.cfg.sampling.pad_token_id
-        )
+    def score(self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
+              ) -> tuple[dict[str, Array], dict[str, Array]]:
+        """The algorithm's per-row targets (``{"advantages": [N], ...}``; with the sampler/trainer correction also
+        ``is_weights``) and the generation batch's metrics (rewards, completion lengths, tokens; the sampler/trainer
+        gap where the old log-probs were recomputed)."""
+        cfg = self.cfg
+        targets, metrics = self.algorithm.score(ScoreInputs(
+            rewards_per_func=rewards_per_func, reward_weights=reward_weights, mask=rollout.completion_mask,
+            is_truncated=rollout.is_truncated, old_logps=rollout.old_logps, ref_logps=rollout.ref_logps,
+            num_generations=cfg.num_generations,
+        ))
+        eos_mask, _ = completion_mask(rollout.completion_ids, cfg.sampling.eos_token_ids or (-1,),
+                                      cfg.sampling.pad_token_id)
         lengths = jnp.sum(eos_mask, axis=1)
-        metrics.update(_completion_stats(eos_mask, lengths, rollout.is_truncated))
-        n_prompt_tokens = jnp.sum(rollout.prompt_mask) * self.cfg.num_generations
+        metrics.update(completion_stats(lengths, rollout.is_truncated))
+        n_prompt_tokens = jnp.sum(rollout.prompt_mask) * cfg.num_generations
         metrics["num_tokens"] = (n_prompt_tokens + jnp.sum(lengths)).astype(jnp.float32)
-        return adv, metrics
+        if rollout.sampler_logps is not None:  # the training forward at the sampling parameters vs the sampler
+            metrics.update(sampling_logp_difference(rollout.old_logps, rollout.sampler_logps, rollout.completion_mask))
+            if cfg.importance_sampling is not None:
+                weights, is_metrics = self._is_weights(rollout.old_logps, rollout.sampler_logps,
+                                                       rollout.completion_mask)
+                targets = dict(targets, is_weights=weights)
+                metrics.update(is_metrics)
+        return targets, metrics
+
+    def _is_weights(self, trained: Array, sampled: Array, mask: Array) -> tuple[Array, dict[str, Array]]:
+        s = self.cfg.importance_sampling
+        return importance_sampling_weights(trained, sampled, mask, s.mode, s.clip_min, s.clip_max)
 
     # -- update -------------------------------------------------------------------------------------------------
-    def _loss(
-        self, params: nnx.State, frozen: nnx.State | None, mb: dict[str, Array], key: Array | None
-    ) -> tuple[Array, dict[str, Array]]:
-        cfg = self.cfg
+    def loss(
+        self, params: nnx.State, frozen: nnx.State | None, mb: dict[str, Array], key: Array | None,
+        algo_state: Any, num_items: Array,
+    ) -> tuple[Array, tuple[dict[str, Array], dict[str, Array]]]:
+        """One micro-batch: the training forward (log-probs and entropy), then the algorithm's loss."""
+        cfg, algo = self.cfg, self.algorithm
         whole = params if frozen is None else nnx.merge_state(frozen, params)  # gradients reach `params` only
         logps, entropy = completion_logps(
             self.graphdef, whole, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"],
             cfg.temperature, cfg.logprob_chunk, with_entropy=True, dropout_key=key,
             frozen_unembed=frozen is not None,  # LoRA: the head is part of the frozen base
+            entropy_grad=algo.entropy_grad,
         )
         mask = mb["mask"].astype(jnp.float32)
-        old = jax.lax.stop_gradient(logps) if cfg.on_policy else mb["old_logps"]
-        r = cfg.rloo
-        # the sampler/trainer gap: training-forward log-probs at the sampling parameters vs the sampler's. Not
-        # recomputed (on-policy, no dropout), this forward is that training forward.
-        if cfg.recompute:
-            trained, sampled = mb["old_logps"], mb["sampler_logps"]
-        else:
+        # on policy the ratio is exactly 1 (TRL: old = current.detach()), unless the sampler/trainer correction
+        # recomputed the old log-probs, which TRL then uses (its vLLM path)
+        fixed_old = not cfg.on_policy or (cfg.recompute and cfg.importance_sampling is not None)
+        old = mb["old_logps"] if fixed_old else jax.lax.stop_gradient(logps)
+        metrics: dict[str, Array] = {}
+        is_weights = mb.get("is_weights")
+        if not cfg.recompute:  # on policy, no dropout: this forward is the trainer's side of the sampler gap
             trained, sampled = jax.lax.stop_gradient(logps), mb["old_logps"]
-        gap = sampling_logp_difference(trained, sampled, mask)
-        weights = None
-        if r.importance_sampling_mode is not None:
-            weights, is_metrics = importance_sampling_weights(
-                trained, sampled, mask, r.importance_sampling_mode, r.importance_sampling_clip_min,
-                r.importance_sampling_clip_max,
-            )
-            gap.update(is_metrics)
-        loss, metrics = clipped_objective(
-            logps, old, mb["advantages"], mask, r.epsilon, r.epsilon_high, r.level, r.aggregation,
-            importance_weights=weights,
-        )
-        metrics.update(gap)
-        if r.beta != 0.0 and r.token_level_kl:
-            loss = loss + r.beta * kl_loss(logps, mb["ref_logps"], mask, r.kl_estimator)
-        metrics["entropy"] = masked_mean(entropy, mask)
-        return loss, metrics
+            metrics.update(sampling_logp_difference(trained, sampled, mask))
+            if cfg.importance_sampling is not None:
+                is_weights, is_metrics = self._is_weights(trained, sampled, mask)
+                metrics.update(is_metrics)
+        targets = {k: v for k, v in mb.items() if k not in _BATCH_KEYS}
+        loss, algo_metrics, stats = algo.loss(LossInputs(
+            logps=logps, entropy=entropy, old_logps=old, mask=mask, advantages=mb["advantages"],
+            ref_logps=mb.get("ref_logps"),
+            sampler_logps=mb.get("sampler_logps") if cfg.importance_sampling is not None else None,
+            is_weights=is_weights, targets=targets, num_items=num_items, algo_state=algo_state,
+        ))
+        metrics.update(algo_metrics)
+        metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), mask)
+        return loss, (metrics, stats)
 
-    def _update(
+    def update(
         self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
-    ) -> tuple[TrainState, dict[str, Array]]:
-        cfg = self.cfg
-        adv, metrics = self._score(rollout, rewards_per_func, reward_weights)
-        spg, gas = cfg.steps_per_generation, cfg.gradient_accumulation_steps
-        batch = {
-            "completion_ids": rollout.completion_ids,
-            "mask": rollout.completion_mask,
-            "old_logps": rollout.old_logps,
-            "advantages": adv,
-        }
-        if cfg.recompute:
-            batch["sampler_logps"] = rollout.sampler_logps
-        if cfg.rloo.beta != 0.0 and cfg.rloo.token_level_kl:
-            batch["ref_logps"] = rollout.ref_logps
-        micro = self._micro_batches(rollout.prompt_ids, rollout.prompt_mask, batch)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+    ) -> tuple[TrainState, dict[str, dict[str, Array]]]:
+        """Score the generation batch, then ``updates_per_generation`` optimizer steps over its micro-batches.
 
-        def micro_grads(params: nnx.State, u: Array, i: Array) -> tuple[nnx.State, dict[str, Array]]:
+        Returns the new state and the metrics as TRL logs them: ``generation`` (scalars, once per generation batch:
+        rewards, lengths, tokens, the sampler gap), ``micro`` (``[U, M]``: per micro-batch, what the loss logs) and
+        ``update`` (``[U]``: per optimizer step, ``loss`` (the mean of its micro-batch losses) and ``grad_norm``
+        (pre-clip) and what the algorithm's state logs)."""
+        cfg = self.cfg
+        targets, gen_metrics = self.score(rollout, rewards_per_func, reward_weights)
+        spg, gas = cfg.steps_per_generation, cfg.gradient_accumulation_steps
+        batch = {"completion_ids": rollout.completion_ids, "mask": rollout.completion_mask,
+                 "old_logps": rollout.old_logps, **targets}
+        if rollout.sampler_logps is not None:
+            batch["sampler_logps"] = rollout.sampler_logps
+        if rollout.ref_logps is not None:
+            batch["ref_logps"] = rollout.ref_logps
+        # token-sum losses (dapo, cispo, vespo) divide by the generation batch's tokens per micro-batch step
+        num_items = jnp.maximum(jnp.sum(rollout.completion_mask).astype(jnp.float32), 1.0) / spg
+        micro = self.micro_batches(rollout.prompt_ids, rollout.prompt_mask, batch)
+        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
+
+        def micro_grads(params: nnx.State, algo_state: Any, u: Array, i: Array) -> tuple[nnx.State, dict, dict]:
             mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
             key = None
             if cfg.dropout_seed is not None:  # a fresh mask per update and micro-batch, reproducible on resume
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.dropout_seed), state.step + u), i)
-            (loss, m), grads = grad_fn(params, state.frozen, mb, key)
-            if self.state_shardings is not None:  # gradients reduce-scattered to the params' layout (FSDP)
-                grads = jax.lax.with_sharding_constraint(grads, self.state_shardings.params)
-            m["loss"] = loss
-            return grads, m
+            (loss, (m, stats)), grads = grad_fn(params, state.frozen, mb, key, algo_state, num_items)
+            if self.grad_shardings is not None:  # gradients reduce-scattered to the params' layout (FSDP)
+                grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
+            return grads, dict(m, loss=loss), stats
 
-        def one_update(carry: tuple[nnx.State, optax.OptState], u: Array) -> tuple[tuple, dict[str, Array]]:
-            params, opt_state = carry
+        def one_update(carry: tuple, u: Array) -> tuple[tuple, dict[str, Any]]:
+            params, opt_state, algo_state = carry
             first = (u % (spg // gas)) * gas
             if gas == 1:  # no zeros + add + divide over every parameter
-                grads, m = micro_grads(params, u, first)
+                grads, m, stats = micro_grads(params, algo_state, u, first)
+                m, stats = jax.tree.map(lambda x: x[None], (m, stats))
             else:
 
-                def accumulate(grads_sum: nnx.State, j: Array) -> tuple[nnx.State, dict[str, Array]]:
-                    grads, m = micro_grads(params, u, first + j)
-                    return jax.tree.map(jnp.add, grads_sum, grads), m
+                def accumulate(grads_sum: nnx.State, j: Array) -> tuple[nnx.State, tuple[dict, dict]]:
+                    grads, m, stats = micro_grads(params, algo_state, u, first + j)
+                    return jax.tree.map(jnp.add, grads_sum, grads), (m, stats)
 
-                grads, m = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), jnp.arange(gas))
+                grads, (m, stats) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), jnp.arange(gas))
                 grads = jax.tree.map(lambda x: x / gas, grads)
             grad_norm = optax.global_norm(grads)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            # micro-batches of one update: TRL logs the mean of per-micro-batch values (clip ratios, loss, ...);
-            # the sampler/trainer statistics are the generation batch's, whose extremes are the micro-batches'
-            m = {name: _reduce(name, v) if name.startswith("sampling/") else jnp.mean(v) for name, v in m.items()}
-            m["grad_norm"] = grad_norm
-            return (params, opt_state), m
+            # the algorithm's state moves once per optimizer step, from its micro-batches' summed statistics
+            algo_state, step_metrics = self.algorithm.next_state(algo_state, jax.tree.map(jnp.sum, stats))
+            loss = jnp.mean(m.pop("loss"))  # TRL logs an optimizer step's loss: the mean of its micro-batches'
+            return (params, opt_state, algo_state), {"micro": m, "update": dict(step_metrics, loss=loss,
+                                                                                  grad_norm=grad_norm)}
 
-        (params, opt_state), ms = _scan(one_update, (state.params, state.opt_state), cfg.updates_per_generation)
-        # TRL averages per-micro-batch values over the logging window; extremes keep their extreme
-        metrics.update({name: _reduce(name, values) for name, values in ms.items()})
-        new_state = state.replace(params=params, opt_state=opt_state, step=state.step + cfg.updates_per_generation)
-        return new_state, metrics
+        carry = (state.params, state.opt_state, state.algo_state)
+        (params, opt_state, algo_state), ms = _scan(one_update, carry, cfg.updates_per_generation)
+        micro_metrics = ms["micro"]
+        # the on-policy sampler/trainer gap, measured in the micro-batches: one value for the generation batch
+        for name in [n for n in micro_metrics if n.startswith("sampling/")]:
+            gen_metrics[name] = reduce_metric(name, micro_metrics.pop(name))
+        new_state = state.replace(params=params, opt_state=opt_state, algo_state=algo_state,
+                                  step=state.step + cfg.updates_per_generation)
+        return new_state, {"generation": gen_metrics, "micro": micro_metrics, "update": ms["update"]}
 
-    def _micro_batches(self, prompt_ids: Array, prompt_mask: Array, batch: dict[str, Array]) -> dict[str, Array]:
+    def micro_batches(self, prompt_ids: Array, prompt_mask: Array, batch: dict[str, Array]) -> dict[str, Array]:
         """Completion arrays ``[N, ...]`` -> ``[spg, N / spg, ...]``: micro-batch i of the generation batch, with
         its prompts ``prompt_ids``/``prompt_mask`` ``[spg, B / spg, P]`` when every micro-batch holds whole groups
         whose prompts split evenly over the data shards (each prompt runs once, shared by its G completions: the
@@ -695,20 +513,14 @@ class RLOOStep:
         )
         return jax.tree.map(lambda x: self._rows(x.reshape(spg, x.shape[0] // spg, *x.shape[1:]), axis=1), batch)
 
-    def _sync_reference(self, state: TrainState, alpha: float) -> TrainState:
+    def sync_reference(self, state: TrainState, alpha: float) -> TrainState:
         if state.frozen is not None:
             raise ValueError("with LoRA the reference is the frozen base (adapters off): there is no copy to sync")
         return state.replace(ref_params=sync_reference(state.params, state.ref_params, alpha))
 
 
-def _reduce(name: str, values: Array) -> Array:
-    """Per-micro-batch values of metric ``name`` -> one: the min of minima (``*_min``, ``*/min``), the max of
-    maxima, else the mean."""
-    if name.endswith(("_min", "/min")):
-        return jnp.min(values)
-    if name.endswith(("_max", "/max")):
-        return jnp.max(values)
-    return jnp.mean(values)
+_BATCH_KEYS = ("completion_ids", "mask", "old_logps", "prompt_ids", "prompt_mask", "advantages", "is_weights",
+               "sampler_logps", "ref_logps")  # what a micro-batch holds besides the algorithm's extra targets
 
 
 def _scan(f: Callable, init: object, length: int) -> tuple[object, object]:

@@ -14,7 +14,6 @@ all processes together through orbax).
 """
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -23,11 +22,9 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
-import datasets
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,8 +34,8 @@ from jax.sharding import Mesh
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from rloo_jax import aot, demo, numerics, outputs
 from rloo_jax import export as write
+from rloo_jax import logwindow, numerics, outputs
 from rloo_jax.build import (
     CACHE_ROOT,
     Given,
@@ -54,16 +51,10 @@ from rloo_jax.build import (
 )
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
 from rloo_jax.config import (
-    RLOOConfig,
-    compile_only_slice,
-    distributed_options,
-    format_help,
-    full_determinism_option,
-    load_config,
-    parse_argv,
+    TrainConfig,
 )
 from rloo_jax.data import PromptBatch, PromptIterator, eval_batches, is_conversational
-from rloo_jax.errors import ConfigError, DataError, RewardError
+from rloo_jax.errors import ConfigError
 from rloo_jax.mesh import (
     host_local_batch_to_global,
     initialize_distributed,
@@ -76,7 +67,6 @@ from rloo_jax.mesh import (
 from rloo_jax.metrics import (
     JsonlWriter,
     Sinks,
-    WindowMean,
     console_line,
     drop_records_after,
     json_safe,
@@ -84,58 +74,36 @@ from rloo_jax.metrics import (
     rollout_records,
     weighted_rewards,
 )
-from rloo_jax.models import ModelLoadError
+from rloo_jax.programs import Programs
 from rloo_jax.rewards import (
     RewardLogs,
     TrainerState,
     compute_rewards,
-    format_reward_error,
     place_reward_models,
     repeat_per_generation,
 )
-from rloo_jax.rloo import RLOOOptions
-from rloo_jax.sampling import generate
-from rloo_jax.step import RLOOStep, StepConfig, completion_width, policy_params
+from rloo_jax.step import completion_width
 
 logger = logging.getLogger("rloo_jax")
-__all__ = ["CACHE_ROOT", "eos_token_ids", "lr_schedule", "main", "make_optimizer", "train"]  # re-exported: old paths
+__all__ = ["CACHE_ROOT", "eos_token_ids", "lr_schedule", "make_optimizer", "train"]  # re-exported: old paths
 
 
 # ------------------------------------------------------------------------------------------------ pure helpers
 fold_in = jax.jit(jax.random.fold_in)  # the per-step key: one dispatch instead of eager ops (~1 ms a step)
 
 
-def cpu_compile_flags(environ: dict[str, str] = os.environ) -> None:
-    """On a CPU-only install, add ``--xla_llvm_disable_expensive_passes=true`` to XLA_FLAGS (unless set).
-
-    XLA:CPU runs the matmuls in library kernels (YNNPACK/Eigen), so LLVM's expensive passes buy no measured step
-    time but cost ~15% of the first step's compile (BENCHMARKS.md). Accelerator installs are left alone: there
-    LLVM emits the GPU kernels. Must run before the first JAX computation (XLA reads its flags once).
-    """
-    flags = environ.get("XLA_FLAGS", "")
-    accelerators = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin", "libtpu")
-    on_cpu = environ.get("JAX_PLATFORMS", "").strip() == "cpu" or not any(
-        importlib.util.find_spec(name) for name in accelerators
-    )
-    if on_cpu and "xla_llvm_disable_expensive_passes" not in flags:
-        environ["XLA_FLAGS"] = f"{flags} --xla_llvm_disable_expensive_passes=true".strip()
-
-
-def compile_quietly(
-    step_fn: RLOOStep, state: Any, prompt_shape: tuple[int, int], weights: jax.Array, width: int
-) -> threading.Thread:
-    """`RLOOStep.compile_update` in a background thread (started): a failure there is left to the real call,
+def compile_quietly(programs: Programs, prompt_shape: tuple[int, int], num_rewards: int, width: int
+                    ) -> threading.Thread:
+    """`Programs.compile_update` in a background thread (started): a failure there is left to the real call,
     which compiles again and raises it with its own message."""
-    thread = threading.Thread(target=_compile_update, args=(step_fn, state, prompt_shape, weights, width),
-                              daemon=True)
+    thread = threading.Thread(target=_compile_update, args=(programs, prompt_shape, num_rewards, width), daemon=True)
     thread.start()
     return thread
 
 
-def _compile_update(step_fn: RLOOStep, state: Any, prompt_shape: tuple[int, int], weights: jax.Array,
-                    width: int) -> None:
+def _compile_update(programs: Programs, prompt_shape: tuple[int, int], num_rewards: int, width: int) -> None:
     try:
-        step_fn.compile_update(state, prompt_shape, weights, width)
+        programs.compile_update(prompt_shape, num_rewards, width)
     except Exception:  # noqa: BLE001 -- reported by the update call itself
         logging.getLogger(__name__).debug("ahead-of-time compile of update failed", exc_info=True)
 
@@ -159,17 +127,6 @@ def crossed(previous: int, current: int, every: int | None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ setup
-def build_config(argv: Sequence[str], device_count: int = 1, process_count: int = 1) -> RLOOConfig:
-    """The run config, checked for `device_count` devices in `process_count` processes; with neither --config nor
-    --model_name_or_path, the built-in demo is the base."""
-    config_path, overrides = parse_argv(argv)
-    if config_path is None and "model_name_or_path" not in overrides:
-        if process_count == 1 or jax.process_index() == 0:
-            logger.warning("no --config and no --model_name_or_path: running the built-in demo (configs/default.yaml)")
-        return load_config(argv, demo.DEFAULT_CONFIG, device_count, process_count)
-    return load_config(argv, None, device_count, process_count)
-
-
 def start_distributed(coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> None:
     """Join a multi-process run (explicit options, JAX_* variables, or a detected SLURM / Open MPI / TPU-pod
     launch; nothing on a plain single host). Must run before any other JAX work."""
@@ -179,14 +136,14 @@ def start_distributed(coordinator_address: str | None, num_processes: int | None
         raise ConfigError(f"{e}; pass all of --coordinator_address, --num_processes and --process_id") from None
 
 
-def for_this_machine(cfg: RLOOConfig) -> RLOOConfig:
+def for_this_machine(cfg: TrainConfig) -> TrainConfig:
     """`cfg` validated for the devices and processes JAX sees now (a copy when they differ from cfg's)."""
     if (cfg.device_count, cfg.process_count) == (jax.device_count(), jax.process_count()):
         return cfg
     return dataclasses.replace(cfg, device_count=jax.device_count(), process_count=jax.process_count())
 
 
-def enable_compilation_cache(cfg: RLOOConfig) -> None:
+def enable_compilation_cache(cfg: TrainConfig) -> None:
     if cfg.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -343,49 +300,28 @@ def decode_and_score(run: Run, batch: PromptBatch, completion_ids: np.ndarray, n
 
 
 def evaluate(
-    run: Run, place: Placement, graphdef: Any, state: Any, key: jax.Array, names: list[str], sampler: Any = None,
+    run: Run, place: Placement, programs: Programs, state: Any, key: jax.Array, names: list[str],
     trainer_state: TrainerState | None = None,
 ) -> dict[str, float]:
     """Sample num_generations_eval completions per test prompt and report reward / length statistics (and the
     means of what the reward functions logged with log_metric; their log_extra columns are not recorded).
 
-    `sampler`: None on one device (the plain `generate` on the merged policy); with a mesh, an `RLOOStep` whose
-    rollout samples with the evaluation `SamplingConfig` on the sharded state (no parameter gather). Every process
-    encodes, samples for and rewards its share of each evaluation batch; the statistics use all rows.
+    The training run's sampling program with the evaluation `SamplingConfig` (on a mesh: on the sharded state, no
+    parameter gather). Every process encodes, samples for and rewards its share of each evaluation batch; the
+    statistics use all rows.
     """
     cfg = run.cfg
     logs = RewardLogs()
     logged: dict[str, list[float]] = {}
     g = cfg.resolved_num_generations_eval
     sc = sampling_config(cfg, run, g)
-    model = nnx.merge(graphdef, policy_params(state)) if sampler is None else None
     per_func, lengths, truncated = [], [], []
     for i, (idx, real) in enumerate(eval_batches(len(run.eval_ds), cfg.eval_batch_size // g)):
         rows = place.rows(len(idx))
         batch = encode_rows(run, place, run.eval_ds[idx[rows]])
-        batch_key = jax.random.fold_in(key, i)
-        if sampler is None:
-            completion_ids = np.asarray(
-                generate(
-                    model,
-                    batch.prompt_ids,
-                    batch.prompt_mask,
-                    key=batch_key,
-                    max_new_tokens=sc.max_new_tokens,
-                    num_generations=g,
-                    temperature=sc.temperature,
-                    top_k=sc.top_k,
-                    top_p=sc.top_p,
-                    min_p=sc.min_p,
-                    repetition_penalty=sc.repetition_penalty,
-                    eos_token_ids=sc.eos_token_ids,
-                    pad_token_id=sc.pad_token_id,
-                    prompt_bucket=cfg.prompt_bucket,
-                ).completion_ids
-            )
-        else:
-            ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
-            completion_ids = place.local(sampler.rollout(state, ids, mask, place.replicate(batch_key)).completion_ids)
+        ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
+        sampled = programs.sample(state, ids, mask, place.replicate(jax.random.fold_in(key, i)), sc)
+        completion_ids = place.local(sampled.completion_ids)
         scored = decode_and_score(run, batch, completion_ids, g, logs.context(trainer_state or TrainerState()))
         for name, value in place.reward_logs(logs, len(completion_ids))[1].items():
             logged.setdefault(name, []).append(value)
@@ -436,10 +372,10 @@ class StopRequest:
 class Session:
     """A run between its phases: what was built (fixed) and where the loop stands (changes every step)."""
 
-    cfg: RLOOConfig
+    cfg: TrainConfig
     run: Run
     place: Placement
-    step_fn: RLOOStep
+    programs: Programs
     graphdef: Any
     iterator: PromptIterator
     total_steps: int
@@ -447,7 +383,6 @@ class Session:
     weights: jax.Array  # [F] reward weights (replicated on a mesh)
     names: list[str]  # reward function names, for metrics
     eval_key: jax.Array
-    eval_sampler: RLOOStep | None
     paths: dict[str, str]
     state: Any  # TrainState
     base_key: jax.Array
@@ -456,10 +391,9 @@ class Session:
     truncated_prompts: int = 0
     saved: int | None = None  # the step of the newest checkpoint
     stopped_by: str | None = None  # the signal that stopped the loop
-    window: WindowMean = dataclasses.field(default_factory=WindowMean)
+    window: logwindow.LogWindow = dataclasses.field(default_factory=logwindow.LogWindow)
     trainer_state: TrainerState = dataclasses.field(default_factory=TrainerState)  # reward functions' view
     reward_logs: RewardLogs = dataclasses.field(default_factory=RewardLogs)  # their log_extra / log_metric
-    reward_metrics: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # log_metric, per generation
     last_logged: dict[str, float] = dataclasses.field(default_factory=dict)  # what `train` returns
     ckpt: Checkpointer | None = None
     sinks: Sinks | None = None
@@ -479,6 +413,7 @@ class StepOutcome:
     end: float  # when the update's results were read (time.perf_counter): the end of the step's wall time
     consecutive_skips: int  # updates skipped for non-finite values: in a row, and in all
     skipped: int
+    metrics: dict[str, Any]  # Step.update's, on the host: generation scalars, micro [U, M], update [U]
 
 
 @dataclasses.dataclass
@@ -493,7 +428,7 @@ class TrainResult:
     state: TrainerState  # where training stands, as reward functions saw it (with the log history)
 
 
-def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
+def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
     """Build the run, its step and its fresh state (`given`: objects of the Python API instead of what the config
     names); nothing is written."""
     if cfg.full_determinism:
@@ -527,18 +462,10 @@ def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
     graphdef = pol.graphdef
     # the sampler's own layout over the same devices (`rollout_mesh`; the training mesh where nothing is gained)
     rollout_mesh = None if place.mesh is None else reshaped(place.mesh, rollout_mesh_shape(cfg, run))
-    step_fn = RLOOStep(graphdef, optimizer, scfg, mesh=place.mesh, ref_graphdef=pol.ref_graphdef,
-                       rollout_mesh=rollout_mesh)
+    programs = Programs(graphdef, optimizer, scfg, mesh=place.mesh, ref_graphdef=pol.ref_graphdef,
+                        rollout_mesh=rollout_mesh)
     # with a mesh: placed on its shardings (FSDP / tensor parallel)
-    state = step_fn.init_state(pol.params, pol.ref_params, pol.frozen)
-    eval_sampler = None
-    if place.mesh is not None and run.eval_ds is not None:
-        # evaluation samples on the sharded state through a rollout with the evaluation SamplingConfig (beta 0:
-        # no reference log-probs); it shares the training state's shardings instead of initialising its own
-        eval_scfg = StepConfig(sampling=sampling_config(cfg, run, cfg.resolved_num_generations_eval),
-                               rloo=RLOOOptions(beta=0.0))
-        eval_sampler = RLOOStep(graphdef, optimizer, eval_scfg, mesh=place.mesh, rollout_mesh=rollout_mesh)
-        eval_sampler.state_shardings = step_fn.state_shardings
+    state = programs.init_state(pol.params, pol.ref_params, pol.frozen)
     out = cfg.output_dir  # a local folder or a URL (gs://...): every output goes through rloo_jax.outputs
     paths = {
         "metrics": outputs.join(out, "metrics.jsonl"),
@@ -549,10 +476,10 @@ def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
         "config": outputs.join(out, "config.yaml"),
     }
     return Session(
-        cfg=cfg, run=run, place=place, step_fn=step_fn, graphdef=graphdef, iterator=iterator, total_steps=total,
+        cfg=cfg, run=run, place=place, programs=programs, graphdef=graphdef, iterator=iterator, total_steps=total,
         lr_at=lr_at, weights=place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32)),
         names=[f.name for f in run.reward_funcs], eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
-        eval_sampler=eval_sampler, paths=paths, state=state, base_key=jax.random.key(cfg.seed),
+        paths=paths, state=state, base_key=jax.random.key(cfg.seed),
         trainer_state=TrainerState(
             max_steps=total, num_train_epochs=cfg.num_train_epochs, logging_steps=cfg.logging_steps,
             eval_steps=cfg.eval_steps, save_steps=cfg.save_steps, train_batch_size=cfg.per_device_train_batch_size,
@@ -579,9 +506,6 @@ def resume(s: Session) -> None:
         s.num_tokens = int(counters.get("num_tokens", 0))
         s.truncated_prompts = int(counters.get("num_truncated_prompts", 0))
         s.window.load_state_dict(meta.get("window", {}))
-        s.reward_metrics = meta.get("reward_metrics", {})
-        if s.place.mesh is not None and s.window.total is not None:  # onto the mesh, like the metrics added to it
-            s.window.total = s.place.replicate(s.window.total)
     if not s.place.is_main:
         return
     # records logged after the checkpoint (or, with none, by a run killed before its first one) are redone
@@ -600,14 +524,21 @@ def resume(s: Session) -> None:
 
 
 def layout(s: Session) -> dict[str, Any]:
-    """What a checkpoint's state is shaped by: the block layout and the adapters (None: full fine-tuning)."""
+    """What a checkpoint's state is shaped by: the algorithm, the block layout and the adapters (None: full
+    fine-tuning)."""
     lora = s.cfg.use_peft and {"r": s.cfg.lora_r, "target_modules": s.cfg.lora_target_modules}
-    return {"scan_layers": s.run.model.config.scan_layers, "lora": lora or None}
+    return {"algorithm": s.cfg.ALGORITHM, "scan_layers": s.run.model.config.scan_layers, "lora": lora or None}
 
 
 def check_layout(meta: dict[str, Any], current: dict[str, Any], step: int) -> None:
     """A checkpoint restores onto the parameter layout it was written with (stacked blocks or a list of them;
-    adapters or the whole model); checkpoints from before the layout was recorded hold a list, no adapters."""
+    adapters or the whole model) by the algorithm that wrote it; checkpoints from before the layout was recorded
+    hold a list, no adapters, and RLOO's state."""
+    algorithm = meta.get("layout", {}).get("algorithm", "rloo")
+    if algorithm != current["algorithm"]:
+        raise ConfigError(f"checkpoint {step} was written by a {algorithm} run; resume it with `python -m "
+                          f"rloo_jax.train {algorithm}` (and its config), or start this {current['algorithm']} run "
+                          "in a new output_dir")
     saved = meta.get("layout", {}).get("scan_layers", False)
     if saved != current["scan_layers"]:
         raise ConfigError(
@@ -628,8 +559,7 @@ def save(s: Session) -> None:
         "data": s.iterator.state_dict(),
         "step": s.step,
         "counters": {"num_tokens": s.num_tokens, "num_truncated_prompts": s.truncated_prompts},
-        "window": s.window.state_dict(),
-        "reward_metrics": s.reward_metrics,  # log_metric values of the unlogged window
+        "window": s.window.state_dict(),  # the unlogged values, log_metric's among them
     }
     if s.sinks is not None:  # the records so far go up with the checkpoint (a URL output_dir: uploaded now)
         s.sinks.sync()
@@ -658,14 +588,19 @@ def loop(s: Session, stop: "StopRequest") -> bool:
             out = train_step(s, t0, first=s.step == start)
             diverged = out.consecutive_skips >= s.cfg.max_consecutive_nonfinite
             if s.cfg.sync_ref_model and crossed(prev, s.step, s.cfg.ref_model_sync_steps):
-                s.state = s.step_fn.sync_reference(s.state, s.cfg.ref_model_mixup_alpha)
+                s.state = s.programs.sync_reference(s.state, s.cfg.ref_model_mixup_alpha)
             last = s.step >= s.total_steps
             # every record of a step is written before its checkpoint is started: a resume drops the records
             # after the checkpoint and redoes them, so none is lost or doubled
-            if crossed(prev, s.step, s.cfg.logging_steps) or last or diverged:
-                log_step(s, progress, prev, t0, out)
-                if s.cfg.log_completions or last:
-                    record_rollouts(s, progress, out)
+            # a record per optimizer step as TRL logs them (every logging_steps, the last step, a divergence)
+            logged = False
+            for k, values in enumerate(logwindow.steps(out.metrics), start=prev + 1):
+                s.window.add(values)
+                if crossed(k - 1, k, s.cfg.logging_steps) or (k == s.step and (last or diverged)):
+                    log_step(s, progress, k, t0, out)
+                    logged = True
+            if logged and (s.cfg.log_completions or last):
+                record_rollouts(s, progress, out)
             if diverged:  # logged above; nothing is evaluated or saved
                 raise NonFiniteError(
                     f"{out.consecutive_skips} consecutive optimizer updates had a non-finite loss or gradients "
@@ -674,8 +609,8 @@ def loop(s: Session, stop: "StopRequest") -> bool:
                     "rewards for extreme values, or resume from an earlier checkpoint"
                 )
             if s.run.eval_ds is not None and (crossed(prev, s.step, s.cfg.eval_steps) or last):
-                eval_metrics = evaluate(s.run, s.place, s.graphdef, s.state, jax.random.fold_in(s.eval_key, s.step),
-                                        s.names, s.eval_sampler, s.trainer_state)
+                eval_metrics = evaluate(s.run, s.place, s.programs, s.state, jax.random.fold_in(s.eval_key, s.step),
+                                        s.names, s.trainer_state)
                 s.last_logged.update(eval_metrics)
                 if s.place.is_main:
                     s.sinks.log(s.step, eval_metrics)
@@ -706,14 +641,15 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
     one_width = completion_width(1, longest, cfg.completion_bucket) == longest
     # the first step compiles update in a thread while the rollout compiles and runs (from the start when its
     # width is known: one completion width; else once the samples tell it)
-    compiling = compile_quietly(s.step_fn, s.state, ids.shape, s.weights, longest) if first and one_width else None
-    sampled = s.step_fn.sample(s.state, ids, mask, key)
+    num_rewards = len(s.names)
+    compiling = compile_quietly(s.programs, ids.shape, num_rewards, longest) if first and one_width else None
+    sampled = s.programs.sample(s.state, ids, mask, key)
     if not one_width:
-        longest = s.step_fn.longest(sampled)  # waits for the sampler
+        longest = s.programs.longest(sampled)  # waits for the sampler
     width = completion_width(longest, cfg.max_completion_length, cfg.completion_bucket)
     if first and compiling is None:
-        compiling = compile_quietly(s.step_fn, s.state, ids.shape, s.weights, width)
-    rollout = s.step_fn.finish(s.state, sampled, width)  # cut to `width`, reference log-probs (dispatched)
+        compiling = compile_quietly(s.programs, ids.shape, num_rewards, width)
+    rollout = s.programs.finish(s.state, sampled, width)  # cut to `width`, reference log-probs (dispatched)
     reference = ReadyTime(rollout.ref_logps)  # when the reference pass ends, seen from a watcher thread
     # the sampler's own completion ids: on the host as soon as sampling ends, while the reference pass runs
     completion_ids = place.local(sampled.completion_ids)
@@ -721,8 +657,7 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
     t_sampled = time.perf_counter()
     scored = decode_and_score(s.run, batch, completion_ids, cfg.num_generations, s.reward_logs.context(s.trainer_state))
     extra, logged = place.reward_logs(s.reward_logs, len(completion_ids))
-    for name, value in logged.items():
-        s.reward_metrics.setdefault(name, []).append(value)
+    s.window.add({name: [value] for name, value in logged.items()})  # log_metric: once per generation, as TRL
     local_tokens = int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
     s.num_tokens += int(place.per_process([local_tokens]).sum())
     rewards = place.to_global(scored.rewards_per_func)
@@ -730,14 +665,14 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
     reference.done_by(t_rewarded)  # ready now: it ended by now (the watcher may not have had the GIL yet)
     if compiling is not None:
         compiling.join()  # before update donates the state it reads
-    s.state, metrics = s.step_fn.update(s.state, rollout, rewards, s.weights)
-    s.step += s.step_fn.cfg.updates_per_generation
+    s.state, metrics = s.programs.update(s.state, rollout, rewards, s.weights)
+    s.step += s.programs.cfg.updates_per_generation
     s.trainer_state.global_step, s.trainer_state.epoch = s.step, epoch_of(s.iterator)  # what rewards see next
-    s.window.add(metrics)
     consecutive, skipped = skipped_updates(s.state.opt_state)  # waits for the update; skipped ones changed nothing
     t_reference, end = reference.join(), time.perf_counter()
     timings = phase_timings(t0, t_sampled, t_rewarded, t_reference, end)
-    return StepOutcome(idx, rollout, scored, rewards, extra, timings, end, consecutive, skipped)
+    metrics = jax.device_get(metrics)  # one transfer: every optimizer step's values
+    return StepOutcome(idx, rollout, scored, rewards, extra, timings, end, consecutive, skipped, metrics)
 
 
 class ReadyTime:
@@ -806,34 +741,35 @@ def epoch_of(it: PromptIterator) -> float:
     return it.epoch + it.index / (it.batches_per_epoch * it.batch_size)
 
 
-def log_step(s: Session, progress: Progress, prev: int, t0: float, out: StepOutcome) -> None:
-    """The logging window's means, with the host counters and this step's wall time (until its update's results
-    were read; the phase timings partition it) to every sink (process 0) and the console."""
+def log_step(s: Session, progress: Progress, step: int, t0: float, out: StepOutcome) -> None:
+    """The record of optimizer step `step`: the logging window's means (`rloo_jax.logwindow`, TRL's semantics),
+    with the host counters, the learning rate that step used and its share of the generation batch's wall time
+    (`step_time` and the phases that partition it, divided among the batch's optimizer steps), to every sink
+    (process 0) and the console."""
     logged = rename_reward_metrics(s.window.read(), s.names)
-    per_gen = s.step_fn.cfg.updates_per_generation
-    logged.update({name: float(np.nanmean(values)) for name, values in s.reward_metrics.items()})  # log_metric
-    s.reward_metrics = {}
+    per_gen = s.programs.cfg.updates_per_generation
     logged.update(
         num_tokens=float(s.num_tokens),
         skipped_steps=out.skipped,
-        learning_rate=float(s.lr_at(prev + per_gen - 1)),
+        learning_rate=float(s.lr_at(step - 1)),
         epoch=epoch_of(s.iterator),
         num_truncated_prompts=s.truncated_prompts,
-        **out.timings,
-        step_time=out.end - t0,
+        **{name: seconds / per_gen for name, seconds in out.timings.items()},
+        step_time=(out.end - t0) / per_gen,
     )
     s.last_logged = dict(logged)
     if s.place.is_main:
-        s.sinks.log(s.step, logged)
-        s.trainer_state.log_history.append({"step": s.step, **logged})
-        progress.console.print(console_line(s.step, s.total_steps, logged), soft_wrap=True)
+        s.sinks.log(step, logged)
+        s.trainer_state.log_history.append({"step": step, **logged})
+        shown = {k: float("nan") if v is None else v for k, v in logged.items()}
+        progress.console.print(console_line(step, s.total_steps, shown), soft_wrap=True)
 
 
 def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
     """Every completion of this step to rollouts.jsonl (process 0 gathers every process's rows) and a sample."""
     scored = out.scored
-    adv, _ = s.step_fn.score(out.rollout, out.rewards, s.weights)
-    adv = s.place.gather(adv)
+    targets, _ = s.programs.score(out.rollout, out.rewards, s.weights)
+    adv = s.place.gather(targets["advantages"])
     if s.place.multi_process:  # every process takes part in the gathers; process 0 decodes
         all_ids = s.place.gather(out.rollout.completion_ids)
         all_rewards = s.place.gather(scored.rewards_per_func)
@@ -895,7 +831,7 @@ def export(s: Session) -> None:
         write.write_policy(model, s.paths["final_merged"], **options, merged=True)
 
 
-def train(cfg: RLOOConfig, given: Given | None = None) -> TrainResult:
+def train(cfg: TrainConfig, given: Given | None = None) -> TrainResult:
     """Run training (resuming from output_dir's newest checkpoint); returns the last logged metrics and the output
     paths (also after a SIGTERM, once the checkpoint is saved). `given`: the Python API's objects (RLOOTrainer)."""
     with StopRequest() as stop, numerics.kept_matmul_precision():  # the run's precision, not the session's
@@ -922,70 +858,7 @@ def print_completions(console: Any, records: list[dict[str, Any]], limit: int | 
     console.print(table)
 
 
-# ------------------------------------------------------------------------------------------------ CLI
-def compile_only(argv: Sequence[str], topology: str) -> int:
-    """`--compile_only`: build the run for the slice's chips, compile its programs, print and write the report;
-    0 when every program fits, 1 when one does not."""
-    jax.config.update("jax_platforms", "cpu")  # this host only traces shapes; libtpu compiles for the slice
-    from rloo_jax.tpu import parse_slice
+if __name__ == "__main__":  # `python -m rloo_jax.train`: the command line of rloo_jax.cli
+    from rloo_jax.cli import main
 
-    slc = parse_slice(topology)
-    cfg = build_config(argv, slc.chips, 1)
-    report = aot.compile_run(cfg, slc)
-    chips = f"{slc.chips} chip{'s' * (slc.chips > 1)}"
-    print(f"{slc.name}: {chips} ({slc.topology_name}), {aot.gib(slc.chip.hbm_bytes)} HBM per chip")
-    for line in aot.table_lines(report):
-        print(line)
-    print(aot.verdict(report, lambda name: aot.advice(cfg, name)))
-    print(f"report: {report.write(cfg.output_dir)}")
-    return 0 if report.fits else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point. Exit codes: 0 on success or after a SIGTERM (checkpoint saved); 2 on a configuration,
-    data or model error (one line, nothing written); 1 when training stops on a reward-function error or on
-    `max_consecutive_nonfinite` non-finite updates (the last checkpoint is left as it was), or when a
-    `--compile_only` program does not fit its slice."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(format_help())
-        return 0
-    logging.basicConfig(format="%(message)s", level=logging.WARNING)
-    logging.getLogger("absl").setLevel(logging.ERROR)
-    cpu_compile_flags()
-    datasets.disable_progress_bars()  # one clean console: our progress bar and lines only
-    debug = any(a in ("--debug", "--debug=true", "--debug=1") for a in argv)
-    try:
-        topology = compile_only_slice(argv)
-        if topology is not None:
-            return compile_only(argv, topology)
-        if full_determinism_option(argv):
-            numerics.enable_determinism()  # XLA reads its flags when the backend starts: before anything below
-        # the multi-process runtime starts before anything else touches JAX; the config is then checked against
-        # the devices of all processes (the mesh sizes and the global batch depend on them)
-        start_distributed(*distributed_options(argv))
-        cfg = build_config(argv, jax.device_count(), jax.process_count())
-        debug = cfg.debug
-        from rloo_jax.trainer import RLOOTrainer  # the Python API; the CLI is that class on a config from argv
-
-        RLOOTrainer(cfg.model_name_or_path, cfg.reward_sources, args=cfg).train()
-    except (ConfigError, DataError, ModelLoadError) as e:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RewardError as e:
-        print(format_reward_error(e), file=sys.stderr)
-        print("error: training stopped; the last checkpoint was left as it was", file=sys.stderr)
-        return 1
-    except NonFiniteError as e:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        print("error: training stopped; nothing non-finite was saved, the last checkpoint is intact", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

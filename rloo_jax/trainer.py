@@ -1,5 +1,5 @@
-"""`RLOOTrainer`: TRL 1.16's Python API (`RLOOTrainer(model=..., reward_funcs=..., args=RLOOConfig(...),
-train_dataset=...).train()`) on the JAX trainer of `rloo_jax.train`.
+"""`RLOOTrainer` and `GRPOTrainer`: TRL 1.16's Python API (`GRPOTrainer(model=..., reward_funcs=...,
+args=GRPOConfig(...), train_dataset=...).train()`) on the JAX trainer of `rloo_jax.train`.
 
 It turns TRL's arguments into a run config and the objects the run uses instead of what a config names (`Given`):
 the model as a path or hub id, reward functions as callables and/or strings, datasets as objects, tokenizers,
@@ -20,7 +20,7 @@ import jax
 
 from rloo_jax import train as training
 from rloo_jax.build import Given
-from rloo_jax.config import RLOOConfig
+from rloo_jax.config import GRPOConfig, RLOOConfig, TrainConfig
 from rloo_jax.data import check_prompt_dataset
 from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.rewards import TrainerState
@@ -28,8 +28,8 @@ from rloo_jax.rewards import TrainerState
 IN_MEMORY = "<train_dataset>"  # dataset_name recorded in config.yaml for a dataset passed as an object
 
 
-class RLOOTrainer:
-    """RLOO training with TRL 1.16's constructor.
+class _OnlineTrainer:
+    """TRL's online-trainer constructor, for any algorithm (`CONFIG`: its config class).
 
     Args:
       model: the policy, a local Hugging Face folder or a hub id (`demo`: the built-in tiny model). Loaded models
@@ -39,8 +39,8 @@ class RLOOTrainer:
         None per completion, sync or async; a reward model's folder or hub id; a built-in name (`accuracy`,
         `format`, `soft_overlong` or TRL's names); `module:function` or `package.module.function`. Scored in this
         order (reward_weights follow it).
-      args: an `rloo_jax.RLOOConfig` (it also takes TRL's option names; see the README's migration table). None:
-        `RLOOConfig(output_dir="<model name>-RLOO")`, as TRL.
+      args: the algorithm's config (`RLOOConfig`, `GRPOConfig`; they also take TRL's option names; see the README's
+        migration table). None: `<Config>(output_dir="<model name>-<ALGORITHM>")`, as TRL.
       train_dataset / eval_dataset: a `datasets.Dataset`, an `IterableDataset` (read in stream order, up to the
         prompts max_steps needs; max_steps must be set, as in TRL) or a list of dicts, with a `prompt` column (text
         or chat messages). None: `args.dataset_name` is loaded, as the CLI does. eval_dataset is used every
@@ -56,11 +56,13 @@ class RLOOTrainer:
         program; the optimizer is optax AdamW from args; no quantised base yet).
     """
 
+    CONFIG: type[TrainConfig] = RLOOConfig
+
     def __init__(
         self,
         model: str,
         reward_funcs: Any,
-        args: RLOOConfig | None = None,
+        args: TrainConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
@@ -81,8 +83,11 @@ class RLOOTrainer:
             raise ConfigError("optimizers is not supported: the optimizer is optax AdamW configured by args "
                               "(learning_rate, lr_scheduler_type, warmup_steps, weight_decay, adam_*)")
         model = os.fspath(model)
+        cls = self.CONFIG
         if args is None:
-            args = RLOOConfig(output_dir=f"{os.path.basename(model.rstrip('/'))}-RLOO")
+            args = cls(output_dir=f"{os.path.basename(model.rstrip('/'))}-{cls.ALGORITHM.upper()}")
+        if not isinstance(args, cls):
+            raise ConfigError(f"{type(self).__name__} takes a {cls.__name__} as args (got a {type(args).__name__})")
         funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
         tokenizers = reward_tokenizers(reward_processing_classes, len(funcs))
         overrides: dict[str, Any] = {"model_name_or_path": model, **lora_options(peft_config)}
@@ -126,6 +131,51 @@ class RLOOTrainer:
             return final
         shutil.copytree(final, output_dir, dirs_exist_ok=True)
         return output_dir
+
+
+class RLOOTrainer(_OnlineTrainer):
+    """RLOO with TRL 1.16's `RLOOTrainer` constructor and math (`RLOOConfig`); see `_OnlineTrainer` for the
+    arguments."""
+
+    CONFIG = RLOOConfig
+
+
+class GRPOTrainer(_OnlineTrainer):
+    """GRPO with TRL 1.16's `GRPOTrainer` constructor and math (`GRPOConfig`: every `loss_type`); see
+    `_OnlineTrainer` for the arguments. `tools`, `rollout_func` and `environment_factory` (TRL's experimental
+    multi-turn rollouts) are refused unless None: rollouts here are single-turn completions of the JAX sampler."""
+
+    CONFIG = GRPOConfig
+
+    def __init__(
+        self,
+        model: str,
+        reward_funcs: Any = None,
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        tools: Any = None,
+        rollout_func: Any = None,
+        environment_factory: Any = None,
+    ) -> None:
+        for name, value in (("tools", tools), ("rollout_func", rollout_func),
+                            ("environment_factory", environment_factory)):
+            if value:
+                raise ConfigError(
+                    f"{name} is not supported: a rollout here is one completion per prompt from the JAX sampler "
+                    "(no tool calls or environments between turns, no custom rollout function); pass None"
+                )
+        if reward_funcs is None or (isinstance(reward_funcs, list | tuple) and not reward_funcs):
+            raise ConfigError("No reward source provided: pass reward_funcs (callables, reward model folders or "
+                              "built-in names)")
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -198,7 +248,7 @@ def lora_options(peft_config: Any) -> dict[str, Any]:
     return ours
 
 
-def prompts_needed(cfg: RLOOConfig) -> int | None:
+def prompts_needed(cfg: TrainConfig) -> int | None:
     """Prompts a run of max_steps reads (generations x prompts per generation on this machine's devices); None
     when max_steps is not set."""
     if cfg.max_steps <= 0:
@@ -208,7 +258,7 @@ def prompts_needed(cfg: RLOOConfig) -> int | None:
     return math.ceil(cfg.max_steps / updates) * cfg.prompts_per_generation
 
 
-def prompt_dataset(data: Any, name: str, cfg: RLOOConfig, stream_rows: int | None = None) -> datasets.Dataset:
+def prompt_dataset(data: Any, name: str, cfg: TrainConfig, stream_rows: int | None = None) -> datasets.Dataset:
     """A `datasets.Dataset` with a `prompt` column from a Dataset, an IterableDataset (its first `stream_rows`
     rows; all of an evaluation set) or a list of dicts."""
     if isinstance(data, datasets.DatasetDict | datasets.IterableDatasetDict | dict):
@@ -229,4 +279,4 @@ def prompt_dataset(data: Any, name: str, cfg: RLOOConfig, stream_rows: int | Non
     return data
 
 
-__all__ = ["RLOOTrainer"]
+__all__ = ["GRPOTrainer", "RLOOTrainer"]

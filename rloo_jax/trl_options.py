@@ -1,4 +1,5 @@
-"""Every option of TRL 1.16's RLOO and what rloo_jax does with it: the one table (`DECISIONS`).
+"""Every option of TRL 1.16's RLOO and GRPO and what rloo_jax does with it: one table per trainer (`DECISIONS`,
+`GRPO_DECISIONS`), sharing every entry but the algorithm's own.
 
 TRL's `RLOOConfig` (its own fields and the ~115 it inherits from `transformers.TrainingArguments`), plus the
 `trl rloo` script's `ModelConfig`, script arguments and dataset mixture, so a TRL YAML or a TRL Python script
@@ -143,10 +144,55 @@ _VLLM = ("vllm_mode vllm_model_impl vllm_enable_sleep_mode vllm_structured_outpu
 _GENERATION_ENGINE = "generation runs on the JAX sampler (prefill once per prompt, KV-cache decode)"
 _NO_TORCH = "torch runtime settings: the step is one XLA program on a JAX device mesh"
 
+_RLOO_GROUPS: list[tuple[str, str, Decision]] = [
+    ("RLOO algorithm", "normalize_advantages reward_clip_range", supported("TRL 1.16's math (docs/research_api.md)")),
+    ("use_vllm", "use_vllm", refused(_GENERATION_ENGINE, off, "false")),
+]
+
+
+def _vllm_correction(v: Any) -> dict[str, Any]:
+    """On (with use_vllm, which `split_options` has folded in: TRL corrects only vLLM's samples) turns our
+    correction on; off leaves ours as it is."""
+    return {} if off(v) else {"importance_sampling_correction": True}
+
+
+_GRPO_GROUPS: list[tuple[str, str, Decision]] = [
+    ("GRPO algorithm", "loss_type scale_rewards multi_objective_aggregation delta importance_sampling_level "
+     "sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg "
+     "top_entropy_quantile entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta "
+     "entropy_target off_policy_mask_threshold use_bias_correction_kl",
+     supported("TRL 1.16's math, every loss_type (docs/research_api.md); use_adaptive_entropy's state is "
+               "checkpointed")),
+    ("use_vllm", "use_vllm", accepted(
+        "generation always runs on the JAX sampler, an inference path of its own as vLLM is; use_vllm true makes "
+        "TRL's vllm_importance_sampling_correction apply to it, as TRL applies it to vLLM's samples",
+        takes_text="true, false")),
+    ("vllm_importance_sampling_correction", "vllm_importance_sampling_correction", accepted(
+        "importance_sampling_correction here, between our sampler and the trainer: on only with use_vllm true, as "
+        "in TRL (whose default is true with use_vllm false: off)", takes_text="true (with use_vllm true), false",
+        translate=_vllm_correction)),
+    ("vllm_importance_sampling_mode", "vllm_importance_sampling_mode",
+     accepted("our importance_sampling_mode", takes_text="its four modes",
+              translate=lambda v: {"importance_sampling_mode": v})),
+    ("vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_min",
+     accepted("our importance_sampling_clip_min", takes_text="a number or None",
+              translate=lambda v: {"importance_sampling_clip_min": v})),
+    ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_max vllm_importance_sampling_cap",
+     accepted("our importance_sampling_clip_max (vllm_importance_sampling_cap: TRL's deprecated name)",
+              takes_text="a number or None", translate=lambda v: {} if is_none(v) else
+              {"importance_sampling_clip_max": v})),
+    ("cast_lm_head_to_fp32", "cast_lm_head_to_fp32", accepted(
+        "the head's logits are taken in float32 and the log-softmax is float32 whatever the compute dtype")),
+    ("max_tool_calling_iterations", "max_tool_calling_iterations",
+     accepted("no tool calling yet (GRPOTrainer refuses tools): nothing to limit")),
+    ("log_completions_hub_repo", "log_completions_hub_repo", refused(
+        "nothing is uploaded: rollouts.jsonl in output_dir holds every recorded completion", is_none, "None")),
+]
+
 _GROUPS: list[tuple[str, str, Decision]] = [
-    # --- TRL's RLOOConfig: the algorithm, generation and logging
-    ("RLOO algorithm", "beta num_iterations epsilon epsilon_high normalize_advantages reward_clip_range "
-     "mask_truncated_completions reward_weights", supported("TRL 1.16's math (docs/research_api.md)")),
+    # --- TRL's RLOOConfig / GRPOConfig: the algorithm, generation and logging
+    ("algorithm", "beta num_iterations epsilon epsilon_high mask_truncated_completions reward_weights",
+     supported("TRL 1.16's math (docs/research_api.md)")),
     ("reference sync (TR-DPO)", "sync_ref_model ref_model_mixup_alpha ref_model_sync_steps",
      supported("not with use_peft (the reference is the base with adapters off)")),
     ("generation", "num_generations num_generations_eval max_completion_length temperature top_p top_k min_p "
@@ -155,7 +201,6 @@ _GROUPS: list[tuple[str, str, Decision]] = [
      supported("completions go to rollouts.jsonl (and a printed sample)")),
     ("trust_remote_code", "trust_remote_code",
      supported("never runs code shipped with a model: only config.json and safetensors are read")),
-    ("use_vllm", "use_vllm", refused(_GENERATION_ENGINE, off, "false")),
     ("vLLM settings", _VLLM, accepted("no vLLM: " + _GENERATION_ENGINE)),
     ("transformers generation", "use_transformers_continuous_batching use_transformers_paged "
      "transformers_continuous_batching_config", refused(_GENERATION_ENGINE, off, "false / None")),
@@ -315,9 +360,9 @@ _GROUPS: list[tuple[str, str, Decision]] = [
 ]
 
 
-def _build() -> dict[str, Decision]:
+def _build(groups: list[tuple[str, str, Decision]]) -> dict[str, Decision]:
     table: dict[str, Decision] = {}
-    for topic, names, decision in _GROUPS:
+    for topic, names, decision in groups:
         for name in names.split():
             if name in table:
                 raise ValueError(f"{name} is decided twice")
@@ -325,28 +370,39 @@ def _build() -> dict[str, Decision]:
     return table
 
 
-DECISIONS: dict[str, Decision] = _build()
-# TRL's dataclasses whose fields a TRL config may hold (the `trl rloo` CLI parses all of them)
+DECISIONS: dict[str, Decision] = _build(_RLOO_GROUPS + _GROUPS)
+"""TRL 1.16's RLOO options (`trl.RLOOConfig`, the `trl rloo` script's)."""
+GRPO_DECISIONS: dict[str, Decision] = _build(_GRPO_GROUPS + _GROUPS)
+"""TRL 1.16's GRPO options (`trl.GRPOConfig`, the `trl grpo` script's)."""
+TABLES = {"rloo": DECISIONS, "grpo": GRPO_DECISIONS}
+# TRL's dataclasses whose fields a TRL config may hold (the `trl rloo` / `trl grpo` CLI parses all of them)
 SOURCES = ("trl.RLOOConfig", "trl.ModelConfig", "trl.scripts.rloo.RLOOScriptArguments", "trl.DatasetMixtureConfig")
+GRPO_SOURCES = ("trl.GRPOConfig", "trl.ModelConfig", "trl.scripts.grpo.GRPOScriptArguments",
+                "trl.DatasetMixtureConfig")
 
 
-def is_trl_only(name: str) -> bool:
-    """A TRL option that is not an `RLOOConfig` field here (accepted or refused)."""
-    return name in DECISIONS and DECISIONS[name].status != "supported"
+def is_trl_only(name: str, decisions: dict[str, Decision] = DECISIONS) -> bool:
+    """A TRL option that is not a config field here (accepted or refused)."""
+    return name in decisions and decisions[name].status != "supported"
 
 
-def split_options(values: dict[str, Any], fields: Iterable[str]
+def split_options(values: dict[str, Any], fields: Iterable[str], decisions: dict[str, Decision] = DECISIONS
                   ) -> tuple[dict[str, Any], list[Callable[[Any], None]]]:
-    """Apply the table to raw options: refuse what asks for a missing feature (`ConfigError`, one line), drop what
-    changes nothing (one note naming them), translate TRL-typed values. Returns our `RLOOConfig` fields and the
-    checks to run on the built config (`check(cfg)`: options that must agree with it)."""
+    """Apply a table (`DECISIONS`, `GRPO_DECISIONS`) to raw options: refuse what asks for a missing feature
+    (`ConfigError`, one line), drop what changes nothing (one note naming them), translate TRL-typed values. Returns
+    our config fields and the checks to run on the built config (`check(cfg)`: options that must agree with it)."""
     fields = set(fields)
+    if "vllm_importance_sampling_correction" in decisions and ("use_vllm" in values or
+                                                              "vllm_importance_sampling_correction" in values):
+        # TRL corrects vLLM's samples only: its correction (default on) counts only with use_vllm
+        on = not off(values.get("vllm_importance_sampling_correction", True)) and not off(values.get("use_vllm"))
+        values = dict(values, vllm_importance_sampling_correction=on)
     ours: dict[str, Any] = {}
     translated: dict[str, Any] = {}  # applied last: `eval_strategy: no` wins over an eval_steps set anywhere
     checks: list[Callable[[Any], None]] = []
     ignored: list[str] = []
     for name, value in values.items():
-        decision = DECISIONS.get(name)
+        decision = decisions.get(name)
         if decision is None:
             ours[name] = value  # one of ours (unknown names are refused by the caller)
             continue
@@ -373,10 +429,10 @@ def _names(names: Iterable[str]) -> str:
     return ", ".join(f"`{n}`" for n in names)
 
 
-def _rows() -> list[tuple[str, list[str], Decision]]:
+def _rows(decisions: dict[str, Decision]) -> list[tuple[str, list[str], Decision]]:
     """(topic, names, decision) per group, in table order."""
     rows: dict[str, tuple[list[str], Decision]] = {}
-    for name, decision in DECISIONS.items():
+    for name, decision in decisions.items():
         rows.setdefault(decision.topic, ([], decision))[0].append(name)
     return [(topic, names, decision) for topic, (names, decision) in rows.items()]
 
@@ -389,16 +445,17 @@ def _status(decision: Decision) -> str:
     return decision.status
 
 
-def full_table() -> str:
+def full_table(decisions: dict[str, Decision] = DECISIONS) -> str:
     """docs/trl_options.md's table: every option, grouped by decision."""
     lines = ["| TRL option | here | why |", "|---|---|---|"]
-    lines += [f"| {_names(names)} | {_status(d)} | {d.why or 'same name and meaning'} |" for _, names, d in _rows()]
+    lines += [f"| {_names(names)} | {_status(d)} | {d.why or 'same name and meaning'} |"
+              for _, names, d in _rows(decisions)]
     return "\n".join(lines)
 
 
-def summary_table() -> str:
+def summary_table(decisions: dict[str, Decision] = DECISIONS) -> str:
     """The README's table: what is supported, what is refused (exit 2) and what is read without effect."""
-    rows = _rows()
+    rows = _rows(decisions)
     supported_names = [n for _, names, d in rows if d.status == "supported" for n in names]
     plain = [n for _, names, d in rows if d.status == "accepted" and not d.takes_text for n in names]
     lines = ["| TRL 1.16 options | here | why |", "|---|---|---|",

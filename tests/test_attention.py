@@ -155,7 +155,7 @@ def test_cudnn_call_needs_a_gpu_here():
      "attn_implementation='cudnn' is not available on tpu; valid there: eager, splash "),
 ])
 def test_unavailable_implementation_exits_2(tmp_path, capsys, tiny_checkpoint, extra, message):
-    from rloo_jax.train import main
+    from rloo_jax.cli import main
 
     model = tiny_checkpoint("qwen2_tied")
     capsys.readouterr()  # building it (first use) writes progress bars

@@ -17,9 +17,10 @@ import optax
 from flax import nnx
 
 from rloo_jax.models import init_causal_lm
-from rloo_jax.rloo import RLOOOptions
+from rloo_jax.algorithms import RLOO
 from rloo_jax.sampling import SamplingConfig, bucket_prompts
-from rloo_jax.step import RLOOStep, StepConfig, completion_width
+from rloo_jax.programs import Programs, flat_metrics
+from rloo_jax.step import StepConfig, completion_width
 
 COMPILE = "/jax/core/compile/backend_compile_duration"
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
@@ -62,7 +63,7 @@ def test_no_recompilation_after_first_step():
     """Steps 2..N of rollout -> host reward -> update, prompt lengths varying inside one bucket: 0 compiles."""
     graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
     sc = SamplingConfig(max_new_tokens=6, num_generations=2, eos_token_ids=(EOS,), pad_token_id=PAD)
-    step = RLOOStep(graphdef, optax.adamw(1e-3), StepConfig(sampling=sc, rloo=RLOOOptions(beta=0.05)))
+    step = Programs(graphdef, optax.adamw(1e-3), StepConfig(sampling=sc, algorithm=RLOO(beta=0.05)))
     state = step.init_state(params, jax.tree.map(jnp.copy, params))
     weights = jnp.ones((1,), jnp.float32)
     rng = np.random.default_rng(0)
@@ -77,6 +78,7 @@ def test_no_recompilation_after_first_step():
         completions = np.asarray(rollout.completion_ids)
         rewards = jnp.asarray((completions % 3 == 0).mean(axis=1, keepdims=True), jnp.float32)
         state, metrics = step.update(state, rollout, rewards, weights)
+        metrics = flat_metrics(metrics)
         return state, jax.device_get(metrics)
 
     with count_compiles() as first:
@@ -98,7 +100,7 @@ def test_bucketed_widths_compile_once_each():
 
     graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
     sc = SamplingConfig(max_new_tokens=16, num_generations=2, eos_token_ids=(EOS,), pad_token_id=PAD)
-    step = RLOOStep(graphdef, optax.adamw(1e-3), StepConfig(sampling=sc, rloo=RLOOOptions(beta=0.05)))
+    step = Programs(graphdef, optax.adamw(1e-3), StepConfig(sampling=sc, algorithm=RLOO(beta=0.05)))
     state = step.init_state(params, jax.tree.map(jnp.copy, params))
     weights, rng = jnp.ones((1,), jnp.float32), np.random.default_rng(1)
     ids, mask = _prompts(rng, 3, bucket=8)

@@ -7,7 +7,7 @@ import pytest
 
 from rloo_jax.errors import ConfigError
 from rloo_jax.tpu import CHIPS, parse_slice, torus_shape
-from rloo_jax.train import main
+from rloo_jax.cli import main
 from tests.fixtures_models import tiny_checkpoint  # noqa: F401
 
 

@@ -17,8 +17,9 @@ import rloo_jax as rj
 from rloo_jax.lora import init_adapters, merge_adapters, merge_params, split_adapters, with_adapters
 from rloo_jax.models import LoRAParam, ModelLoadError, load_causal_lm, lora_spec, save_adapter, save_pretrained
 from rloo_jax.sampling import SamplingConfig
-from rloo_jax.step import RLOOStep, StepConfig, completion_logps
-from rloo_jax.train import main
+from rloo_jax.programs import Programs, flat_metrics
+from rloo_jax.step import StepConfig, completion_logps
+from rloo_jax.cli import main
 from tests.checkpoints import PAD_ID
 
 
@@ -132,9 +133,9 @@ def _step(beta=0.1, dropout_seed=None, recompute_old_logps=None, **options):
     graphdef, adapters, frozen = split_adapters(with_adapters(base, spec, jax.random.key(1)))
     sampling = SamplingConfig(max_new_tokens=C, num_generations=G, temperature=0.9, eos_token_ids=(EOS,),
                               pad_token_id=PAD)
-    cfg = StepConfig(sampling=sampling, rloo=rj.RLOOOptions(beta=beta, token_level_kl=True),
+    cfg = StepConfig(sampling=sampling, algorithm=rj.RLOO(beta=beta, token_level_kl=True),
                      dropout_seed=dropout_seed, recompute_old_logps=recompute_old_logps)
-    step = RLOOStep(graphdef, optax.adam(1e-2), cfg, ref_graphdef=nnx.graphdef(base))
+    step = Programs(graphdef, optax.adam(1e-2), cfg, ref_graphdef=nnx.graphdef(base))
     return step, step.init_state(adapters, frozen=frozen)
 
 
@@ -157,6 +158,7 @@ def test_base_is_the_reference_and_only_adapters_train():
     np.testing.assert_allclose(np.asarray(policy * rollout.completion_mask), np.asarray(rollout.ref_logps),
                                atol=1e-6)
     state, metrics = step.update(state, rollout, _rewards(rollout), jnp.ones((1,)))
+    metrics = flat_metrics(metrics)
     # the KL at the first update: the policy (adapters with B = 0) and the base computed in one program by the
     # same training forward: exactly 0. (With the sampler's log-probs it is their float32 rounding gap: 1.8e-7
     # measured on this CPU, 2e-8 on another.)
@@ -183,6 +185,7 @@ def test_lora_dropout_changes_the_update_deterministically():
         rollout = step.rollout(state, ids, mask, jax.random.key(0))
         for _ in range(2):  # B != 0 after the first update: dropout on A's input shows in the loss
             state, metrics = step.update(state, rollout, _rewards(rollout), jnp.ones((1,)))
+            metrics = flat_metrics(metrics)
         outs.append(float(metrics["loss"]))
     assert outs[1] == outs[2] and len({outs[0], outs[1], outs[3]}) == 3
 
@@ -196,6 +199,7 @@ def test_scan_and_remat_agree_with_the_unrolled_step(options):
         rollout = step.rollout(state, ids, mask, jax.random.key(0))
         for _ in range(2):
             state, metrics = step.update(state, rollout, _rewards(rollout), jnp.ones((1,)))
+            metrics = flat_metrics(metrics)
         results.append((float(metrics["loss"]), _by_name(state.params)))
     (la, pa), (lb, pb) = results
     assert abs(la - lb) <= 1e-5 and pa.keys() == pb.keys()

@@ -16,7 +16,8 @@ from rloo_jax.models import ModelLoadError, export_tensors, init_causal_lm, load
 from rloo_jax.models.config import REMAT_POLICIES
 from rloo_jax.models.transformer import remat_policy
 from rloo_jax.sampling import SamplingConfig
-from rloo_jax.step import RLOOStep, StepConfig
+from rloo_jax.programs import Programs, flat_metrics
+from rloo_jax.step import StepConfig
 from tests.fixtures_models import tiny_checkpoint  # noqa: F401
 
 TINY = dict(
@@ -86,12 +87,12 @@ def _prompts():
 def _step_cfg(**kw) -> StepConfig:
     sampling = SamplingConfig(max_new_tokens=C, num_generations=G, temperature=0.9, eos_token_ids=(EOS,),
                               pad_token_id=PAD)
-    return StepConfig(sampling=sampling, rloo=rj.RLOOOptions(beta=0.1), **kw)
+    return StepConfig(sampling=sampling, algorithm=rj.RLOO(beta=0.1), **kw)
 
 
 def _step(graphdef, params, cfg, update=True):
     """A rollout and (`update`) one update from a fresh AdamW state: (rollout, new params, metrics)."""
-    step = RLOOStep(graphdef, optax.adamw(1e-2), cfg)
+    step = Programs(graphdef, optax.adamw(1e-2), cfg)
     copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)  # noqa: E731
     state = step.init_state(copy(params), jax.tree.map(lambda x: x + 0.01, params))  # policy != reference
     ids, mask = _prompts()
@@ -100,6 +101,7 @@ def _step(graphdef, params, cfg, update=True):
         return rollout, None, None
     rewards = jnp.asarray((np.asarray(rollout.completion_ids) % 2 == 0).mean(1, keepdims=True), jnp.float32)
     new, metrics = step.update(state, rollout, rewards, jnp.ones((1,), jnp.float32))
+    metrics = flat_metrics(metrics)
     return rollout, new.params, metrics
 
 

@@ -48,12 +48,13 @@ import rloo_jax as rj
 from rloo_jax import mesh as M
 from rloo_jax.models import init_causal_lm
 from rloo_jax.sampling import SamplingConfig
-from rloo_jax.step import RLOOStep, StepConfig, completion_logps
+from rloo_jax.programs import Programs, flat_metrics
+from rloo_jax.step import StepConfig, completion_logps
 
 TINY = json.loads(os.environ["TINY_JSON"])
 G, C, B, P = 2, 6, 4, 5
 CFG = StepConfig(sampling=SamplingConfig(max_new_tokens=C, num_generations=G, temperature=0.9,
-                                         eos_token_ids=(3,), pad_token_id=0), rloo=rj.RLOOOptions(beta=0.1),
+                                         eos_token_ids=(3,), pad_token_id=0), algorithm=rj.RLOO(beta=0.1),
                  steps_per_generation=2, gradient_accumulation_steps=2)  # micro-batches of 4 rows, accumulated
 IDS = (np.arange(B * P).reshape(B, P) * 7 % 36 + 4).astype(np.int32)
 MASK = np.ones((B, P), np.int32)
@@ -88,11 +89,11 @@ def scenario(mesh, lora=False):
         # one micro-batch of all 4 prompts: they split over the 4 data shards, so each prompt runs once for its G
         # completions on the mesh as on one device, and draws the same dropout masks (docs/lora.md)
         cfg = dataclasses.replace(CFG, dropout_seed=3, steps_per_generation=1, gradient_accumulation_steps=1)
-        step = RLOOStep(graphdef, optax.sgd(0.5), cfg, mesh=mesh, ref_graphdef=ref_graphdef)
+        step = Programs(graphdef, optax.sgd(0.5), cfg, mesh=mesh, ref_graphdef=ref_graphdef)
         state = step.init_state(params, frozen=frozen)
     else:
         graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
-        step = RLOOStep(graphdef, optax.sgd(0.5), CFG, mesh=mesh)
+        step = Programs(graphdef, optax.sgd(0.5), CFG, mesh=mesh)
         ref = jax.tree.map(lambda x: x + 0.01, copy(params))  # reference != policy, so the KL is not 0
         state = step.init_state(copy(params), ref)
     key, w = jax.random.key(7), np.ones((1,), np.float32)
@@ -107,7 +108,7 @@ def scenario(mesh, lora=False):
     local = M.local_rows(ro.completion_ids)
     r = rewards_of(local, first_row=0 if mesh is None else M.process_slice(B * G).start)
     rewards = r if mesh is None else M.host_local_batch_to_global(r, mesh)
-    step.compile_update(state, ids.shape, w)  # ahead of time, as the trainer does on its first step
+    step.compile_update(ids.shape, 1)  # ahead of time, as the trainer does on its first step
     compiles = []
 
     def listener(event, duration, **kwargs):
@@ -116,6 +117,7 @@ def scenario(mesh, lora=False):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     state, metrics = step.update(state, ro, rewards, w)
+    metrics = flat_metrics(metrics)
     jax.monitoring.unregister_event_duration_listener(listener)
     sums = jax.jit(lambda t: [jnp.sum(x) for x in jax.tree.leaves(t)])
     return {
@@ -150,7 +152,7 @@ else:
     # all 8 (the 4 heads and 2 KV heads do not split 8 ways: replicated, the MLP and vocabulary split)
     out["layouts"] = {}
     for shape in [(8, 1, 1), (4, 1, 2), (1, 1, 8)]:
-        r_step = RLOOStep(m_step.graphdef, optax.sgd(0.5), CFG, mesh=mesh, rollout_mesh=M.reshaped(mesh, shape))
+        r_step = Programs(m_step.graphdef, optax.sgd(0.5), CFG, mesh=mesh, rollout_mesh=M.reshaped(mesh, shape))
         params = nnx.split(init_causal_lm(TINY, seed=0))[1]
         r_state = r_step.init_state(copy(params), jax.tree.map(lambda x: x + 0.01, copy(params)))
         ro = r_step.sample(r_state, *rollout_args[1:])  # the sampling program alone (the reference pass: training's)
@@ -172,7 +174,7 @@ else:
     out["lora_single"], _, _, _ = scenario(None, lora=True)
     out["lora_sharded"], l_state, l_step, _ = scenario(mesh, lora=True)
     # LoRA (adapters and the frozen base) sampled tensor-parallel x data-parallel
-    tp_step = RLOOStep(l_step.graphdef, optax.sgd(0.5), l_step.cfg, mesh=mesh, ref_graphdef=l_step.ref_graphdef,
+    tp_step = Programs(l_step.graphdef, optax.sgd(0.5), l_step.cfg, mesh=mesh, ref_graphdef=l_step.ref_graphdef,
                        rollout_mesh=M.reshaped(mesh, (4, 1, 2)))
     _, l_params, l_frozen, _ = lora_parts()
     ro = tp_step.sample(tp_step.init_state(l_params, frozen=l_frozen), *rollout_args[1:])
@@ -187,8 +189,8 @@ else:
     # the loss and its gradients, jitted with sharded params/batch vs on one device
     graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
     sp = M.shard_params(params, M.param_shardings(params, mesh))
-    ro = RLOOStep(graphdef, optax.sgd(0.0), CFG).rollout(
-        RLOOStep(graphdef, optax.sgd(0.0), CFG).init_state(params, params), IDS, MASK, jax.random.key(1))
+    ro = Programs(graphdef, optax.sgd(0.0), CFG).rollout(
+        Programs(graphdef, optax.sgd(0.0), CFG).init_state(params, params), IDS, MASK, jax.random.key(1))
     rewards = rewards_of(np.asarray(ro.completion_ids))
     def loss_fn(p, ro, rewards):
         lp = completion_logps(graphdef, p, jnp.repeat(ro.prompt_ids, G, 0), jnp.repeat(ro.prompt_mask, G, 0),
@@ -197,7 +199,7 @@ else:
         old = jax.lax.stop_gradient(lp) * 1.03
         ref = jax.lax.stop_gradient(lp) + 0.01 * ro.completion_mask
         return rj.rloo_loss(lp, old, ref, rewards, ro.completion_mask, ro.is_truncated, num_generations=G,
-                            reward_weights=jnp.ones(1), options=CFG.rloo)[0]
+                            reward_weights=jnp.ones(1), options=CFG.algorithm)[0]
     vg = jax.jit(jax.value_and_grad(loss_fn))
     l1, gr1 = vg(params, ro, rewards)
     put = lambda x: jax.device_put(x, M.batch_sharding(mesh, x.shape))

@@ -21,9 +21,10 @@ from rloo_jax.config import config_from_dict, full_determinism_option, load_conf
 from rloo_jax.metrics import read_jsonl
 from rloo_jax.models import init_causal_lm
 from rloo_jax.sampling import SamplingConfig
-from rloo_jax.step import RLOOStep, StepConfig
+from rloo_jax.programs import Programs
+from rloo_jax.step import StepConfig
 from rloo_jax.tpu import parse_slice
-from rloo_jax.train import main
+from rloo_jax.cli import main
 from tests.fixtures_models import tiny_checkpoint  # noqa: F401
 from tests.test_compile_only import TINY_LLAMA, common, config_only_model
 
@@ -79,12 +80,11 @@ def test_every_matmul_of_the_step_programs_carries_the_precision(dtype, precisio
     model = init_causal_lm(TINY, seed=0, dtype=dtype, scan_layers=True, remat_policy="full")
     graphdef, params = nnx.split(model)
     sampling = SamplingConfig(max_new_tokens=4, num_generations=2, eos_token_ids=(3,), pad_token_id=0)
-    step = RLOOStep(graphdef, optax.sgd(0.1), StepConfig(sampling=sampling, steps_per_generation=2))
-    state = step.abstract_state(params, params)
+    step = Programs(graphdef, optax.sgd(0.1), StepConfig(sampling=sampling, steps_per_generation=2))
+    step.abstract_state(params, params)
     with numerics.kept_matmul_precision():
         numerics.use_matmul_precision(precision)
-        texts = [step.lower_rollout(state, (2, 6)).as_text(),
-                 step.lower_update(state, (2, 6), jnp.ones(1)).as_text()]
+        texts = [step.rollout_program(2, 6).lower().as_text(), step.update_program(2, 6, 4, 1).lower().as_text()]
     for text in texts:
         assert set(dot_precisions(text)) == {want}
     assert jax.config.jax_default_matmul_precision == "highest"  # the suite's own (conftest), put back
@@ -202,12 +202,12 @@ def test_bf16_step_one_kl_is_zero_with_recomputed_old_logps_and_the_gap_without(
     graphdef, params = nnx.split(model)
     sampling = SamplingConfig(max_new_tokens=16, num_generations=4, temperature=1.0, eos_token_ids=(3,),
                               pad_token_id=0)
-    cfg = StepConfig(sampling=sampling, rloo=rj.RLOOOptions(beta=0.05))
+    cfg = StepConfig(sampling=sampling, algorithm=rj.RLOO(beta=0.05))
     ids = jnp.asarray([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], jnp.int32)
     mask = (ids != 0).astype(jnp.int32)
     kls = {}
     for recompute in (False, True):
-        step = RLOOStep(graphdef, optax.sgd(0.1), dataclasses.replace(cfg, recompute_old_logps=recompute))
+        step = Programs(graphdef, optax.sgd(0.1), dataclasses.replace(cfg, recompute_old_logps=recompute))
         state = step.init_state(params, reference_params(graphdef, params))  # as the trainer builds it
         ro = step.rollout(state, ids, mask, jax.random.key(0))
         kls[recompute] = float(step.score(ro, jnp.zeros((8, 1)), jnp.ones(1))[1]["kl"])

@@ -25,7 +25,8 @@ from rloo_jax.config import load_config
 from rloo_jax.metrics import WindowMean, drop_records_after, read_jsonl
 from rloo_jax.models import load_causal_lm
 from rloo_jax.step import TrainState
-from rloo_jax.train import main, make_optimizer, skipped_updates
+from rloo_jax.cli import main
+from rloo_jax.train import make_optimizer, skipped_updates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WALL_TIME = {"step_time", "timing/sample", "timing/reference", "timing/reward", "timing/update"}

@@ -12,7 +12,8 @@ from flax import nnx
 import rloo_jax as rj
 from rloo_jax.models import init_causal_lm
 from rloo_jax.sampling import SamplingConfig
-from rloo_jax.step import RLOOStep, StepConfig, completion_logps
+from rloo_jax.programs import Programs, flat_metrics
+from rloo_jax.step import StepConfig, completion_logps
 
 TINY = dict(
     model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=64,
@@ -40,7 +41,7 @@ def _cfg(**kw):
                               eos_token_ids=(EOS,), pad_token_id=PAD)
     step_fields = {k: kw.pop(k) for k in ("num_iterations", "steps_per_generation", "gradient_accumulation_steps")
                    if k in kw}
-    return StepConfig(sampling=sampling, rloo=rj.RLOOOptions(**kw), **step_fields)
+    return StepConfig(sampling=sampling, algorithm=rj.RLOO(**kw), **step_fields)
 
 
 def _rewards(rollout):
@@ -57,7 +58,7 @@ def _copy(tree):
 
 def test_rollout_logps_match_training_path(model_parts):
     graphdef, params = model_parts
-    step = RLOOStep(graphdef, optax.sgd(0.1), _cfg(beta=0.1))
+    step = Programs(graphdef, optax.sgd(0.1), _cfg(beta=0.1))
     state = step.init_state(_copy(params), _copy(params))
     ids, mask = _prompts()
     ro = step.rollout(state, ids, mask, jax.random.key(0))
@@ -76,7 +77,7 @@ def test_update_equals_sgd_on_rloo_loss(model_parts):
     """One on-policy update with SGD == params - lr * grad(rloo_loss(completion_logps(params)))."""
     graphdef, params = model_parts
     cfg = _cfg(beta=0.1)
-    step = RLOOStep(graphdef, optax.sgd(0.5), cfg)
+    step = Programs(graphdef, optax.sgd(0.5), cfg)
     ref_params = jax.tree.map(lambda x: x + 0.01, _copy(params))  # policy != reference: KL is not 0
     state = step.init_state(_copy(params), ref_params)
     ids, mask = _prompts()
@@ -88,11 +89,12 @@ def test_update_equals_sgd_on_rloo_loss(model_parts):
     def direct_loss(p):
         lp = completion_logps(graphdef, p, p_ids, p_mask, ro.completion_ids, ro.completion_mask, 0.9)
         return rj.rloo_loss(lp, None, ro.ref_logps, rewards, ro.completion_mask, ro.is_truncated,
-                            num_generations=G, reward_weights=w, options=cfg.rloo)
+                            num_generations=G, reward_weights=w, options=cfg.algorithm)
 
     (loss, want_metrics), grads = jax.value_and_grad(direct_loss, has_aux=True)(params)
     want = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
     new_state, metrics = step.update(state, ro, rewards, w)
+    metrics = flat_metrics(metrics)
     for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
     assert int(new_state.step) == 1
@@ -109,7 +111,7 @@ def test_gradient_accumulation_equals_full_batch(model_parts):
     ids, mask = _prompts()
     results = []
     for spg in (1, 2):
-        step = RLOOStep(graphdef, optax.sgd(0.5), _cfg(beta=0.0, steps_per_generation=spg,
+        step = Programs(graphdef, optax.sgd(0.5), _cfg(beta=0.0, steps_per_generation=spg,
                                                         gradient_accumulation_steps=spg))
         state = step.init_state(_copy(params))
         ro = step.rollout(state, ids, mask, jax.random.key(2))
@@ -123,12 +125,12 @@ def test_num_iterations_two_is_two_sequential_ppo_updates(model_parts):
     """The second pass is off-policy: old = generation-time log-probs, ratio != 1 (with clipping)."""
     graphdef, params = model_parts
     cfg = _cfg(beta=0.0, num_iterations=2, epsilon=0.05)
-    step = RLOOStep(graphdef, optax.sgd(2.0), cfg)
+    step = Programs(graphdef, optax.sgd(2.0), cfg)
     state = step.init_state(_copy(params))
     ids, mask = _prompts()
     ro = step.rollout(state, ids, mask, jax.random.key(3))
     rewards = _rewards(ro)
-    adv, _ = step.score(ro, rewards, jnp.ones(1))
+    adv = step.score(ro, rewards, jnp.ones(1))[0]["advantages"]
     p_ids, p_mask = jnp.repeat(ro.prompt_ids, G, 0), jnp.repeat(ro.prompt_mask, G, 0)
 
     def loss_fn(p):
@@ -140,6 +142,7 @@ def test_num_iterations_two_is_two_sequential_ppo_updates(model_parts):
         g = jax.grad(lambda q: loss_fn(q)[0])(p)
         p = jax.tree.map(lambda a, b: a - 2.0 * b, p, g)
     new_state, metrics = step.update(state, ro, rewards, jnp.ones(1))
+    metrics = flat_metrics(metrics)
     for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(p), strict=True):
         np.testing.assert_allclose(a, b, atol=5e-5)
     assert int(new_state.step) == 2
@@ -148,7 +151,7 @@ def test_num_iterations_two_is_two_sequential_ppo_updates(model_parts):
 
 def test_update_compiles_once_for_a_fixed_bucket(model_parts):
     graphdef, params = model_parts
-    step = RLOOStep(graphdef, optax.adamw(1e-3), _cfg(beta=0.05))
+    step = Programs(graphdef, optax.adamw(1e-3), _cfg(beta=0.05))
     state = step.init_state(_copy(params), _copy(params))
     rng = np.random.default_rng(0)
     for i in range(3):
@@ -157,14 +160,14 @@ def test_update_compiles_once_for_a_fixed_bucket(model_parts):
         mask = jnp.asarray((np.arange(6)[None] >= 6 - lens[:, None]).astype(np.int32))
         ro = step.rollout(state, ids, mask, jax.random.key(i))
         state, m = step.update(state, ro, _rewards(ro), jnp.ones(1))
-        assert np.isfinite(float(m["loss"]))
-    assert step.rollout._cache_size() == 1
-    assert step.update._cache_size() == 1
+        assert np.isfinite(float(m["update"]["loss"][0]))
+    assert step.rollout_program(2, 6).fn._cache_size() == 1
+    assert step.update_program(2, 6, C, 1).fn._cache_size() == 1
 
 
 def test_sync_reference_mixup(model_parts):
     graphdef, params = model_parts
-    step = RLOOStep(graphdef, optax.sgd(0.1), _cfg(beta=0.1))
+    step = Programs(graphdef, optax.sgd(0.1), _cfg(beta=0.1))
     ref = jax.tree.map(jnp.zeros_like, params)
     state = step.init_state(_copy(params), ref)
     new = step.sync_reference(state, 0.25)
@@ -199,8 +202,8 @@ def test_finish_and_update_at_a_bucket_equal_the_full_width(model_parts):
     graphdef, params = model_parts
     sampling = SamplingConfig(max_new_tokens=16, num_generations=G, temperature=0.9, eos_token_ids=(EOS,),
                               pad_token_id=PAD)
-    cfg = StepConfig(sampling=sampling, rloo=rj.RLOOOptions(beta=0.1), steps_per_generation=2)
-    step = RLOOStep(graphdef, optax.sgd(0.5), cfg)  # sgd: parameter changes are the gradients themselves
+    cfg = StepConfig(sampling=sampling, algorithm=rj.RLOO(beta=0.1), steps_per_generation=2)
+    step = Programs(graphdef, optax.sgd(0.5), cfg)  # sgd: parameter changes are the gradients themselves
     ids, mask = _prompts()
     state = step.init_state(_copy(params), _copy(params))
     sampled = early_ending(step.sample(state, ids, mask, jax.random.key(0)), [2, 5, 0, 4, 3, 1, 5, 2])
@@ -216,7 +219,7 @@ def test_finish_and_update_at_a_bucket_equal_the_full_width(model_parts):
     rewards = _rewards(full)
     out = [step.update(step.init_state(_copy(params), _copy(params)), ro, rewards, jnp.ones((1,))) for ro in
            (full, cut)]
-    (s_full, m_full), (s_cut, m_cut) = out
+    (s_full, m_full), (s_cut, m_cut) = [(s, flat_metrics(m)) for s, m in out]
     for name, value in m_full.items():
         assert float(m_cut[name]) == pytest.approx(float(value), rel=1e-5, abs=1e-6, nan_ok=True), name
     for a, b in zip(jax.tree.leaves(s_full.params), jax.tree.leaves(s_cut.params), strict=True):
@@ -233,12 +236,12 @@ def test_on_policy_gap_metrics_come_from_the_update_forward(model_parts):
     graphdef, params = model_parts
     cfg = _cfg(beta=0.1)
     assert cfg.on_policy and not cfg.recompute
-    step = RLOOStep(graphdef, optax.sgd(0.5), cfg)
+    step = Programs(graphdef, optax.sgd(0.5), cfg)
     state = step.init_state(_copy(params), _copy(params))
     ids, mask = _prompts()
     ro = step.rollout(state, ids, mask, jax.random.key(1))
     assert ro.sampler_logps is None  # old_logps are the sampler's
-    _, metrics = step.update(_copy(state), ro, _rewards(ro), jnp.ones(1))
+    metrics = flat_metrics(step.update(_copy(state), ro, _rewards(ro), jnp.ones(1))[1])
     assert 0.0 < float(metrics[GAP[1]]) <= 1e-5  # float32: rounding only (measured 1.7e-6)
     # a sampler off by a known amount: the metrics are its gap to this training forward
     shift = jnp.asarray(np.random.default_rng(0).normal(0.0, 0.05, size=ro.old_logps.shape), jnp.float32)
@@ -246,7 +249,7 @@ def test_on_policy_gap_metrics_come_from_the_update_forward(model_parts):
     trained = completion_logps(graphdef, params, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                ro.completion_mask, 0.9)
     want = rj.sampling_logp_difference(trained * ro.completion_mask, ro.old_logps, ro.completion_mask)
-    _, metrics = step.update(state, ro, _rewards(ro), jnp.ones(1))
+    metrics = flat_metrics(step.update(state, ro, _rewards(ro), jnp.ones(1))[1])
     for name in GAP:
         assert float(metrics[name]) == pytest.approx(float(want[name]), rel=1e-4), name
 
@@ -256,7 +259,7 @@ def test_recomputed_old_logps_are_the_training_forward_and_the_kl_uses_them(mode
     reference pass; the sampler's log-probs are kept for the gap. With policy == reference the KL is exactly 0."""
     graphdef, params = model_parts
     cfg = dataclasses.replace(_cfg(beta=0.1), recompute_old_logps=True)
-    step = RLOOStep(graphdef, optax.sgd(0.5), cfg)
+    step = Programs(graphdef, optax.sgd(0.5), cfg)
     state = step.init_state(_copy(params), _copy(params))
     ids, mask = _prompts()
     sampled = step.sample(state, ids, mask, jax.random.key(1))
@@ -266,7 +269,7 @@ def test_recomputed_old_logps_are_the_training_forward_and_the_kl_uses_them(mode
                                ro.completion_mask, 0.9) * ro.completion_mask
     np.testing.assert_allclose(ro.old_logps, trained, atol=1e-6)
     np.testing.assert_array_equal(ro.old_logps, ro.ref_logps)  # the same forward of the same numbers
-    _, metrics = step.update(state, ro, _rewards(ro), jnp.ones(1))
+    metrics = flat_metrics(step.update(state, ro, _rewards(ro), jnp.ones(1))[1])
     assert float(metrics["kl"]) == 0.0
     want = rj.sampling_logp_difference(ro.old_logps, ro.sampler_logps, ro.completion_mask)
     for name in GAP:
@@ -278,11 +281,11 @@ def test_importance_sampling_correction_equals_sgd_on_the_weighted_loss(model_pa
     """A sampler whose log-probs are off by a known amount: the update weights each sequence by
     importance_sampling_weights(trainer, sampler) and equals SGD on rloo_loss with those weights."""
     graphdef, params = model_parts
-    rloo = rj.RLOOOptions(beta=0.1, importance_sampling_mode=mode, importance_sampling_clip_min=0.9,
-                          importance_sampling_clip_max=1.1)
+    rloo = rj.RLOO(beta=0.1)
     sampling = SamplingConfig(max_new_tokens=C, num_generations=G, temperature=0.9, eos_token_ids=(EOS,),
                               pad_token_id=PAD)
-    step = RLOOStep(graphdef, optax.sgd(0.5), StepConfig(sampling=sampling, rloo=rloo, recompute_old_logps=True))
+    step = Programs(graphdef, optax.sgd(0.5), StepConfig(
+        sampling=sampling, algorithm=rloo, importance_sampling=rj.ImportanceSampling(mode, 0.9, 1.1)))
     ref_params = jax.tree.map(lambda x: x + 0.01, _copy(params))
     state = step.init_state(_copy(params), ref_params)
     ids, mask = _prompts()
@@ -304,6 +307,7 @@ def test_importance_sampling_correction_equals_sgd_on_the_weighted_loss(model_pa
     grads = jax.grad(direct_loss)(params)
     want = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
     new_state, metrics = step.update(state, ro, rewards, w)
+    metrics = flat_metrics(metrics)
     for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
     for name, value in want_is.items():

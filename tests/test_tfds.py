@@ -29,7 +29,7 @@ from rloo_jax.data import (
 )
 from rloo_jax.errors import DataError
 from rloo_jax.metrics import read_jsonl
-from rloo_jax.train import main
+from rloo_jax.cli import main
 from tests import tfds_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

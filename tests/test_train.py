@@ -12,7 +12,8 @@ import pytest
 
 from rloo_jax import demo
 from rloo_jax.metrics import read_jsonl
-from rloo_jax.train import completion_lengths, crossed, eos_token_ids, lr_schedule, main
+from rloo_jax.cli import main
+from rloo_jax.train import completion_lengths, crossed, eos_token_ids, lr_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the demo, shrunk: 8 prompts x G=4 per step, 8-token completions

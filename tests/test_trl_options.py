@@ -10,16 +10,19 @@ import sys
 import pytest
 import trl
 import yaml
+from trl.scripts.grpo import GRPOScriptArguments
 from trl.scripts.rloo import RLOOScriptArguments
 
-from rloo_jax.config import RLOOConfig, field_names, load_config, parse_argv
+from rloo_jax.cli import main
+from rloo_jax.config import GRPOConfig, RLOOConfig, field_names, load_config, parse_argv
 from rloo_jax.errors import ConfigError
-from rloo_jax.train import main
-from rloo_jax.trl_options import DECISIONS, SOURCES, split_options
+from rloo_jax.trl_options import DECISIONS, GRPO_DECISIONS, GRPO_SOURCES, SOURCES, split_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "pkg.mod:f"]
 CLASSES = (trl.RLOOConfig, trl.ModelConfig, RLOOScriptArguments, trl.DatasetMixtureConfig)
+GRPO_CLASSES = (trl.GRPOConfig, trl.ModelConfig, GRPOScriptArguments, trl.DatasetMixtureConfig)
+TABLES = [(CLASSES, DECISIONS, RLOOConfig, SOURCES), (GRPO_CLASSES, GRPO_DECISIONS, GRPOConfig, GRPO_SOURCES)]
 
 
 def trl_defaults(cls):
@@ -33,32 +36,35 @@ def trl_defaults(cls):
     return out
 
 
-def test_every_trl_option_has_a_decision():
-    assert len(SOURCES) == len(CLASSES)
-    rloo_fields = [f.name for f in dataclasses.fields(trl.RLOOConfig)]
-    assert trl.__version__.startswith("1.16") and len(rloo_fields) >= 160  # ~115 of them from TrainingArguments
-    undecided = sorted({f.name for c in CLASSES for f in dataclasses.fields(c)} - set(DECISIONS))
+@pytest.mark.parametrize("classes, decisions, ours, sources", TABLES, ids=["rloo", "grpo"])
+def test_every_trl_option_has_a_decision(classes, decisions, ours, sources):
+    assert len(sources) == len(classes)
+    own = [f.name for f in dataclasses.fields(classes[0])]
+    assert trl.__version__.startswith("1.16") and len(own) >= 160  # ~115 of them from TrainingArguments
+    undecided = sorted({f.name for c in classes for f in dataclasses.fields(c)} - set(decisions))
     assert undecided == [], f"decide these TRL options in rloo_jax/trl_options.py: {undecided}"
-    stale = sorted(set(DECISIONS) - {f.name for c in CLASSES for f in dataclasses.fields(c)})
+    stale = sorted(set(decisions) - {f.name for c in classes for f in dataclasses.fields(c)})
     assert stale == [], f"not TRL options (any more): {stale}"
 
 
-def test_supported_means_our_field_and_only_then():
-    ours = set(field_names())
-    for name, decision in DECISIONS.items():
+@pytest.mark.parametrize("classes, decisions, ours, sources", TABLES, ids=["rloo", "grpo"])
+def test_supported_means_our_field_and_only_then(classes, decisions, ours, sources):
+    fields = set(field_names(ours))
+    for name, decision in decisions.items():
         if decision.status == "supported":
-            assert name in ours, f"{name} is marked supported but is no RLOOConfig field"
+            assert name in fields, f"{name} is marked supported but is no {ours.__name__} field"
         else:
-            assert name not in ours, f"{name} is an RLOOConfig field now: mark it supported in rloo_jax/trl_options.py"
+            assert name not in fields, f"{name} is a {ours.__name__} field now: mark it supported"
         assert decision.why or decision.status == "supported", name
 
 
-@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
-def test_trl_defaults_ask_for_nothing_refused(cls):
+@pytest.mark.parametrize("cls, decisions, ours", [(c, t[1], t[2]) for t in TABLES for c in t[0]],
+                         ids=lambda x: getattr(x, "__name__", ""))
+def test_trl_defaults_ask_for_nothing_refused(cls, decisions, ours):
     """TRL's default of every accepted or refused option passes: only asking for a missing feature fails."""
     for name, default in trl_defaults(cls).items():
-        if DECISIONS[name].status != "supported":
-            split_options({name: default}, field_names())
+        if decisions[name].status != "supported":
+            split_options({name: default}, field_names(ours), decisions)
 
 
 def test_a_full_trl_config_dump_loads(tmp_path, caplog):
@@ -71,6 +77,31 @@ def test_a_full_trl_config_dump_loads(tmp_path, caplog):
     assert (cfg.output_dir, cfg.gradient_checkpointing, cfg.fsdp, cfg.debug) == (str(tmp_path / "trl"), True, -1, False)
     assert (cfg.learning_rate, cfg.beta, cfg.num_generations, cfg.report_to) == (1e-6, 0.05, 2, [])
     assert "TRL options with no effect here:" in caplog.text and "vllm_mode" in caplog.text
+
+
+def test_a_full_trl_grpo_config_dump_loads_as_grpo(tmp_path, caplog):
+    """`trl.GRPOConfig(...).to_dict()` as a YAML config of `python -m rloo_jax.train grpo`: TRL's GRPO defaults
+    (beta 0, 8 generations, dapo) and its vLLM correction, which counts only with use_vllm."""
+    dump = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), bf16=False, loss_type="cispo", epsilon_high=4.0,
+                          scale_rewards=False).to_dict()
+    path = tmp_path / "trl.yaml"
+    path.write_text(yaml.safe_dump(dump))
+    grpo_required = [*REQUIRED[:2], "--dataset_name", "d", "--reward_funcs", "pkg.mod:f"]
+    with caplog.at_level(logging.WARNING, logger="rloo_jax"):
+        cfg = load_config(["grpo", "--config", str(path), *grpo_required[2:], *grpo_required[:2]])
+    assert isinstance(cfg, GRPOConfig)
+    assert (cfg.beta, cfg.num_generations, cfg.loss_type, cfg.epsilon_high, cfg.scale_rewards) == (
+        0.0, 8, "cispo", 4.0, "none")
+    assert not cfg.importance_sampling_correction  # TRL's default true counts only with use_vllm
+    on = load_config(["grpo", "--config", str(path), *grpo_required[2:], *grpo_required[:2], "--use_vllm", "true",
+                      "--vllm_importance_sampling_mode", "token_truncate"])
+    assert (on.importance_sampling_correction, on.importance_sampling_mode) == (True, "token_truncate")
+    with pytest.raises(ConfigError, match="normalize_advantages is an option of RLOOConfig, not of GRPOConfig"):
+        load_config(["grpo", *grpo_required, "--normalize_advantages", "true"])
+    with pytest.raises(ConfigError, match="the command line names rloo but .* is a grpo config"):
+        (tmp_path / "g.yaml").write_text("algorithm: grpo\n")
+        load_config(["rloo", "--config", str(tmp_path / "g.yaml"), *grpo_required])
+    assert isinstance(load_config(["--config", str(tmp_path / "g.yaml"), *grpo_required]), GRPOConfig)
 
 
 def test_a_trl_yaml_with_its_usual_options_loads(tmp_path, caplog):
@@ -144,3 +175,4 @@ def test_the_tables_are_generated_from_the_decisions():
     assert trl_table.main(["--check"]) == 0, "run python scripts/trl_table.py"
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     assert "| `use_vllm` | refused (`false` accepted) | generation runs on the JAX sampler" in readme
+    assert "| `use_vllm` | accepted: true, false | generation always runs on the JAX sampler" in readme  # GRPO's

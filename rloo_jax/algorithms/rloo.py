@@ -1,4 +1,5 @@
-"""The RLOO algorithm as pure functions: rewards -> KL penalty -> leave-one-out advantages -> clipped objective.
+"""RLOO (TRL 1.16's ``RLOOTrainer``) as pure functions: rewards -> KL penalty in the reward -> leave-one-out
+advantages -> sequence-level clipped objective; and ``RLOO``, the algorithm value the step composes.
 
 Semantics follow TRL 1.16's ``RLOOTrainer`` exactly (see ``shared/DESIGN.md`` section 1). Rows of a batch are
 grouped contiguously: rows ``g*G .. g*G+G-1`` are the G completions of prompt g.
@@ -9,107 +10,27 @@ Shapes: N = B*G completions (B prompts, G completions per prompt), C completion 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import chex
 import jax
 import jax.numpy as jnp
 
+from rloo_jax.algorithms.common import (
+    NORM_EPS,
+    KLEstimator,
+    LossInputs,
+    ScoreInputs,
+    combine_rewards,
+    nanmean,
+    nanstd,
+    reward_metrics,
+    token_kl,
+)
 from rloo_jax.logprobs import masked_mean
 
 Array = jax.Array
-KLEstimator = Literal["k1", "k2", "k3"]
 Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
-ImportanceSamplingMode = Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"]
-
-_NORM_EPS = 1e-4  # TRL adds 1e-4 to the std when normalising
-
-
-# ----------------------------------------------------------------------------------------------- statistics
-
-
-def _nanmean(x: Array, axis: int | None = None, keepdims: bool = False) -> Array:
-    valid = ~jnp.isnan(x)
-    s = jnp.sum(jnp.where(valid, x, 0.0), axis=axis, keepdims=keepdims)
-    return s / jnp.sum(valid, axis=axis, keepdims=keepdims)
-
-
-def nanstd(x: Array, axis: int | None = None, keepdims: bool = False) -> Array:
-    """Bessel-corrected (ddof=1) standard deviation ignoring NaN, as TRL's ``nanstd``.
-
-    ``sqrt(mean((x - mean(x))^2) * n / (n - 1))`` over the non-NaN entries; NaN (0/0) or inf for n <= 1.
-    """
-    valid = ~jnp.isnan(x)
-    mean = _nanmean(x, axis=axis, keepdims=True)
-    var = _nanmean(jnp.where(valid, (x - mean) ** 2, jnp.nan), axis=axis, keepdims=keepdims)
-    n = jnp.sum(valid, axis=axis, keepdims=keepdims)
-    return jnp.sqrt(var * n / (n - 1))
-
-
-# ----------------------------------------------------------------------------------------------- KL
-
-
-def token_kl(per_token_logps: Array, ref_per_token_logps: Array, estimator: KLEstimator = "k1") -> Array:
-    """Per-token estimate of ``KL(pi || pi_ref)`` from samples of pi, with ``d = logp - ref_logp``.
-
-    - ``k1``: ``d`` (unbiased, can be negative; TRL's RLOO),
-    - ``k2``: ``d^2 / 2`` (low variance, biased),
-    - ``k3``: ``exp(-d) - 1 + d`` (unbiased, always >= 0; TRL's GRPO).
-
-    Args:
-      per_token_logps, ref_per_token_logps: ``[N, C]``.
-
-    Returns:
-      ``[N, C]`` float32. Example: ``d = log 2`` -> k1 0.6931, k2 0.2402, k3 0.1931.
-    """
-    chex.assert_equal_shape((per_token_logps, ref_per_token_logps))
-    d = per_token_logps - ref_per_token_logps
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    if estimator == "k3":
-        return jnp.exp(-d) - 1.0 + d
-    raise ValueError(f"kl estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
-
-
-def sequence_kl(
-    per_token_logps: Array, ref_per_token_logps: Array, mask: Array, estimator: KLEstimator = "k1"
-) -> Array:
-    """Sequence KL: ``sum_t token_kl_t * mask_t`` with no length normalisation (TRL's RLOO penalty).
-
-    Args:
-      per_token_logps, ref_per_token_logps, mask: ``[N, C]``.
-
-    Returns:
-      ``[N]`` float32. Example: logps ``[[-1, -2]]``, ref ``[[-1.5, -1]]``, mask ``[[1, 1]]`` -> ``[-0.5]``.
-    """
-    chex.assert_equal_shape((per_token_logps, mask))
-    return jnp.sum(token_kl(per_token_logps, ref_per_token_logps, estimator) * mask, axis=-1)
-
-
-# ----------------------------------------------------------------------------------------------- rewards
-
-
-def combine_rewards(rewards_per_func: Array, weights: Array | None = None) -> Array:
-    """NaN-aware weighted sum of the reward functions: ``r_b = sum_{f: not NaN} w_f * R[b, f]``.
-
-    A row where every function gave NaN (TRL: returned None) is unscorable and stays NaN.
-
-    Args:
-      rewards_per_func: ``[N, F]`` float, NaN for "no reward".
-      weights: ``[F]``, default all ones.
-
-    Returns:
-      ``[N]`` float32. Example: ``[[1, nan], [nan, nan]]``, w ``[2, 1]`` -> ``[2, nan]``.
-    """
-    chex.assert_rank(rewards_per_func, 2)
-    r = rewards_per_func.astype(jnp.float32)
-    w = jnp.ones(r.shape[1], jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
-    chex.assert_shape(w, (r.shape[1],))
-    nan = jnp.isnan(r)
-    total = jnp.sum(jnp.where(nan, 0.0, r * w), axis=1)
-    return jnp.where(jnp.all(nan, axis=1), jnp.nan, total)
 
 
 # ----------------------------------------------------------------------------------------------- advantages
@@ -153,110 +74,7 @@ def normalize_advantages(advantages: Array) -> Array:
       ``[N]``; NaN entries stay NaN. Example: ``[1, 3]`` -> ``[-0.70706, 0.70706]``.
     """
     chex.assert_rank(advantages, 1)
-    return (advantages - _nanmean(advantages)) / (nanstd(advantages) + _NORM_EPS)
-
-
-def grpo_advantages(
-    rewards: Array, num_generations: int, scale: Literal["group", "batch", "none"] = "group"
-) -> Array:
-    """GRPO's group-relative advantages: ``A_i = (r_i - mean_group(r)) / (std + 1e-4)``.
-
-    ``scale="group"`` divides by the group's std (ddof=1, TRL GRPO's default), ``"batch"`` by the std of all the
-    rewards of the batch, ``"none"`` not at all (Dr. GRPO). NaN rows are ignored in the statistics and stay NaN.
-
-    Args:
-      rewards: ``[N]``.
-      num_generations: G.
-
-    Returns:
-      ``[N]`` float32. Example: ``[1, 3, 0, 0]``, G=2, "none" -> ``[-1, 1, 0, 0]``.
-    """
-    chex.assert_rank(rewards, 1)
-    r = rewards.astype(jnp.float32)
-    g = r.reshape(-1, num_generations)
-    a = g - _nanmean(g, axis=1, keepdims=True)
-    if scale == "group":
-        a = a / (nanstd(g, axis=1, keepdims=True) + _NORM_EPS)
-    elif scale == "batch":
-        a = a / (nanstd(r) + _NORM_EPS)
-    elif scale != "none":
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
-    return a.reshape(-1)
-
-
-# ----------------------------------------------------------------------------------------------- sampler vs trainer
-
-
-def sampling_logp_difference(train_logps: Array, sampler_logps: Array, mask: Array) -> dict[str, Array]:
-    """The sampler/trainer gap (TRL GRPO's metrics): ``|train_t - sampler_t|`` over the tokens of ``mask``.
-
-    Two code paths compute the log-prob of each sampled token: the sampler (KV-cache decode) and the training
-    forward (one pass over prompt + completion). With the same parameters they differ only by rounding: ~1e-7 in
-    float32, ~1e-3 in bfloat16 (docs/numerics.md).
-
-    Args:
-      train_logps, sampler_logps, mask: ``[N, C]``.
-
-    Returns:
-      ``{"sampling/sampling_logp_difference/mean": [], ".../max": []}``, both 0 for an empty mask. Example:
-      train ``[[-1, -2]]``, sampler ``[[-1.5, -2]]``, mask ``[[1, 1]]`` -> mean 0.25, max 0.5.
-    """
-    chex.assert_equal_shape((train_logps, sampler_logps, mask))
-    m = mask.astype(jnp.float32)
-    delta = jnp.abs(train_logps - sampler_logps) * m
-    return {
-        "sampling/sampling_logp_difference/mean": jnp.sum(delta) / jnp.maximum(jnp.sum(m), 1.0),
-        "sampling/sampling_logp_difference/max": jnp.max(jnp.where(m > 0, delta, 0.0)),
-    }
-
-
-def importance_sampling_weights(
-    train_logps: Array,
-    sampler_logps: Array,
-    mask: Array,
-    mode: ImportanceSamplingMode = "sequence_mask",
-    clip_min: float | None = None,
-    clip_max: float | None = 3.0,
-) -> tuple[Array, dict[str, Array]]:
-    """Importance-sampling correction between the sampler and the trainer (TRL GRPO's four modes and bounds).
-
-    ``d_t = (train_t - sampler_t) * m_t`` (NaN -> 0). ``sequence_*``: one ratio per sequence
-    ``rho_i = exp(sum_t d_t)``; ``token_*``: ``rho_it = exp(d_t)``. ``*_truncate``: ``clip(rho, clip_min,
-    clip_max)`` (None: that side unbounded); ``*_mask``: ``rho`` where ``clip_min <= rho <= clip_max``, else 0.
-    The loss of each sequence (``sequence_*``) or token (``token_*``) is multiplied by its weight
-    (``clipped_objective(..., importance_weights=)``); no gradient flows through it.
-
-    Args:
-      train_logps: ``[N, C]`` training forward at the sampling parameters; sampler_logps, mask: ``[N, C]``.
-
-    Returns:
-      ``(weights, metrics)``: weights ``[N]`` (sequence modes) or ``[N, C]`` (token modes, 1 outside the mask
-      before bounding); metrics ``sampling/importance_sampling_ratio/min|mean|max`` over the sequences or the
-      masked tokens (0 when there are none). Example: d = ``[[0.1, 0.2]]`` -> sequence_truncate with clip_max 1.2:
-      ``[1.2]`` (exp(0.3) = 1.35 clipped); sequence_mask: ``[0.0]``; token_truncate: ``[[1.105, 1.2]]``.
-    """
-    chex.assert_equal_shape((train_logps, sampler_logps, mask))
-    m = mask.astype(jnp.float32)
-    d = jnp.nan_to_num(jax.lax.stop_gradient(train_logps - sampler_logps) * m, nan=0.0)
-    sequence = mode.startswith("sequence_")
-    rho = jnp.exp(jnp.sum(d, axis=1) if sequence else d)
-    lo = -jnp.inf if clip_min is None else clip_min
-    hi = jnp.inf if clip_max is None else clip_max
-    if mode.endswith("_truncate"):
-        rho = jnp.clip(rho, lo, hi)
-    elif mode.endswith("_mask"):
-        rho = jnp.where((rho >= lo) & (rho <= hi), rho, 0.0)
-    else:
-        raise ValueError(f"importance sampling mode must be one of {ImportanceSamplingMode.__args__}, got {mode!r}")
-    counted = jnp.ones_like(rho) if sequence else m
-    n = jnp.sum(counted)
-    metrics = {
-        "sampling/importance_sampling_ratio/min": jnp.where(n > 0, jnp.min(jnp.where(counted > 0, rho, jnp.inf)), 0.0),
-        "sampling/importance_sampling_ratio/mean": jnp.sum(rho * counted) / jnp.maximum(n, 1.0),
-        "sampling/importance_sampling_ratio/max": jnp.where(n > 0, jnp.max(jnp.where(counted > 0, rho, -jnp.inf)),
-                                                            0.0),
-    }
-    return rho, metrics
+    return (advantages - nanmean(advantages)) / (nanstd(advantages) + NORM_EPS)
 
 
 # ----------------------------------------------------------------------------------------------- objective
@@ -364,35 +182,6 @@ def clipped_objective(
 # ----------------------------------------------------------------------------------------------- end to end
 
 
-@dataclasses.dataclass(frozen=True)
-class RLOOOptions:
-    """The RLOO knobs (TRL ``RLOOConfig`` names). Frozen and hashable: pass as a static argument to ``jax.jit``."""
-
-    beta: float = 0.05
-    """KL coefficient; the penalty ``beta * KL`` is subtracted from the reward (0 disables the reference)."""
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    normalize_advantages: bool = False
-    reward_clip_range: tuple[float, float] | None = None
-    mask_truncated_completions: bool = False
-    missing_eos_penalty: float | None = None
-    """Old TRL: subtracted from the score of completions that did not end with EOS."""
-    kl_estimator: KLEstimator = "k1"
-    token_level_kl: bool = False
-    """False (TRL 1.16): the sequence KL is a reward penalty. True: the per-token KL (``kl_estimator``) is added to the
-    loss instead, ``beta * mean_tokens(token_kl)``, with its gradient (GRPO-style KL-in-loss)."""
-    level: Literal["sequence", "token"] = "sequence"
-    aggregation: Aggregation = "grpo"
-    importance_sampling_mode: ImportanceSamplingMode | None = None
-    """Sampler/trainer importance-sampling correction (``importance_sampling_weights``); None: off."""
-    importance_sampling_clip_min: float | None = None
-    importance_sampling_clip_max: float | None = 3.0
-
-    @property
-    def kl_in_reward(self) -> bool:
-        return self.beta != 0.0 and not self.token_level_kl
-
-
 def score_completions(
     rewards_per_func: Array,
     completion_mask: Array,
@@ -402,7 +191,7 @@ def score_completions(
     *,
     num_generations: int,
     reward_weights: Array | None = None,
-    options: RLOOOptions = RLOOOptions(),
+    options: RLOO | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Generation-time half of TRL's RLOO: rewards -> (clip) -> KL penalty -> leave-one-out -> (normalise).
 
@@ -416,15 +205,16 @@ def score_completions(
       is_truncated: ``[N]`` bool.
       old_per_token_logps: ``[N, C]`` generation-time policy log-probs (needed when beta > 0).
       ref_per_token_logps: ``[N, C]`` reference log-probs, or None when beta == 0.
+      options: the ``RLOO`` knobs (default ``RLOO()``).
 
     Returns:
       ``(advantages [N], metrics)`` with TRL's names ``reward``, ``reward_std``, ``kl`` (masked token mean),
       ``frac_reward_zero_std``, ``rewards/<f>/mean|std`` (f = function index), ``advantage_abs_mean``.
     """
+    options = RLOO() if options is None else options
     chex.assert_rank(rewards_per_func, 2)
     mask = completion_mask.astype(jnp.float32)
-    raw = combine_rewards(rewards_per_func, reward_weights)
-    rewards = raw
+    rewards = combine_rewards(rewards_per_func, reward_weights)
     if options.missing_eos_penalty is not None:
         rewards = rewards - options.missing_eos_penalty * is_truncated.astype(jnp.float32)
     if options.reward_clip_range is not None:
@@ -449,15 +239,7 @@ def score_completions(
     if options.normalize_advantages:
         adv = normalize_advantages(adv)
     adv = jnp.nan_to_num(adv, nan=0.0)
-
-    for f in range(rewards_per_func.shape[1]):
-        col = rewards_per_func[:, f].astype(jnp.float32)
-        metrics[f"rewards/{f}/mean"] = _nanmean(col)
-        metrics[f"rewards/{f}/std"] = nanstd(col)
-    metrics["reward"] = _nanmean(raw)
-    metrics["reward_std"] = nanstd(raw)
-    # torch.isclose(std, 0) with its default atol=1e-8, rtol=1e-5
-    metrics["frac_reward_zero_std"] = jnp.mean((jnp.abs(group_std) <= 1e-8).astype(jnp.float32))
+    metrics.update(reward_metrics(rewards_per_func, reward_weights, group_std))
     metrics["advantage_abs_mean"] = jnp.mean(jnp.abs(adv))
     return adv, metrics
 
@@ -472,7 +254,7 @@ def rloo_loss(
     *,
     num_generations: int,
     reward_weights: Array | None = None,
-    options: RLOOOptions = RLOOOptions(),
+    options: RLOO | None = None,
     importance_weights: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """TRL 1.16's RLOO end to end on one batch: ``score_completions`` then ``clipped_objective``.
@@ -494,6 +276,7 @@ def rloo_loss(
     Returns:
       ``(loss [], metrics)``: the union of ``score_completions`` and ``clipped_objective`` metrics, plus ``loss``.
     """
+    options = RLOO() if options is None else options
     mask = completion_mask.astype(jnp.float32)
     if options.mask_truncated_completions:
         mask = mask * (~is_truncated)[:, None].astype(jnp.float32)
@@ -534,3 +317,70 @@ def kl_loss(per_token_logps: Array, ref_per_token_logps: Array, mask: Array, est
     """
     per_token = token_kl(per_token_logps, jax.lax.stop_gradient(ref_per_token_logps), estimator)
     return jnp.mean(masked_mean(per_token, mask, axis=1))
+
+
+# ----------------------------------------------------------------------------------------------- the algorithm
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOO:
+    """TRL 1.16's RLOO as the value the step composes: its knobs (TRL ``RLOOConfig`` names; frozen and hashable,
+    so it can be a static argument of ``jax.jit``) and its two functions, ``score`` (generation time: rewards and
+    the KL penalty -> leave-one-out advantages) and ``loss`` (one micro-batch: the clipped objective)."""
+
+    beta: float = 0.05
+    """KL coefficient; the penalty ``beta * KL`` is subtracted from the reward (0 disables the reference)."""
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    normalize_advantages: bool = False
+    reward_clip_range: tuple[float, float] | None = None
+    mask_truncated_completions: bool = False
+    """Truncated completions (no EOS) get an all-zero mask; their reward still enters their siblings' baselines."""
+    missing_eos_penalty: float | None = None
+    """Old TRL: subtracted from the score of completions that did not end with EOS."""
+    kl_estimator: KLEstimator = "k1"
+    token_level_kl: bool = False
+    """False (TRL 1.16): the sequence KL is a reward penalty. True: the per-token KL (``kl_estimator``) is added to the
+    loss instead, ``beta * mean_tokens(token_kl)``, with its gradient (GRPO-style KL-in-loss)."""
+    level: Literal["sequence", "token"] = "sequence"
+    aggregation: Aggregation = "grpo"
+
+    needs_values = False  # no value model
+    entropy_grad = False  # the loss does not differentiate the entropy
+
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.beta != 0.0 and not self.token_level_kl
+
+    @property
+    def needs_reference(self) -> bool:
+        """Reference log-probs at generation time (beta != 0); beta == 0 loads no reference at all."""
+        return self.beta != 0.0
+
+    def score(self, batch: ScoreInputs) -> tuple[dict[str, Array], dict[str, Array]]:
+        """``score_completions``: ``({"advantages": [N]}, metrics)``."""
+        adv, metrics = score_completions(
+            batch.rewards_per_func, batch.mask, batch.is_truncated, batch.old_logps, batch.ref_logps,
+            num_generations=batch.num_generations, reward_weights=batch.reward_weights, options=self,
+        )
+        return {"advantages": adv}, metrics
+
+    def loss(self, batch: LossInputs) -> tuple[Array, dict[str, Array], dict[str, Array]]:
+        """``clipped_objective`` on one micro-batch (+ ``beta * kl_loss`` with ``token_level_kl``); the sampler/
+        trainer correction ``batch.is_weights`` scales each sequence's (token's) loss. No state to update."""
+        loss, metrics = clipped_objective(
+            batch.logps, batch.old_logps, batch.advantages, batch.mask, self.epsilon, self.epsilon_high, self.level,
+            self.aggregation, importance_weights=batch.is_weights,
+        )
+        if self.beta != 0.0 and self.token_level_kl:
+            loss = loss + self.beta * kl_loss(batch.logps, batch.ref_logps, batch.mask, self.kl_estimator)
+        return loss, metrics, {}
+
+    def init_state(self) -> Any:
+        return None
+
+    def next_state(self, state: Any, stats: dict[str, Array]) -> tuple[Any, dict[str, Array]]:
+        return state, {}
+
+
+RLOOOptions = RLOO  # the research API's earlier name

@@ -1,0 +1,47 @@
+"""What makes RLOO, GRPO and PPO different, as pure functions; the step (``rloo_jax.step``) composes them.
+
+An algorithm is a small frozen value (``RLOO(...)``, ``GRPO(...)``) holding its knobs under TRL's names, with:
+
+- ``score(ScoreInputs) -> (targets, metrics)``: generation time, once per generation batch: rewards (and the
+  behaviour / reference log-probs) -> per-row targets the update reads, ``{"advantages": [N]}`` (or ``[N, C]``);
+- ``loss(LossInputs) -> (loss, metrics, stats)``: one micro-batch of an optimizer step, differentiated by the
+  update; ``stats`` are summed over the step's micro-batches and handed to ``next_state``;
+- ``init_state() -> state`` and ``next_state(state, stats) -> (state, step_metrics)``: what the algorithm carries
+  from one optimizer step to the next in the train state (GRPO's adaptive entropy coefficient; None for RLOO);
+- ``needs_reference`` (reference log-probs at generation time), ``needs_values`` (a value model),
+  ``entropy_grad`` (the loss differentiates the entropy), ``mask_truncated_completions``.
+
+The step holds no algorithm name: the same rollout and update programs run any value with this interface.
+"""
+
+from typing import Any, Protocol
+
+import jax
+
+from rloo_jax.algorithms.common import LossInputs, ScoreInputs
+from rloo_jax.algorithms.grpo import GRPO
+from rloo_jax.algorithms.rloo import RLOO, RLOOOptions
+
+
+class Algorithm(Protocol):
+    """The interface the step composes (see the module docstring)."""
+
+    needs_values: bool
+    mask_truncated_completions: bool
+
+    @property
+    def needs_reference(self) -> bool: ...
+
+    @property
+    def entropy_grad(self) -> bool: ...
+
+    def score(self, batch: ScoreInputs) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]: ...
+
+    def loss(self, batch: LossInputs) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]: ...
+
+    def init_state(self) -> Any: ...
+
+    def next_state(self, state: Any, stats: dict[str, jax.Array]) -> tuple[Any, dict[str, jax.Array]]: ...
+
+
+__all__ = ["GRPO", "RLOO", "Algorithm", "LossInputs", "RLOOOptions", "ScoreInputs"]

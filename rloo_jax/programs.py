@@ -1,0 +1,375 @@
+"""The compiled programs of a training step, as values the training loop calls and ``--compile_only`` lowers.
+
+A ``Program`` is a jitted function (with its input and output shardings on a mesh) together with its abstract
+inputs (``ShapeDtypeStruct``s with those shardings): ``program(*args)`` runs it, ``program.lower()`` compiles it
+ahead of time (the TPU compiler in compile-only mode; a background thread during the first rollout). ``Programs``
+builds them, once per batch shape, from the step's traced functions (``rloo_jax.step.Step``: any algorithm),
+the optax transform, and the mesh:
+
+    programs = Programs(graphdef, optimizer, StepConfig(sampling, algorithm=GRPO(...)), mesh=mesh)
+    state = programs.init_state(params, ref_params)          # placed on its shardings
+    sample = programs.sample_program(B, P)                    # Program: (state, ids, mask, key) -> Rollout
+    update = programs.update_program(B, P, width, F)          # Program: (state, rollout, rewards, w) -> ...
+    state, metrics = update(state, finish(state, sample(state, ids, mask, key)), rewards, w)
+    update.lower().compile()                                  # what compile-only does
+
+``mesh=None``: plain ``jax.jit`` on the default device. With a ``mesh`` (``rloo_jax.mesh.make_mesh``) parameters and
+optimizer state are laid out by the rule table of ``rloo_jax.mesh`` (FSDP + tensor parallel; XLA gathers each
+layer's weights where it is used, never the whole model on one device), batches over data x fsdp, scalars
+replicated; ``update`` donates the state. Multi-process: pass global arrays
+(``rloo_jax.mesh.host_local_batch_to_global`` for per-process rows, ``replicate`` for keys and weights).
+
+Shapes: B prompts, G generations, N = B*G completions, P prompt length, C completion width, F reward functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from rloo_jax.mesh import LOGICAL_RULES, Rules, batch_sharding, replicate, replicated, shard_params, state_shardings
+from rloo_jax.sampling import SamplingConfig
+from rloo_jax.step import Rollout, Step, StepConfig, TrainState
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program: ``fn`` (jitted, with its shardings) and ``args``, abstract inputs of the shapes and
+    shardings it is called with. ``program(*arrays)`` runs it; ``program.lower()`` lowers it for those inputs
+    (``.compile()`` then compiles it: on the same backend, the later call reuses the executable)."""
+
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def lower(self) -> jax.stages.Lowered:
+        return self.fn.lower(*self.args)
+
+
+class Programs:
+    """Builds and caches the step's programs for one (model, algorithm, mesh); also calls them on arrays
+    (``rollout``, ``sample``, ``finish``, ``longest``, ``score``, ``update``, ``sync_reference``: the program for
+    the arguments' shapes).
+
+    LoRA: ``graphdef`` is the model with adapters, ``ref_graphdef`` the same model without them; ``init_state``
+    then takes the adapters as ``params`` and the base as ``frozen`` (also the reference). ``rollout_mesh``: the
+    sampler's own mesh over the mesh's devices (``rloo_jax.mesh.reshaped``, e.g. tensor-parallel decode where
+    training is FSDP); the sampling program moves the policy's weights into its layout once per call and hands its
+    outputs back in the training layout. None: the training mesh.
+    """
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        optimizer: optax.GradientTransformation,
+        cfg: StepConfig,
+        mesh: jax.sharding.Mesh | None = None,
+        rules: Rules | None = None,
+        ref_graphdef: nnx.GraphDef | None = None,
+        rollout_mesh: jax.sharding.Mesh | None = None,
+    ) -> None:
+        self.step = Step(graphdef, optimizer, cfg, mesh, ref_graphdef, rollout_mesh)
+        self.graphdef, self.optimizer, self.cfg, self.mesh = graphdef, optimizer, cfg, mesh
+        self.rules = LOGICAL_RULES if rules is None else rules
+        self.state_shardings: TrainState | None = None  # fixed by init_state / abstract_state on a mesh
+        self.state_abstract: TrainState | None = None  # the state as ShapeDtypeStructs (with its shardings)
+        self._jits: dict[tuple, Callable] = {}
+        self._programs: dict[tuple, Program] = {}
+
+    # -- the state ----------------------------------------------------------------------------------------------
+    def init_state(
+        self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None
+    ) -> TrainState:
+        """A fresh state; ``ref_params`` is required when the algorithm needs a reference (usually a copy of the
+        initial policy), unless ``frozen`` is given (LoRA: ``params`` are the adapters, ``frozen`` the base, which
+        is the reference). With a mesh the state is created directly on its shardings."""
+        ref_params = self._check_reference(ref_params, frozen)
+        self.abstract_state(params, ref_params, frozen)
+        if self.mesh is None:
+            return self.step.new_state(params, ref_params, frozen)
+        shardings = self.state_shardings
+        params = shard_params(params, shardings.params)
+        return TrainState(
+            params=params,
+            opt_state=jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params),
+            ref_params=None if ref_params is None else shard_params(ref_params, shardings.ref_params),
+            step=replicate(np.zeros((), np.int32), self.mesh),
+            frozen=None if frozen is None else shard_params(frozen, shardings.frozen),
+            algo_state=replicate(jax.device_get(self.step.algorithm.init_state()), self.mesh),
+        )
+
+    def abstract_state(
+        self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None
+    ) -> TrainState:
+        """The state ``init_state`` would build, as ``ShapeDtypeStruct`` leaves (with their shardings on a mesh),
+        for ahead-of-time compilation without any parameter in memory. ``params``/``ref_params``/``frozen`` may
+        themselves be abstract (``nnx.eval_shape``). Fixes the state's shardings the programs take."""
+        ref_params = ref_params if self.step.keeps_reference(frozen) else None
+        abstract = jax.eval_shape(self.step.new_state, params, ref_params, frozen)
+        if self.mesh is not None:
+            self.state_shardings = state_shardings(abstract, self.mesh, self.rules)
+            self.step.grad_shardings = self.state_shardings.params
+            abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                    self.state_shardings)
+        self.state_abstract = abstract
+        return abstract
+
+    def _check_reference(self, ref_params: nnx.State | None, frozen: nnx.State | None) -> nnx.State | None:
+        """The reference to keep: None when the algorithm needs none or the frozen base is the reference (LoRA)."""
+        if not self.step.keeps_reference(frozen):
+            return None
+        if ref_params is None:
+            raise ValueError("this algorithm (beta != 0) needs ref_params (a frozen copy of the initial policy)")
+        return ref_params
+
+    # -- shardings and abstract batches -------------------------------------------------------------------------
+    def _state(self) -> TrainState:
+        if self.state_abstract is None:
+            raise RuntimeError("Programs: call init_state (or abstract_state) first: it fixes the state's layout")
+        return self.state_abstract
+
+    def _sharding(self, rows: int) -> NamedSharding | None:
+        return None if self.mesh is None else batch_sharding(self.mesh, (rows,))
+
+    def _replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else replicated(self.mesh)
+
+    def _rollout_shardings(self, num_prompts: int, finished: bool) -> Rollout:
+        """A ``Rollout`` of shardings: prompts ``[B, ..]`` and completions ``[N, ..]`` over data x fsdp (rows only:
+        any width); ``finished``: as ``finish`` returns it (reference log-probs when the algorithm needs them, the
+        sampler's own when the old ones are recomputed), else as ``sample`` returns it."""
+        b, n = self._sharding(num_prompts), self._sharding(num_prompts * self.cfg.num_generations)
+        return Rollout(
+            prompt_ids=b, prompt_mask=b, completion_ids=n, completion_mask=n, is_truncated=n, old_logps=n,
+            ref_logps=n if self.cfg.algorithm.needs_reference and finished else None,
+            sampler_logps=n if self.cfg.recompute and finished else None,
+        )
+
+    def _sds(self, shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    def _abstract_rollout(self, num_prompts: int, prompt_len: int, width: int, finished: bool) -> Rollout:
+        b, p, n = num_prompts, prompt_len, num_prompts * self.cfg.num_generations
+        sh = self._rollout_shardings(num_prompts, finished)
+        i32, f32 = jnp.int32, jnp.float32
+        return Rollout(
+            prompt_ids=self._sds((b, p), i32, sh.prompt_ids), prompt_mask=self._sds((b, p), i32, sh.prompt_mask),
+            completion_ids=self._sds((n, width), i32, sh.completion_ids),
+            completion_mask=self._sds((n, width), i32, sh.completion_mask),
+            is_truncated=self._sds((n,), jnp.bool_, sh.is_truncated),
+            old_logps=self._sds((n, width), f32, sh.old_logps),
+            ref_logps=None if sh.ref_logps is None else self._sds((n, width), f32, sh.ref_logps),
+            sampler_logps=None if sh.sampler_logps is None else self._sds((n, width), f32, sh.sampler_logps),
+        )
+
+    def _key(self) -> jax.ShapeDtypeStruct:
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return self._sds(key.shape, key.dtype, self._replicated())
+
+    def _jit(self, key: tuple, make: Callable[[], Callable]) -> Callable:
+        """One jitted function per (program, shardings): on a mesh the shardings depend on the batch sizes."""
+        if key not in self._jits:
+            self._jits[key] = make()
+        return self._jits[key]
+
+    def _on_mesh(self, f: Callable) -> Callable:
+        """``f`` traced under the mesh, so the model's activation constraints (``rloo_jax.mesh.constrain``) apply."""
+        if self.mesh is None:
+            return f
+
+        def traced(*args: object) -> object:
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return f(*args)
+
+        return traced
+
+    def _program(self, key: tuple, make: Callable[[], Program]) -> Program:
+        if key not in self._programs:
+            self._programs[key] = make()
+        return self._programs[key]
+
+    # -- the programs -------------------------------------------------------------------------------------------
+    def sample_program(self, num_prompts: int, prompt_len: int, sampling: SamplingConfig | None = None) -> Program:
+        """``(state, prompt_ids [B, P], prompt_mask [B, P], key) -> Rollout`` (``max_new_tokens`` wide, no reference
+        log-probs). ``sampling``: other sampler options (evaluation), default the step's."""
+        sc = self.cfg.sampling if sampling is None else sampling
+
+        def make() -> Program:
+            b = self._sharding(num_prompts)
+            fn = self._jit(("sample", b, sc), lambda: jax.jit(
+                self._on_mesh(lambda s, i, m, k: self.step.sample(s, i, m, k, sc)),
+                in_shardings=None if self.mesh is None else (self.state_shardings, b, b, self._replicated()),
+                out_shardings=None if self.mesh is None else self._sampled_shardings(num_prompts, sc),
+            ))
+            ids = self._sds((num_prompts, prompt_len), jnp.int32, b)
+            return Program("sample", fn, (self._state(), ids, ids, self._key()))
+
+        return self._program(("sample", num_prompts, prompt_len, sc), make)
+
+    def _sampled_shardings(self, num_prompts: int, sc: SamplingConfig) -> Rollout:
+        if sc.num_generations == self.cfg.num_generations:
+            return self._rollout_shardings(num_prompts, finished=False)
+        b, n = self._sharding(num_prompts), self._sharding(num_prompts * sc.num_generations)
+        return Rollout(prompt_ids=b, prompt_mask=b, completion_ids=n, completion_mask=n, is_truncated=n,
+                       old_logps=n, ref_logps=None)
+
+    def finish_program(self, num_prompts: int, prompt_len: int, width: int) -> Program:
+        """``(state, sampled Rollout) -> Rollout`` cut to ``width`` completion positions, with the reference (and
+        recomputed old) log-probs."""
+
+        def make() -> Program:
+            ro_in = self._rollout_shardings(num_prompts, finished=False)
+            fn = self._jit(("finish", ro_in.completion_ids, width), lambda: jax.jit(
+                self._on_mesh(lambda s, r: self.step.finish(s, r, width)),
+                in_shardings=None if self.mesh is None else (self.state_shardings, ro_in),
+                out_shardings=None if self.mesh is None else self._rollout_shardings(num_prompts, finished=True),
+            ))
+            sampled = self._abstract_rollout(num_prompts, prompt_len, self.cfg.sampling.max_new_tokens, False)
+            return Program("finish", fn, (self._state(), sampled))
+
+        return self._program(("finish", num_prompts, prompt_len, width), make)
+
+    def rollout_program(self, num_prompts: int, prompt_len: int) -> Program:
+        """``finish(sample(...), max_new_tokens)`` in one program: ``(state, ids, mask, key) -> Rollout``."""
+
+        def make() -> Program:
+            b = self._sharding(num_prompts)
+            fn = self._jit(("rollout", b), lambda: jax.jit(
+                self._on_mesh(self.step.rollout),
+                in_shardings=None if self.mesh is None else (self.state_shardings, b, b, self._replicated()),
+                out_shardings=None if self.mesh is None else self._rollout_shardings(num_prompts, finished=True),
+            ))
+            ids = self._sds((num_prompts, prompt_len), jnp.int32, b)
+            return Program("rollout", fn, (self._state(), ids, ids, self._key()))
+
+        return self._program(("rollout", num_prompts, prompt_len), make)
+
+    def longest_program(self, num_prompts: int) -> Program:
+        """``completion_ids [N, C] -> []``: the longest EOS-cut completion, replicated."""
+
+        def make() -> Program:
+            fn = self._jit(("longest",), lambda: jax.jit(self.step.longest, out_shardings=self._replicated()))
+            n, c = num_prompts * self.cfg.num_generations, self.cfg.sampling.max_new_tokens
+            return Program("longest", fn, (self._sds((n, c), jnp.int32, self._sharding(n)),))
+
+        return self._program(("longest", num_prompts), make)
+
+    def _rewards(self, num_prompts: int, num_rewards: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        n = num_prompts * self.cfg.num_generations
+        return (self._sds((n, num_rewards), jnp.float32, self._sharding(n)),
+                self._sds((num_rewards,), jnp.float32, self._replicated()))
+
+    def score_program(self, num_prompts: int, prompt_len: int, width: int, num_rewards: int) -> Program:
+        """``(rollout, rewards_per_func [N, F], reward_weights [F]) -> (targets, metrics)``: the algorithm's
+        advantages (what the rollout records show) and the generation metrics."""
+
+        def make() -> Program:
+            ro = self._rollout_shardings(num_prompts, finished=True)
+            n, rep = ro.completion_ids, self._replicated()
+            fn = self._jit(("score", n), lambda: jax.jit(
+                self._on_mesh(self.step.score),
+                in_shardings=None if self.mesh is None else (ro, n, rep),
+                out_shardings=None if self.mesh is None else (n, rep),
+            ))
+            rewards, weights = self._rewards(num_prompts, num_rewards)
+            return Program("score", fn, (self._abstract_rollout(num_prompts, prompt_len, width, True), rewards,
+                                         weights))
+
+        return self._program(("score", num_prompts, prompt_len, width, num_rewards), make)
+
+    def update_program(self, num_prompts: int, prompt_len: int, width: int, num_rewards: int) -> Program:
+        """``(state, rollout, rewards_per_func [N, F], reward_weights [F]) -> (state, metrics)``; donates the
+        state. ``metrics``: ``Step.update``'s (``generation`` / ``micro`` / ``update``)."""
+
+        def make() -> Program:
+            ro = self._rollout_shardings(num_prompts, finished=True)
+            n, rep = ro.completion_ids, self._replicated()
+            fn = self._jit(("update", n), lambda: jax.jit(
+                self._on_mesh(self.step.update),
+                in_shardings=None if self.mesh is None else (self.state_shardings, ro, n, rep),
+                out_shardings=None if self.mesh is None else (self.state_shardings, rep),
+                donate_argnums=0,
+            ))
+            rewards, weights = self._rewards(num_prompts, num_rewards)
+            return Program("update", fn, (self._state(), self._abstract_rollout(num_prompts, prompt_len, width, True),
+                                          rewards, weights))
+
+        return self._program(("update", num_prompts, prompt_len, width, num_rewards), make)
+
+    def sync_reference_program(self, alpha: float) -> Program:
+        """``state -> state`` with the reference moved towards the policy (TR-DPO)."""
+
+        def make() -> Program:
+            fn = self._jit(("sync_reference", alpha), lambda: jax.jit(
+                lambda s: self.step.sync_reference(s, alpha),
+                in_shardings=None if self.mesh is None else (self.state_shardings,),
+                out_shardings=self.state_shardings,
+            ))
+            return Program("sync_reference", fn, (self._state(),))
+
+        return self._program(("sync_reference", alpha), make)
+
+    # -- calls on arrays (the program for their shapes) ---------------------------------------------------------
+    def rollout(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array) -> Rollout:
+        return self.rollout_program(*prompt_ids.shape)(state, prompt_ids, prompt_mask, key)
+
+    def sample(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array,
+               sampling: SamplingConfig | None = None) -> Rollout:
+        return self.sample_program(*prompt_ids.shape, sampling)(state, prompt_ids, prompt_mask, key)
+
+    def finish(self, state: TrainState, rollout: Rollout, width: int) -> Rollout:
+        return self.finish_program(*rollout.prompt_ids.shape, width)(state, rollout)
+
+    def longest(self, rollout: Rollout) -> int:
+        """The generation batch's longest completion, EOS included (``max_new_tokens`` when one has no EOS): the
+        width ``finish`` must keep (``completion_width``). One small program; every process gets the value."""
+        ids = rollout.completion_ids
+        out = self.longest_program(ids.shape[0] // self.cfg.num_generations)(ids)
+        return int(np.asarray(out.addressable_data(0) if self.mesh is not None else out))
+
+    def score(self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
+              ) -> tuple[dict[str, Array], dict[str, Array]]:
+        b, p = rollout.prompt_ids.shape
+        program = self.score_program(b, p, rollout.completion_ids.shape[1], reward_weights.shape[0])
+        return program(rollout, rewards_per_func, reward_weights)
+
+    def update(self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
+               ) -> tuple[TrainState, dict[str, Any]]:
+        b, p = rollout.prompt_ids.shape
+        program = self.update_program(b, p, rollout.completion_ids.shape[1], reward_weights.shape[0])
+        return program(state, rollout, rewards_per_func, reward_weights)
+
+    def sync_reference(self, state: TrainState, alpha: float) -> TrainState:
+        return self.sync_reference_program(alpha)(state)
+
+    def compile_update(self, prompt_shape: tuple[int, int], num_rewards: int, width: int | None = None) -> None:
+        """Compile ``update`` for prompts ``[B, P]`` (completions ``width`` wide, default ``max_new_tokens``) before
+        its first call; that call then reuses the executable. The trainer runs this in a thread while the first
+        rollout compiles and runs: XLA compiles the two programs on two cores at once."""
+        width = width or self.cfg.sampling.max_new_tokens
+        self.update_program(*prompt_shape, width, num_rewards).lower().compile()
+
+
+def flat_metrics(metrics: dict[str, Any]) -> dict[str, Array]:
+    """``Step.update``'s metrics as one flat dict of scalars for a whole generation batch (tests, benchmarks and
+    the research API): the generation metrics, each micro-batch metric and each update metric reduced over the
+    batch's updates (``rloo_jax.step.reduce_metric``; ``grad_norm``: its mean)."""
+    from rloo_jax.step import reduce_metric
+
+    out = dict(metrics["generation"])
+    for group in ("micro", "update"):
+        out.update({name: reduce_metric(name, v) for name, v in metrics[group].items()})
+    return out
