@@ -64,7 +64,7 @@ def count_recompiles(model_dir: str, data: str, steps: int) -> dict:
     """Compiles/traces in steps 2..steps of one in-process training run."""
     import jax
 
-    from rloo_jax import step as step_mod
+    from rloo_jax import programs as programs_mod
     from rloo_jax import train as train_mod
     from rloo_jax.config import load_config
 
@@ -76,7 +76,7 @@ def count_recompiles(model_dir: str, data: str, steps: int) -> dict:
         if event in (COMPILE, TRACE):
             events.append((time.perf_counter(), event))
 
-    original_init = step_mod.RLOOStep.__init__
+    original_init = programs_mod.Programs.__init__
 
     def init(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
         original_init(self, *args, **kwargs)
@@ -89,22 +89,22 @@ def count_recompiles(model_dir: str, data: str, steps: int) -> dict:
             return out
 
         self.update = timed_update
-        rollout = self.rollout
+        sample = self.sample
 
-        def timed_rollout(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        def timed_sample(*a, **k):  # noqa: ANN002, ANN003, ANN202
             rollout_started.append(time.perf_counter())
-            return rollout(*a, **k)
+            return sample(*a, **k)
 
-        self.rollout = timed_rollout
+        self.sample = timed_sample
 
     jax.monitoring.register_event_duration_secs_listener(listener)
-    step_mod.RLOOStep.__init__ = init
+    programs_mod.Programs.__init__ = init
     try:
         with tempfile.TemporaryDirectory() as out:
             cfg = load_config(train_argv(model_dir, data, out, steps, cache=False, cache_dir=None))
             train_mod.train(cfg)
     finally:
-        step_mod.RLOOStep.__init__ = original_init
+        programs_mod.Programs.__init__ = original_init
         jax.monitoring.unregister_event_duration_listener(listener)
     # step 1 = everything up to the second rollout call (its update, logging and first metric reads included)
     lo, hi = rollout_started[1], update_done[-1]

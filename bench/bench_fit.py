@@ -8,8 +8,12 @@ rollout, the update and the step (compiler-measured efficiency, BENCHMARKS.md), 
 seconds of each program. Settings (the Scale issue's): G=8, per_device_train_batch_size 8, steps_per_generation 4,
 prompt 256, completion 1024, beta 0.04, bf16 compute, fsdp over all chips.
 
-    .venv/bin/python bench/bench_fit.py [--models Qwen2.5-1.5B ...] [--slices v5e-8 ...]
+    .venv/bin/python bench/bench_fit.py [--algorithm grpo] [--models Qwen2.5-1.5B ...] [--slices v5e-8 ...]
         [--args "--remat_policy minimal"] [--layers 8 16 32] [--json out.json]
+
+`--algorithm grpo` compiles GRPO's programs (TRL's GRPO defaults: loss_type dapo; pass --args "--beta 0" for its
+default of no reference model). Every row also gives the estimated tokens per second per chip (prompt + completion
+tokens of a step at the compiled lengths / estimated step time / chips: NeMo-RL's measure).
 
 `--layers` truncates each model to that many blocks (compile time against depth: README's "flat in depth").
 """
@@ -34,8 +38,9 @@ SETTINGS = ["--num_generations", "8", "--per_device_train_batch_size", "8", "--s
             "--beta", "0.04", "--bf16", "true", "--reward_funcs", "format"]
 
 
-def run(model_dir: Path, data: Path, slice_name: str, out: Path, extra: list[str]) -> tuple[dict, float, int]:
-    cmd = [sys.executable, "-m", "rloo_jax.train", "--compile_only", "--topology", slice_name,
+def run(model_dir: Path, data: Path, slice_name: str, out: Path, extra: list[str], algorithm: str = "rloo"
+        ) -> tuple[dict, float, int]:
+    cmd = [sys.executable, "-m", "rloo_jax.train", algorithm, "--compile_only", "--topology", slice_name,
            "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--output_dir", str(out),
            *SETTINGS, *extra]
     t0 = time.perf_counter()
@@ -68,13 +73,15 @@ def row(model: str, slice_name: str, report: dict, extra: list[str]) -> str:
         f"({ro['decode_bytes_ratio']:.2f}x)")
     est = (f"{num(ro['estimated_seconds'], '.1f')} / {num(up['estimated_seconds'], '.1f')} / "
            f"{num(report['estimated_step_seconds'], '.1f')}")
+    tokens = num(report.get("estimated_tokens_per_second_per_chip"), ",.0f")
     return (f"| {model} | {slice_name} ({report['chips']} chips, {hbm:.2f} GiB) | {' '.join(extra) or 'defaults'} | "
             f"{cells[0]} | {cells[1]} | {num(up['flops'] and up['flops'] / 1e12, '.0f')} | "
-            f"{num(up['flops_ratio'], '.2f')}x | {decode} | {est} | {verdict} | {secs} |")
+            f"{num(up['flops_ratio'], '.2f')}x | {decode} | {est} | {tokens} | {verdict} | {secs} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--algorithm", default="rloo", choices=["rloo", "grpo"])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--slices", nargs="+", default=["v5e-8", "v5p-8", "v6e-8"])
     ap.add_argument("--args", default="", help="extra trainer options, e.g. '--remat_policy minimal'")
@@ -84,9 +91,9 @@ def main() -> None:
     extra = shlex.split(args.args)
     reports = {}
     print("| model | slice | options | rollout peak GiB/chip | update peak GiB/chip | update TFLOP/chip | "
-          "update FLOPs / model | decode GB/step/chip (x floor) | est. s rollout / update / step | verdict "
-          "| compile s (rollout / update) |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|---|")
+          "update FLOPs / model | decode GB/step/chip (x floor) | est. s rollout / update / step | est. tokens/s/chip "
+          "| verdict | compile s (rollout / update) |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     with tempfile.TemporaryDirectory() as root:
         data = Path(root) / "prompts.jsonl"
         data.write_text('{"prompt": "w1 w2 w3"}\n')
@@ -97,7 +104,7 @@ def main() -> None:
                     fit_models.MODELS[name] = dict(MODELS[model], num_hidden_layers=layers)
                 model_dir = write_model(Path(root), name)
                 for slice_name in args.slices:
-                    report, wall, _ = run(model_dir, data, slice_name, Path(root) / "out", extra)
+                    report, wall, _ = run(model_dir, data, slice_name, Path(root) / "out", extra, args.algorithm)
                     reports[f"{name} {slice_name}"] = report
                     print(row(name, slice_name, report, extra), flush=True)
     if args.json:

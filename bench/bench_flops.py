@@ -1,6 +1,6 @@
 """FLOP utilisation of the update step (loss forward + backward + AdamW) on this CPU.
 
-Achieved FLOP/s = FLOPs of one `RLOOStep.update` / its median wall time, divided by this machine's matmul peak
+Achieved FLOP/s = FLOPs of one `Programs.update` / its median wall time, divided by this machine's matmul peak
 measured in the same run (best of 20 jitted n x n x n matmuls, n = 2048; bf16 inputs with f32 accumulation for
 --bf16). FLOPs two ways: XLA's count of the compiled update (`compiled.cost_analysis()["flops"]`, which includes
 the attention and the rematerialised vocabulary chunks) and the textbook 6 * params * tokens (tokens = the
@@ -31,7 +31,7 @@ def update_flops(size: str, repeats: int, dtype: str) -> dict[str, float]:
     weights = jnp.ones((1,), jnp.float32)
     ro = jax.block_until_ready(step.rollout(state, ids, mask, jax.random.key(0)))
     rewards = jnp.asarray(distinct_reward(np.asarray(ro.completion_ids)))
-    compiled = step.update.lower(state, ro, rewards, weights).compile()
+    compiled = step.update_program(*ro.prompt_ids.shape, ro.completion_ids.shape[1], 1).lower().compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     xla_flops = float(cost["flops"])

@@ -25,10 +25,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from rloo_jax.models import init_causal_lm  # noqa: E402
 from rloo_jax.algorithms import RLOO  # noqa: E402
+from rloo_jax.models import init_causal_lm  # noqa: E402
+from rloo_jax.programs import Programs  # noqa: E402
 from rloo_jax.sampling import SamplingConfig  # noqa: E402
-from rloo_jax.programs import Programs
 from rloo_jax.step import StepConfig  # noqa: E402
 
 VOCAB, PAD_ID, EOS_ID = 836, 0, 1
@@ -47,7 +47,7 @@ def hf_config(size: str, vocab: int = VOCAB) -> dict:
 
 
 def make_step(size: str, dtype: str = "float32", num_prompts: int = 2, group: int = 4, new_tokens: int = 32,
-              beta: float = 0.05, seed: int = 0) -> tuple[RLOOStep, object]:
+              beta: float = 0.05, seed: int = 0) -> tuple[Programs, object]:
     """The trainer's step for the bench settings (clip 1.0 -> AdamW lr 1e-5) and a fresh state."""
     model = init_causal_lm(hf_config(size), seed=seed, dtype=dtype, param_dtype="float32")
     graphdef, params = nnx.split(model)

@@ -343,8 +343,11 @@ def table_lines(report: Report) -> list[str]:
     rm = " + reward models" if any(p.name.startswith("reward_model") for p in report.programs) else ""
     lines.append(
         f"est. step: {_num(report.estimated_step_seconds, '.2f')} s on the device (rollout + update{rm}), "
-        f"{_num(report.tokens_per_second_per_chip, ',.0f')} tokens/s per chip ({report.tokens_per_step:,} prompt + "
-        "completion tokens a step, at the maximum lengths); host work (reward functions, decoding text) not included"
+        "host work (reward functions, decoding text) not included"
+    )
+    lines.append(
+        f"est. {_num(report.tokens_per_second_per_chip, ',.0f')} tokens/s per chip ({report.tokens_per_step:,} prompt "
+        "+ completion tokens a step, at the maximum lengths)"
     )
     return lines
 
@@ -487,9 +490,9 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     pol = policy(cfg, run.model)
     layout = rollout_mesh_shape(cfg, run, slc.chip.hbm_bytes)  # the sampler's mesh, as training resolves it
     rollout_mesh = reshaped(mesh, layout)
-    programs = Programs(pol.graphdef, optimizer, scfg, mesh=mesh, ref_graphdef=pol.ref_graphdef,
-                        rollout_mesh=rollout_mesh)
-    state = programs.abstract_state(pol.params, pol.ref_params, pol.frozen)
+    step = Programs(pol.graphdef, optimizer, scfg, mesh=mesh, ref_graphdef=pol.ref_graphdef,
+                    rollout_mesh=rollout_mesh)
+    state = step.abstract_state(pol.params, pol.ref_params, pol.frozen)
     b, p = cfg.prompts_per_generation, prompt_length(cfg)
     n = b * cfg.num_generations
     num_rewards = len(cfg.resolved_reward_weights)
@@ -527,7 +530,7 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed)
     passes = scfg.algorithm.needs_reference + scfg.recompute
     rollout_flops = model.sampling(b, p, g, c) + passes * model.batch_forward(b, p, g, c)
-    add("rollout", programs.rollout_program(b, p).lower, state_bytes + batch, rollout_flops / chips,
+    add("rollout", step.rollout_program(b, p).lower, state_bytes + batch, rollout_flops / chips,
         decode_floor(b, g))
     # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
     # gradients (2 forwards) and the adapters, trained matrices of their own, 6 FLOPs per parameter and token
@@ -537,16 +540,16 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
         base = (2 if cfg.use_peft else 3) * model.batch_forward(b, p, g, width)
         return cfg.num_iterations * (base + 6.0 * adapter_params * model.tokens(b, p, g, width)) / chips
 
-    add("update", programs.update_program(b, p, c, num_rewards).lower, state_bytes + batch, update_flops(c))
+    add("update", step.update_program(b, p, c, num_rewards).lower, state_bytes + batch, update_flops(c))
     # the update at each narrower completion width the trainer runs when a generation batch ends early
     # (completion_bucket): what such a step costs instead of the full-width update above
     for w in narrower_widths(c, cfg.completion_bucket):
-        add(f"update@{w}", programs.update_program(b, p, w, num_rewards).lower, state_bytes + batch,
+        add(f"update@{w}", step.update_program(b, p, w, num_rewards).lower, state_bytes + batch,
             update_flops(w))
     if cfg.eval_steps:
         g = cfg.resolved_num_generations_eval
         eb = cfg.eval_batch_size // g
-        add("eval_rollout", programs.sample_program(eb, p, sampling_config(cfg, run, g)).lower, state_bytes,
+        add("eval_rollout", step.sample_program(eb, p, sampling_config(cfg, run, g)).lower, state_bytes,
             model.sampling(eb, p, g, c) / chips, decode_floor(eb, g))
     for i, (rm, lower, _) in enumerate(reward_models):
         t = Transformer.of(rm.config)  # its head: D x 1 at one position per row

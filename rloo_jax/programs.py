@@ -163,16 +163,16 @@ class Programs:
 
     def _abstract_rollout(self, num_prompts: int, prompt_len: int, width: int, finished: bool) -> Rollout:
         b, p, n = num_prompts, prompt_len, num_prompts * self.cfg.num_generations
-        sh = self._rollout_shardings(num_prompts, finished)
+        bs, ns = self._sharding(num_prompts), self._sharding(n)
         i32, f32 = jnp.int32, jnp.float32
+        with_ref = finished and self.cfg.algorithm.needs_reference
+        with_sampler = finished and self.cfg.recompute
         return Rollout(
-            prompt_ids=self._sds((b, p), i32, sh.prompt_ids), prompt_mask=self._sds((b, p), i32, sh.prompt_mask),
-            completion_ids=self._sds((n, width), i32, sh.completion_ids),
-            completion_mask=self._sds((n, width), i32, sh.completion_mask),
-            is_truncated=self._sds((n,), jnp.bool_, sh.is_truncated),
-            old_logps=self._sds((n, width), f32, sh.old_logps),
-            ref_logps=None if sh.ref_logps is None else self._sds((n, width), f32, sh.ref_logps),
-            sampler_logps=None if sh.sampler_logps is None else self._sds((n, width), f32, sh.sampler_logps),
+            prompt_ids=self._sds((b, p), i32, bs), prompt_mask=self._sds((b, p), i32, bs),
+            completion_ids=self._sds((n, width), i32, ns), completion_mask=self._sds((n, width), i32, ns),
+            is_truncated=self._sds((n,), jnp.bool_, ns), old_logps=self._sds((n, width), f32, ns),
+            ref_logps=self._sds((n, width), f32, ns) if with_ref else None,
+            sampler_logps=self._sds((n, width), f32, ns) if with_sampler else None,
         )
 
     def _key(self) -> jax.ShapeDtypeStruct:

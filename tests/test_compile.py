@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
+from rloo_jax.algorithms import GRPO, RLOO
 from rloo_jax.models import init_causal_lm
-from rloo_jax.algorithms import RLOO
-from rloo_jax.sampling import SamplingConfig, bucket_prompts
 from rloo_jax.programs import Programs, flat_metrics
+from rloo_jax.sampling import SamplingConfig, bucket_prompts
 from rloo_jax.step import StepConfig, completion_width
 
 COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -59,11 +60,14 @@ def _prompts(rng: np.random.Generator, num_prompts: int, bucket: int) -> tuple[n
     return bucket_prompts(ids, mask, bucket, PAD)
 
 
-def test_no_recompilation_after_first_step():
-    """Steps 2..N of rollout -> host reward -> update, prompt lengths varying inside one bucket: 0 compiles."""
+@pytest.mark.parametrize("algorithm", [RLOO(beta=0.05), GRPO(beta=0.04, loss_type="dapo", entropy_coef=0.01,
+                                                             use_adaptive_entropy=True)], ids=["rloo", "grpo"])
+def test_no_recompilation_after_first_step(algorithm):
+    """Steps 2..N of rollout -> host reward -> update, prompt lengths varying inside one bucket: 0 compiles (GRPO's
+    entropy controller state changes every step: data, not a new program)."""
     graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
     sc = SamplingConfig(max_new_tokens=6, num_generations=2, eos_token_ids=(EOS,), pad_token_id=PAD)
-    step = Programs(graphdef, optax.adamw(1e-3), StepConfig(sampling=sc, algorithm=RLOO(beta=0.05)))
+    step = Programs(graphdef, optax.adamw(1e-3), StepConfig(sampling=sc, algorithm=algorithm))
     state = step.init_state(params, jax.tree.map(jnp.copy, params))
     weights = jnp.ones((1,), jnp.float32)
     rng = np.random.default_rng(0)

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from rloo_jax.cli import main
 from rloo_jax.errors import ConfigError
 from rloo_jax.tpu import CHIPS, parse_slice, torus_shape
-from rloo_jax.cli import main
 from tests.fixtures_models import tiny_checkpoint  # noqa: F401
 
 

@@ -13,10 +13,10 @@ import transformers
 from flax import nnx
 
 from rloo_jax import demo
+from rloo_jax.cli import main
 from rloo_jax.export import load_policy, read_checkpoint
 from rloo_jax.export import main as export_main
 from rloo_jax.models import load_causal_lm
-from rloo_jax.cli import main
 
 pytestmark = pytest.mark.slow  # the module's two training runs (the fixture) take ~30-60 s on this CPU
 

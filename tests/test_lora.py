@@ -14,12 +14,12 @@ import transformers
 from flax import nnx
 
 import rloo_jax as rj
+from rloo_jax.cli import main
 from rloo_jax.lora import init_adapters, merge_adapters, merge_params, split_adapters, with_adapters
 from rloo_jax.models import LoRAParam, ModelLoadError, load_causal_lm, lora_spec, save_adapter, save_pretrained
-from rloo_jax.sampling import SamplingConfig
 from rloo_jax.programs import Programs, flat_metrics
+from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig, completion_logps
-from rloo_jax.cli import main
 from tests.checkpoints import PAD_ID
 
 

@@ -1,6 +1,7 @@
 """The memory plan changes no number: scanned vs unrolled blocks, every remat policy, storage dtypes."""
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +16,8 @@ from rloo_jax.config import RLOOConfig, load_config
 from rloo_jax.models import ModelLoadError, export_tensors, init_causal_lm, load_causal_lm
 from rloo_jax.models.config import REMAT_POLICIES
 from rloo_jax.models.transformer import remat_policy
-from rloo_jax.sampling import SamplingConfig
 from rloo_jax.programs import Programs, flat_metrics
+from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig
 from tests.fixtures_models import tiny_checkpoint  # noqa: F401
 
@@ -39,7 +40,7 @@ def tiny(scan: bool, policy: str) -> tuple[nnx.GraphDef, nnx.State]:
 def test_config_policy_names_match_the_model():
     """The CLI's remat_policy choices are the model's policies (minus "none", which gradient_checkpointing
     false means) and every one builds a jax.checkpoint policy."""
-    choices = set(RLOOConfig.__annotations__["remat_policy"].__args__)
+    choices = set(typing.get_type_hints(RLOOConfig)["remat_policy"].__args__)
     assert choices == set(REMAT_POLICIES) - {"none"}
     assert remat_policy("none") is None
     for name in choices:

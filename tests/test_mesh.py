@@ -143,8 +143,7 @@ else:
     sharded, m_state, m_step, rollout_args = scenario(mesh)
     # per-device KV-cache buffers of the compiled sharded rollout (test-only peek at the jitted function):
     # [L, N, K, C, Dh] = [2, 8, 2, 6, 8] split over data x fsdp (rows) and tensor (K)
-    jitted = next(f for k, f in m_step._sharded_jits.items() if k[0] == "rollout")
-    hlo = jitted.lower(*rollout_args).compile().as_text()
+    hlo = m_step.rollout_program(*rollout_args[1].shape).lower().compile().as_text()
     out["cache_shapes"] = sorted(set(re.findall(r"f32\[2,\d+,\d+,6,8\]", hlo)))
     out["single"], out["sharded"] = single, sharded
     # the sampler on meshes of its own over the same devices: data-parallel with whole weights (the "gathered"

@@ -17,14 +17,14 @@ from flax import nnx
 import rloo_jax as rj
 from rloo_jax import aot, numerics
 from rloo_jax.build import reference_params
+from rloo_jax.cli import main
 from rloo_jax.config import config_from_dict, full_determinism_option, load_config
 from rloo_jax.metrics import read_jsonl
 from rloo_jax.models import init_causal_lm
-from rloo_jax.sampling import SamplingConfig
 from rloo_jax.programs import Programs
+from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig
 from rloo_jax.tpu import parse_slice
-from rloo_jax.cli import main
 from tests.fixtures_models import tiny_checkpoint  # noqa: F401
 from tests.test_compile_only import TINY_LLAMA, common, config_only_model
 
@@ -178,8 +178,8 @@ def test_cli_bf16_gap_metrics_every_step_and_recomputed_step_one_kl(tmp_path):
     out = tmp_path / "run"
     assert main([*SMALL, "--max_steps", "6", "--output_dir", str(out), "--bf16", "true",
                  "--per_device_train_batch_size", "8", "--steps_per_generation", "2"]) == 0
-    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "reward" in r]
-    assert [r["step"] for r in rows] == [2, 4, 6]
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "reward" in r]  # the first step of each generation
+    assert [r["step"] for r in rows] == [1, 3, 5]
     for r in rows:  # (the demo's 2-layer, 64-wide model rounds both paths alike in bf16: gaps ~0 to 5e-7)
         assert all(math.isfinite(r[k]) for k in GAP) and 0.0 <= r[GAP[0]] <= r[GAP[1]], r
     assert 0.0 <= rows[0]["kl"] <= 1e-6, rows[0]["kl"]

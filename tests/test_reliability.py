@@ -21,11 +21,11 @@ from flax import nnx
 from rloo_jax import demo
 from rloo_jax.build import model_options
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
+from rloo_jax.cli import main
 from rloo_jax.config import load_config
 from rloo_jax.metrics import WindowMean, drop_records_after, read_jsonl
 from rloo_jax.models import load_causal_lm
 from rloo_jax.step import TrainState
-from rloo_jax.cli import main
 from rloo_jax.train import make_optimizer, skipped_updates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

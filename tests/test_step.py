@@ -11,8 +11,8 @@ from flax import nnx
 
 import rloo_jax as rj
 from rloo_jax.models import init_causal_lm
-from rloo_jax.sampling import SamplingConfig
 from rloo_jax.programs import Programs, flat_metrics
+from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig, completion_logps
 
 TINY = dict(

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from rloo_jax import data, demo
+from rloo_jax.cli import main
 from rloo_jax.data import (
     TfdsName,
     load_prompt_dataset,
@@ -29,7 +30,6 @@ from rloo_jax.data import (
 )
 from rloo_jax.errors import DataError
 from rloo_jax.metrics import read_jsonl
-from rloo_jax.cli import main
 from tests import tfds_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

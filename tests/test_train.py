@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from rloo_jax import demo
-from rloo_jax.metrics import read_jsonl
 from rloo_jax.cli import main
+from rloo_jax.metrics import read_jsonl
 from rloo_jax.train import completion_lengths, crossed, eos_token_ids, lr_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,6 +233,7 @@ def test_every_shipped_config_validates():
         "tldr_pythia1b.yaml",
         "math_qwen05b.yaml",
         "tpu_pod.yaml",
+        "grpo_math_qwen15b.yaml",
     }
     for f in files:
         load_config(["--config", f])
@@ -241,7 +242,7 @@ def test_every_shipped_config_validates():
     )
 
 
-@pytest.mark.parametrize("name", ["tldr_pythia1b", "math_qwen05b", "tpu_pod"])
+@pytest.mark.parametrize("name", ["tldr_pythia1b", "math_qwen05b", "tpu_pod", "grpo_math_qwen15b"])
 def test_shipped_configs_run_two_steps_on_tiny_local_stand_ins(name, tiny_assets, tmp_path):
     swap = {
         "tldr_pythia1b": [
@@ -267,6 +268,22 @@ def test_shipped_configs_run_two_steps_on_tiny_local_stand_ins(name, tiny_assets
             "4",
             "--per_device_train_batch_size",
             "16",
+        ],
+        "grpo_math_qwen15b": [
+            "--dataset_name",
+            tiny_assets["chat_train"],
+            "--dataset_test_split",
+            tiny_assets["chat_test"],
+            "--eval_steps",
+            "2",
+            "--per_device_eval_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+            "--steps_per_generation",
+            "1",
+            "--completion_bucket",
+            "0",
         ],
         "tpu_pod": [
             "--dataset_name",
@@ -310,8 +327,9 @@ def test_shipped_configs_run_two_steps_on_tiny_local_stand_ins(name, tiny_assets
         "2",
     ]
     assert main(args) == 0
-    rows = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
-    assert rows and rows[-1]["step"] == 2 and all(np.isfinite(r["loss"]) for r in rows)
+    rows = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]  # one record per optimizer step
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+    assert ("loss_type: grpo" in (out / "config.yaml").read_text()) == (name == "grpo_math_qwen15b")
     assert os.path.isdir(out / "final") and os.listdir(out / "checkpoints") == ["2"]
 
 

@@ -11,9 +11,9 @@ import pytest
 
 import rloo_jax
 from rloo_jax import demo
+from rloo_jax.cli import main
 from rloo_jax.errors import ConfigError
 from rloo_jax.metrics import Sinks, read_jsonl
-from rloo_jax.cli import main
 from rloo_jax.train import phase_timings
 from rloo_jax.trainer import lora_options
 

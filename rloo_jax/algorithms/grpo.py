@@ -371,10 +371,10 @@ class GRPO:
         return {"advantages": adv}, metrics
 
     def init_state(self) -> dict[str, Array]:
-        """The entropy controller: the coefficient and the last optimizer step's mean entropy (inf: no bonus until
-        a first measurement, as TRL)."""
+        """The entropy controller: the coefficient and the last optimizer step's mean entropy (the largest float32
+        before a first measurement: no bonus until then, as TRL's inf; finite, so checkpoints take it)."""
         return {"entropy_coef": jnp.asarray(self.entropy_coef, jnp.float32),
-                "last_entropy": jnp.asarray(jnp.inf, jnp.float32)}
+                "last_entropy": jnp.asarray(jnp.finfo(jnp.float32).max, jnp.float32)}
 
     def next_state(self, state: dict[str, Array], stats: dict[str, Array]) -> tuple[dict[str, Array], dict]:
         """After an optimizer step: the adaptive update from the step's token-weighted mean entropy (``stats``: its
