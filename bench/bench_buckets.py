@@ -64,7 +64,7 @@ def main() -> None:
             jax.block_until_ready((state_i, metrics))
             if i:
                 times[w].append(time.perf_counter() - t0)
-            losses[w] = float(metrics["update"]["grad_norm"][0])  # (the on-policy loss is ~0: its gradient is what counts)
+            losses[w] = float(metrics["update"]["grad_norm"][0])  # (the on-policy loss is ~0: its gradient counts)
     lengths = np.asarray(sampled.completion_mask).sum(1)
     print(f"{args.size}: max_new_tokens {args.max_new}, completion lengths {lengths.tolist()} (mean "
           f"{lengths.mean():.1f}), bucket {args.bucket} -> width {width}")

@@ -28,9 +28,9 @@ def cases() -> dict[str, tuple[str, dict]]:
         extra = {"importance_sampling_level": "sequence"} if loss == "luspo" else {}
         out[f"grpo/{loss}/off"] = ("grpo", dict(loss_type=loss, beta=0.04, **extra))
         out[f"grpo/{loss}/on"] = ("grpo", dict(loss_type=loss, beta=0.04, entropy_coef=0.01,
-                                               gradient_accumulation_steps=4, **extra))
+                                               gradient_accumulation_steps=4, by_position=False, **extra))
     out["rloo/off"] = ("rloo", dict(beta=0.05))
-    out["rloo/on"] = ("rloo", dict(beta=0.05, gradient_accumulation_steps=4, num_iterations=1))
+    out["rloo/on"] = ("rloo", dict(beta=0.05, gradient_accumulation_steps=4, by_position=False))
     return out
 
 

@@ -249,7 +249,7 @@ class Run:
     tokenizer: Any
     model: Any
     train_ds: Any
-    eval_ds: Any
+    eval_ds: dict[str, Any]  # evaluation sets by name ("": the one set); empty: no evaluation
     encoder: PromptEncoder
     reward_funcs: list[RewardFunction]
     eos_ids: tuple[int, ...]
@@ -264,9 +264,10 @@ class Given:
 
     tokenizer: Any = None  # the policy's tokenizer (TRL's processing_class)
     train_dataset: Any = None  # datasets.Dataset with a `prompt` column
-    eval_dataset: Any = None
+    eval_dataset: Any = None  # one set, or {name: set} (TRL's metric prefixes eval_<name>_)
     reward_funcs: list[Any] | None = None  # callables and/or reward_funcs strings, in scoring order
     reward_tokenizers: list[Any] | None = None  # one per reward_funcs entry (None: a reward model's own)
+    callbacks: list[Any] | None = None  # transformers-style callbacks (rloo_jax.callbacks)
 
 
 def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None) -> Run:
@@ -302,15 +303,16 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
         with host_memory() if cfg.device_count > 1 else contextlib.nullcontext():
             model = load_causal_lm(model_dir, **options)
     encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
-    train_ds = eval_ds = None
+    train_ds, eval_ds = None, {}
     if not abstract:
         train_ds = given.train_dataset
-        eval_ds = given.eval_dataset if cfg.eval_steps else None
+        if given.eval_dataset is not None:
+            eval_ds = dict(given.eval_dataset) if isinstance(given.eval_dataset, dict) else {"": given.eval_dataset}
         where = {"config": cfg.dataset_config, "tfds_data_dir": cfg.tfds_data_dir}
         if train_ds is None:
             train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, **where)
-        if cfg.eval_steps and eval_ds is None:
-            eval_ds = load_prompt_dataset(dataset, cfg.dataset_test_split, **where)
+        if cfg.eval_steps and not eval_ds:
+            eval_ds = {"": load_prompt_dataset(dataset, cfg.dataset_test_split, **where)}
         encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
     builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
     reward_tokenizers = {s: t for s, t in zip(sources, given.reward_tokenizers or [], strict=False)

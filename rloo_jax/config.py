@@ -909,6 +909,13 @@ class TrainConfig:
             )
         self._validate_algorithm()
 
+    def __getattr__(self, name: str) -> Any:
+        """TRL's options given to this config without a field here (see `_keep_trl_only`)."""
+        kept = self.__dict__.get("_trl_options", {})
+        if name in kept:
+            return kept[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
     def _validate_algorithm(self) -> None:
         """The algorithm's own checks (subclasses)."""
 
@@ -940,8 +947,8 @@ class TrainConfig:
         if self.reward_weights is not None and len(self.reward_weights) != count:
             names = f" ({', '.join(self.reward_sources)})" if num_rewards is None else ""
             raise ConfigError(
-                f"reward_weights has {len(self.reward_weights)} values but there are {count} reward functions"
-                f"{names}; give one weight per function, in that order"
+                f"Number of reward weights ({len(self.reward_weights)}) must match number of reward functions "
+                f"({count}{names}); give one weight per function, in that order"
             )
 
     def _validate_importance_sampling(self) -> None:
@@ -1208,12 +1215,28 @@ def _take_trl_options(cls: type[TrainConfig]) -> None:
         init(self, *args, **ours, **machine)
         for check in checks:
             check(self)
+        _keep_trl_only(self, kwargs)
 
     cls.__init__ = __init__
 
 
 for _cls in (RLOOConfig, GRPOConfig):
     _take_trl_options(_cls)
+
+
+def _keep_trl_only(cfg: TrainConfig, values: dict[str, Any]) -> None:
+    """The TRL options `cfg` took that are no field of it (accepted without effect, translated, or refused at their
+    off value) stay readable as attributes, as on TRL's config (`cfg.push_to_hub`, `cfg.use_vllm`)."""
+    table = decisions(type(cfg))
+    kept = {k: v for k, v in values.items() if k in table and k not in {f.name for f in dataclasses.fields(cfg)}}
+    object.__setattr__(cfg, "_trl_options", {**getattr(cfg, "_trl_options", {}), **kept})
+
+
+def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
+    """`dataclasses.replace` that keeps the TRL options `cfg` holds without fields (`_keep_trl_only`)."""
+    new = dataclasses.replace(cfg, **changes)
+    object.__setattr__(new, "_trl_options", dict(getattr(cfg, "_trl_options", {})))
+    return new
 
 
 def decisions(cls: type[TrainConfig]) -> dict[str, Any]:
@@ -1515,9 +1538,11 @@ def config_from_dict(values: dict[str, Any], device_count: int = 1, process_coun
     parsed = {canonical_name(k, "the config", cls): v for k, v in values.items()}
     parsed, checks = split_options(parsed, hints, decisions(cls))  # TRL's: refused, dropped with a note, translated
     parsed = {k: coerce(v, hints[k], k) for k, v in parsed.items()}
+    trl_only = {k: v for k, v in values.items() if k in decisions(cls) and k not in hints}
     cfg = cls(**parsed, device_count=device_count, process_count=process_count)
     for check in checks:
         check(cfg)
+    _keep_trl_only(cfg, trl_only)
     cfg.require_sources()
     return cfg
 

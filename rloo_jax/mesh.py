@@ -238,7 +238,7 @@ def constrain_batch(x: jax.Array, mesh: Mesh, axis: int = 0) -> jax.Array:
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None], rules: Rules = LOGICAL_RULES) -> jax.Array:
-    """Inside a function traced under a mesh (``jax.sharding.use_abstract_mesh``, as ``RLOOStep`` traces on a
+    """Inside a function traced under a mesh (``jax.sharding.use_abstract_mesh``, as ``rloo_jax.programs`` traces on a
     mesh): ``x`` laid out by the logical names of its dimensions, e.g. activations ``("batch", None, None)``; a
     no-op without one. Without these the partitioner may keep a whole batch on every device (it saw only the
     weights' layout) and compute it there, which the TPU compiler did for the training forward."""

@@ -18,7 +18,6 @@ would not compute in float32 there unless told to (docs/numerics.md).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import textwrap
@@ -79,7 +78,9 @@ def resolve(cfg: Any, platform: str) -> Any:
     settings = resolved_settings(cfg, platform)
     if all(getattr(cfg, name) == value for name, value in settings.items()):
         return cfg
-    return dataclasses.replace(cfg, **settings, device_count=cfg.device_count, process_count=cfg.process_count)
+    from rloo_jax.config import replace
+
+    return replace(cfg, **settings, device_count=cfg.device_count, process_count=cfg.process_count)
 
 
 def describe(cfg: Any, resolved: Any, platform: str, width: int = 118) -> str:

@@ -89,6 +89,15 @@ class Programs:
         self._jits: dict[tuple, Callable] = {}
         self._programs: dict[tuple, Program] = {}
 
+    @property
+    def rollout_mesh(self) -> jax.sharding.Mesh | None:
+        """The sampler's mesh (the training mesh unless another was given)."""
+        return self.step.rollout_mesh
+
+    @property
+    def ref_graphdef(self) -> nnx.GraphDef:
+        return self.step.ref_graphdef
+
     # -- the state ----------------------------------------------------------------------------------------------
     def init_state(
         self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None

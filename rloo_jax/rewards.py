@@ -45,9 +45,10 @@ class RewardFunction:
 
 @dataclasses.dataclass
 class TrainerState:
-    """What a reward function gets as `trainer_state` (TRL passes transformers' `TrainerState`): the fields of it
-    that describe where training stands, under the same names, for reward shaping over training (e.g. a weight
-    ramped by `global_step / max_steps`). Updated by the trainer before each generation's rewards."""
+    """transformers' `TrainerState`, field for field: what a reward function gets as `trainer_state`, what callbacks
+    get as `state` and what `trainer.state` is (where training stands, e.g. for a weight ramped by
+    `global_step / max_steps`; `log_history`). Kept here so the product never imports transformers' trainer
+    modules (which import torch). Updated by the trainer before each generation's rewards and at each step end."""
 
     global_step: int = 0  # optimizer steps done
     max_steps: int = 0
@@ -59,6 +60,17 @@ class TrainerState:
     train_batch_size: int = 0  # completions per device per micro-step (per_device_train_batch_size)
     is_world_process_zero: bool = True
     log_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # logged records, this process's run
+    # transformers' other TrainerState fields, for callbacks that read them
+    num_input_tokens_seen: int = 0
+    total_flos: float = 0.0
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
+    stateful_callbacks: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class RewardLogs:
@@ -217,6 +229,12 @@ def compute_rewards(
 
         for (i, func), values in zip(pending, asyncio.run(gather()), strict=True):
             out[:, i] = _to_rewards(func, values, n)
+    unscorable = np.isnan(out).all(axis=1)
+    if funcs and unscorable.any():  # TRL's warning, with its wording (code matching on it keeps working)
+        row = int(np.argmax(unscorable))
+        shown = {k: v[row] for k, v in rows.items() if k not in ("completion_ids",)}
+        logger.warning("All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at "
+                       "least one reward function returns a valid reward.", shown)
     return out
 
 

@@ -49,9 +49,13 @@ from rloo_jax.build import (
     sampling_config,
     step_config,
 )
+from rloo_jax.callbacks import CallbackHandler
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
 from rloo_jax.config import (
     TrainConfig,
+)
+from rloo_jax.config import (
+    replace as replace_config,
 )
 from rloo_jax.data import PromptBatch, PromptIterator, eval_batches, is_conversational
 from rloo_jax.errors import ConfigError
@@ -140,7 +144,7 @@ def for_this_machine(cfg: TrainConfig) -> TrainConfig:
     """`cfg` validated for the devices and processes JAX sees now (a copy when they differ from cfg's)."""
     if (cfg.device_count, cfg.process_count) == (jax.device_count(), jax.process_count()):
         return cfg
-    return dataclasses.replace(cfg, device_count=jax.device_count(), process_count=jax.process_count())
+    return replace_config(cfg, device_count=jax.device_count(), process_count=jax.process_count())
 
 
 def enable_compilation_cache(cfg: TrainConfig) -> None:
@@ -301,24 +305,26 @@ def decode_and_score(run: Run, batch: PromptBatch, completion_ids: np.ndarray, n
 
 def evaluate(
     run: Run, place: Placement, programs: Programs, state: Any, key: jax.Array, names: list[str],
-    trainer_state: TrainerState | None = None,
+    trainer_state: TrainerState | None = None, dataset: Any = None, prefix: str = "eval_",
 ) -> dict[str, float]:
     """Sample num_generations_eval completions per test prompt and report reward / length statistics (and the
     means of what the reward functions logged with log_metric; their log_extra columns are not recorded).
 
     The training run's sampling program with the evaluation `SamplingConfig` (on a mesh: on the sharded state, no
     parameter gather). Every process encodes, samples for and rewards its share of each evaluation batch; the
-    statistics use all rows.
+    statistics use all rows. `dataset`: the prompts (default: the run's only evaluation set); `prefix`: of every
+    metric name (TRL's `eval_`, or `eval_<name>_` for one of several named sets).
     """
     cfg = run.cfg
+    dataset = next(iter(run.eval_ds.values())) if dataset is None else dataset
     logs = RewardLogs()
     logged: dict[str, list[float]] = {}
     g = cfg.resolved_num_generations_eval
     sc = sampling_config(cfg, run, g)
     per_func, lengths, truncated = [], [], []
-    for i, (idx, real) in enumerate(eval_batches(len(run.eval_ds), cfg.eval_batch_size // g)):
+    for i, (idx, real) in enumerate(eval_batches(len(dataset), cfg.eval_batch_size // g)):
         rows = place.rows(len(idx))
-        batch = encode_rows(run, place, run.eval_ds[idx[rows]])
+        batch = encode_rows(run, place, dataset[idx[rows]])
         ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
         sampled = programs.sample(state, ids, mask, place.replicate(jax.random.fold_in(key, i)), sc)
         completion_ids = place.local(sampled.completion_ids)
@@ -338,7 +344,33 @@ def evaluate(
     out["completions/mean_length"] = float(lengths.mean())
     out["completions/clipped_ratio"] = float(truncated.mean())
     out.update({name: float(np.mean(values)) for name, values in logged.items()})
-    return {f"eval_{k}": v for k, v in out.items()}
+    return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def eval_prefix(name: str) -> str:
+    """TRL's metric prefix of an evaluation set: `eval_`, or `eval_<name>_` for one of several named sets."""
+    return f"eval_{name}_" if name else "eval_"
+
+
+def evaluate_all(s: "Session", progress: Any = None) -> dict[str, float]:
+    """Every evaluation set at the current state (one key per step: the same completions on every resume), logged
+    to every sink and `log_history` (process 0), the console, and the callbacks' on_log / on_evaluate."""
+    metrics: dict[str, float] = {}
+    for name, dataset in s.run.eval_ds.items():
+        metrics.update(evaluate(s.run, s.place, s.programs, s.state, jax.random.fold_in(s.eval_key, s.step), s.names,
+                                s.trainer_state, dataset, eval_prefix(name)))
+    s.last_logged.update(metrics)
+    if s.place.is_main:
+        s.sinks.log(s.step, metrics)
+        s.trainer_state.log_history.append({"step": s.step, **metrics})
+        print_line = progress.console.print if progress is not None else print
+        for name in s.run.eval_ds:
+            p = eval_prefix(name)
+            print_line(f"eval step {s.step}{' ' + name if name else ''}: reward {metrics[p + 'reward']:.3f} "
+                       f"(len {metrics[p + 'completions/mean_length']:.1f})")
+    s.callbacks.call("on_log", s.cfg, s.trainer_state, logs=dict(metrics))
+    s.callbacks.call("on_evaluate", s.cfg, s.trainer_state, metrics=dict(metrics))
+    return metrics
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -395,6 +427,8 @@ class Session:
     trainer_state: TrainerState = dataclasses.field(default_factory=TrainerState)  # reward functions' view
     reward_logs: RewardLogs = dataclasses.field(default_factory=RewardLogs)  # their log_extra / log_metric
     last_logged: dict[str, float] = dataclasses.field(default_factory=dict)  # what `train` returns
+    callbacks: CallbackHandler = dataclasses.field(default_factory=CallbackHandler)  # transformers-style callbacks
+    loss_sum: float = 0.0  # the losses of this session's optimizer steps (TRL's train_loss)
     ckpt: Checkpointer | None = None
     sinks: Sinks | None = None
     rollouts: JsonlWriter | None = None
@@ -426,6 +460,7 @@ class TrainResult:
     stopped: bool
     paths: dict[str, str]
     state: TrainerState  # where training stands, as reward functions saw it (with the log history)
+    summary: dict[str, float] = dataclasses.field(default_factory=dict)  # transformers' end-of-training record
 
 
 def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
@@ -480,6 +515,7 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
         lr_at=lr_at, weights=place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32)),
         names=[f.name for f in run.reward_funcs], eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
         paths=paths, state=state, base_key=jax.random.key(cfg.seed),
+        callbacks=CallbackHandler(None if given is None else given.callbacks),
         trainer_state=TrainerState(
             max_steps=total, num_train_epochs=cfg.num_train_epochs, logging_steps=cfg.logging_steps,
             eval_steps=cfg.eval_steps, save_steps=cfg.save_steps, train_batch_size=cfg.per_device_train_batch_size,
@@ -567,6 +603,7 @@ def save(s: Session) -> None:
     # the frozen base (LoRA) is not saved: resume reads it from model_name_or_path again
     s.ckpt.save(s.step, s.state.replace(frozen=None), s.place.replicate(s.base_key), meta)
     s.saved = s.step
+    s.callbacks.call("on_save", s.cfg, s.trainer_state)
 
 
 def loop(s: Session, stop: "StopRequest") -> bool:
@@ -581,24 +618,39 @@ def loop(s: Session, stop: "StopRequest") -> bool:
         disable=not s.place.is_main,
     )
     start = s.step
+    control = s.callbacks.control
     with progress:
         task = progress.add_task("train", total=s.total_steps, completed=s.step)
         while s.step < s.total_steps and not stop_requested():
             t0, prev = time.perf_counter(), s.step
+            for _ in range(s.programs.cfg.updates_per_generation):  # this generation batch's optimizer steps
+                control._new_step()
+                s.callbacks.call("on_step_begin", s.cfg, s.trainer_state)
             out = train_step(s, t0, first=s.step == start)
             diverged = out.consecutive_skips >= s.cfg.max_consecutive_nonfinite
             if s.cfg.sync_ref_model and crossed(prev, s.step, s.cfg.ref_model_sync_steps):
                 s.state = s.programs.sync_reference(s.state, s.cfg.ref_model_mixup_alpha)
-            last = s.step >= s.total_steps
             # every record of a step is written before its checkpoint is started: a resume drops the records
             # after the checkpoint and redoes them, so none is lost or doubled
-            # a record per optimizer step as TRL logs them (every logging_steps, the last step, a divergence)
-            logged = False
+            # a record per optimizer step as TRL logs them (every logging_steps, the last step, a divergence, or
+            # a callback's should_log)
+            logged, evaluate_now, save_now = False, False, False
             for k, values in enumerate(logwindow.steps(out.metrics), start=prev + 1):
                 s.window.add(values)
-                if crossed(k - 1, k, s.cfg.logging_steps) or (k == s.step and (last or diverged)):
+                s.loss_sum += sum(values.get("loss", []))
+                s.trainer_state.global_step = k
+                control.should_log = False
+                s.callbacks.call("on_step_end", s.cfg, s.trainer_state)
+                if control.should_training_stop:
+                    s.total_steps = s.step  # a callback ends training after this generation batch
+                last = s.step >= s.total_steps
+                if crossed(k - 1, k, s.cfg.logging_steps) or control.should_log or (k == s.step and (last or
+                                                                                                      diverged)):
                     log_step(s, progress, k, t0, out)
                     logged = True
+                evaluate_now |= control.should_evaluate
+                save_now |= control.should_save
+            s.trainer_state.global_step = s.step
             if logged and (s.cfg.log_completions or last):
                 record_rollouts(s, progress, out)
             if diverged:  # logged above; nothing is evaluated or saved
@@ -608,18 +660,10 @@ def loop(s: Session, stop: "StopRequest") -> bool:
                     f"{s.cfg.max_consecutive_nonfinite}); lower --learning_rate or --max_grad_norm, check the "
                     "rewards for extreme values, or resume from an earlier checkpoint"
                 )
-            if s.run.eval_ds is not None and (crossed(prev, s.step, s.cfg.eval_steps) or last):
-                eval_metrics = evaluate(s.run, s.place, s.programs, s.state, jax.random.fold_in(s.eval_key, s.step),
-                                        s.names, s.trainer_state)
-                s.last_logged.update(eval_metrics)
-                if s.place.is_main:
-                    s.sinks.log(s.step, eval_metrics)
-                    s.trainer_state.log_history.append({"step": s.step, **eval_metrics})
-                    progress.console.print(
-                        f"eval step {s.step}: reward {eval_metrics['eval_reward']:.3f} "
-                        f"(len {eval_metrics['eval_completions/mean_length']:.1f})"
-                    )
-            if crossed(prev, s.step, s.cfg.save_steps) or last or stop_requested():
+            if s.run.eval_ds and (crossed(prev, s.step, s.cfg.eval_steps) or (last and s.cfg.eval_steps)
+                                  or evaluate_now):
+                evaluate_all(s, progress)
+            if crossed(prev, s.step, s.cfg.save_steps) or last or stop_requested() or save_now:
                 save(s)
             progress.update(task, completed=s.step)
     stopped = stop_requested()
@@ -660,6 +704,7 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
     s.window.add({name: [value] for name, value in logged.items()})  # log_metric: once per generation, as TRL
     local_tokens = int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
     s.num_tokens += int(place.per_process([local_tokens]).sum())
+    s.trainer_state.num_input_tokens_seen = s.num_tokens
     rewards = place.to_global(scored.rewards_per_func)
     t_rewarded = time.perf_counter()
     reference.done_by(t_rewarded)  # ready now: it ended by now (the watcher may not have had the GIL yet)
@@ -763,6 +808,7 @@ def log_step(s: Session, progress: Progress, step: int, t0: float, out: StepOutc
         s.trainer_state.log_history.append({"step": step, **logged})
         shown = {k: float("nan") if v is None else v for k, v in logged.items()}
         progress.console.print(console_line(step, s.total_steps, shown), soft_wrap=True)
+    s.callbacks.call("on_log", s.cfg, s.trainer_state, logs=dict(logged))
 
 
 def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
@@ -838,7 +884,14 @@ def train(cfg: TrainConfig, given: Given | None = None) -> TrainResult:
         s = setup(cfg, given)
         try:
             resume(s)
+            started, first_step = time.perf_counter(), s.step
+            s.callbacks.call("on_train_begin", s.cfg, s.trainer_state)
             stopped = loop(s, stop)
+            summary = train_summary(s, time.perf_counter() - started, s.step - first_step)
+            if not stopped:
+                s.trainer_state.log_history.append(summary)
+                s.callbacks.call("on_log", s.cfg, s.trainer_state, logs=dict(summary))
+            s.callbacks.call("on_train_end", s.cfg, s.trainer_state)
         finally:
             if s.ckpt is not None:
                 s.ckpt.close()  # waits for an in-flight save; a failed step never starts a new one
@@ -847,7 +900,37 @@ def train(cfg: TrainConfig, given: Given | None = None) -> TrainResult:
                 s.rollouts.close()
         s.stopped_by = stop.signal
         finish(s, stopped)
-    return TrainResult(s.last_logged, s.step, stopped, s.paths, s.trainer_state)
+    return TrainResult(s.last_logged, s.step, stopped, s.paths, s.trainer_state, summary)
+
+
+def train_summary(s: "Session", seconds: float, steps: int) -> dict[str, float]:
+    """transformers' end-of-training record: runtime and throughput of this session's `steps`, `train_loss` (the
+    sum of this session's step losses over all steps done, resumed ones included, as the Trainer divides),
+    `total_flos` (not counted: 0), `epoch` and `step`."""
+    samples = steps * s.cfg.per_device_train_batch_size * s.cfg.data_shards * s.cfg.gradient_accumulation_steps
+    seconds = max(seconds, 1e-9)
+    return {"train_runtime": round(seconds, 4), "train_samples_per_second": round(samples / seconds, 3),
+            "train_steps_per_second": round(steps / seconds, 3), "total_flos": 0.0,
+            "train_loss": s.loss_sum / max(s.step, 0.001), "epoch": epoch_of(s.iterator), "step": s.step}
+
+
+def evaluate_run(cfg: TrainConfig, given: Given | None = None) -> dict[str, float]:
+    """`trainer.evaluate()`: the run's evaluation sets sampled and scored at the newest checkpoint in output_dir (the
+    initial policy without one), logged as a training run's evaluations are."""
+    with numerics.kept_matmul_precision():
+        s = setup(cfg, given)
+        if not s.run.eval_ds:
+            raise ConfigError("evaluate() needs an evaluation set: pass eval_dataset, or set args.eval_steps to "
+                              "evaluate on dataset_test_split")
+        try:
+            resume(s)
+            return evaluate_all(s)
+        finally:
+            if s.ckpt is not None:
+                s.ckpt.close()
+            if s.sinks is not None:
+                s.sinks.close()
+                s.rollouts.close()
 
 
 def print_completions(console: Any, records: list[dict[str, Any]], limit: int | None) -> None:

@@ -13,19 +13,28 @@ import math
 import os
 import shutil
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import datasets
 import jax
 
 from rloo_jax import train as training
 from rloo_jax.build import Given
-from rloo_jax.config import GRPOConfig, RLOOConfig, TrainConfig
+from rloo_jax.callbacks import CallbackHandler
+from rloo_jax.config import GRPOConfig, RLOOConfig, TrainConfig, replace
 from rloo_jax.data import check_prompt_dataset
 from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.rewards import TrainerState
 
 IN_MEMORY = "<train_dataset>"  # dataset_name recorded in config.yaml for a dataset passed as an object
+
+
+class TrainOutput(NamedTuple):
+    """transformers' `TrainOutput`: what `train()` returns."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
 
 
 class _OnlineTrainer:
@@ -75,10 +84,9 @@ class _OnlineTrainer:
         if not isinstance(model, str | os.PathLike):
             raise ConfigError(f"model must be a local folder or a hub id (got a {type(model).__name__}): rloo_jax "
                               "reads the checkpoint's safetensors into its own Flax model; save_pretrained it first")
-        for name, value in (("callbacks", callbacks), ("quantization_config", quantization_config)):
-            if value:
-                raise ConfigError(f"{name} is not supported: the step is one jitted program (metrics go to "
-                                  "metrics.jsonl and report_to); no quantised base yet")
+        if quantization_config:
+            raise ConfigError("quantization_config is not supported: set load_in_4bit / load_in_8bit in args "
+                              "(QLoRA)" if hasattr(args, "load_in_4bit") else "quantization_config is not supported")
         if any(o is not None for o in optimizers):
             raise ConfigError("optimizers is not supported: the optimizer is optax AdamW configured by args "
                               "(learning_rate, lr_scheduler_type, warmup_steps, weight_decay, adam_*)")
@@ -98,28 +106,138 @@ class _OnlineTrainer:
             if isinstance(train_dataset, datasets.IterableDataset):
                 overrides["shuffle_dataset"] = False  # a stream is read in order, as TRL reads it
         elif not args.dataset_name:
-            raise ConfigError("train_dataset is required (or set args.dataset_name to a dataset to load)")
+            raise ConfigError("`train_dataset` is required (or set args.dataset_name to a dataset to load)")
         # checked again for this machine's devices, as the run will use them
-        self.args = dataclasses.replace(args, device_count=jax.device_count(), process_count=jax.process_count(),
+        self.args = replace(args, device_count=jax.device_count(), process_count=jax.process_count(),
                                         **overrides)
         if self.args.eval_steps and eval_dataset is None and train_dataset is not None:
             raise ConfigError("args.eval_steps is set but no eval_dataset was given; pass one, or eval_steps=None")
-        self.model = model
-        self.reward_funcs = funcs
-        self.processing_class = processing_class
+        self.model_name_or_path = model
+        self._reward_sources = funcs
+        self._tokenizer = processing_class
+        self._reward_tokenizers = tokenizers
+        self._loaded: dict[str, Any] = {}
         self.train_dataset = None if train_dataset is None else prompt_dataset(
             train_dataset, "train_dataset", self.args, stream_rows=prompts_needed(self.args))
-        self.eval_dataset = None if eval_dataset is None else prompt_dataset(eval_dataset, "eval_dataset", self.args)
-        self.given = Given(processing_class, self.train_dataset, self.eval_dataset, funcs, tokenizers)
-        self.state = TrainerState()
+        self.eval_dataset = None if eval_dataset is None else eval_sets(eval_dataset, self.args)
+        self.callback_handler = CallbackHandler(callbacks)
+        self.given = Given(processing_class, self.train_dataset, self.eval_dataset, funcs, tokenizers,
+                           self.callback_handler.callbacks)
+        self.state = TrainerState(max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
+                                  logging_steps=self.args.logging_steps, eval_steps=self.args.eval_steps,
+                                  save_steps=self.args.save_steps,
+                                  train_batch_size=self.args.per_device_train_batch_size)
         self.result: training.TrainResult | None = None
+        self.callback_handler.call("on_init_end", self.args, self.state)
 
-    def train(self) -> dict[str, float]:
-        """Train (resuming from the newest checkpoint in args.output_dir, as the CLI does) and export final/;
-        returns the metrics of the last logged step (with the last evaluation's eval_* metrics)."""
+    def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:
+        """Train (resuming from the newest checkpoint in args.output_dir, as the CLI does; TRL's
+        `resume_from_checkpoint` None or True means the same here) and export final/. Returns transformers'
+        `TrainOutput(global_step, training_loss, metrics)` (also when the run was already complete: no step
+        run, loss 0); `trainer.state.log_history` ends with the end-of-training record, as transformers'."""
+        if resume_from_checkpoint not in (None, True):
+            raise ConfigError("resume_from_checkpoint: runs always resume from the newest checkpoint in "
+                              "args.output_dir; pass None or True")
         self.result = training.train(self.args, self.given)
         self.state = self.result.state  # global_step, epoch, log_history, ... (TRL's trainer.state)
-        return self.result.metrics
+        self._loaded.pop("model", None)  # the trained policy is read from final/ on the next access
+        summary = self.result.summary
+        metrics = {k: v for k, v in summary.items() if k != "step"}
+        return TrainOutput(self.result.step, float(summary.get("train_loss", 0.0)), metrics)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+                 ) -> dict[str, float]:
+        """Sample and score the evaluation set(s) (`eval_dataset`, else the trainer's) with the newest checkpoint
+        of args.output_dir (the initial policy before any), as the training loop evaluates; the metrics are logged
+        and returned under TRL's names: `eval_reward`, ..., or `eval_<name>_reward` for a dict of named sets."""
+        sets = self.eval_dataset if eval_dataset is None else eval_sets(eval_dataset, self.args)
+        if metric_key_prefix != "eval":
+            raise ConfigError("evaluate: metric_key_prefix must be 'eval' (TRL's names); name sets with a dict")
+        given = dataclasses.replace(self.given, eval_dataset=sets)
+        return training.evaluate_run(self.args, given)
+
+    # -- what TRL users read from a trainer ---------------------------------------------------------------------
+    @property
+    def processing_class(self) -> Any:
+        """The policy's tokenizer (the one given, else the model folder's), left padding and a pad token set."""
+        if "tokenizer" not in self._loaded:
+            from rloo_jax.build import given_tokenizer
+            from rloo_jax.models import load_tokenizer
+
+            tok = self._tokenizer
+            self._loaded["tokenizer"] = given_tokenizer(tok) if tok is not None else \
+                load_tokenizer(self._model_dir(), padding_side="left")
+        return self._loaded["tokenizer"]
+
+    @property
+    def model(self) -> Any:
+        """The policy as a Flax `CausalLM`: the trained one (final/) after `train()`, else the initial one."""
+        if "model" not in self._loaded:
+            from rloo_jax.models import load_causal_lm
+
+            final = os.path.join(os.path.abspath(self.args.output_dir), "final")
+            trained = self.result is not None and os.path.isfile(os.path.join(final, "config.json"))
+            self._loaded["model"] = load_causal_lm(final if trained else self._model_dir())
+        return self._loaded["model"]
+
+    @property
+    def ref_model(self) -> Any:
+        """The reference policy (a Flax `CausalLM`: the initial model), None without one (beta 0) or with LoRA
+        (the base with its adapters off is the reference), as TRL."""
+        if self.args.beta == 0 or self.args.use_peft:
+            return None
+        if "ref_model" not in self._loaded:
+            from rloo_jax.models import load_causal_lm
+
+            self._loaded["ref_model"] = load_causal_lm(self._model_dir())
+        return self._loaded["ref_model"]
+
+    @property
+    def reward_funcs(self) -> list[Any]:
+        """The reward functions in scoring order: callables as given, reward models loaded (Flax `RewardModel`s),
+        built-in and `module:function` names resolved to their functions."""
+        if "reward_funcs" not in self._loaded:
+            from rloo_jax.models import load_reward_model
+            from rloo_jax.models.hf import resolve_checkpoint
+            from rloo_jax.rewards import builtin_rewards, resolve_reward_funcs
+
+            cfg = self.args
+            builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length,
+                                       cfg.resolved_soft_overlong_cache)
+            resolved = resolve_reward_funcs(self._reward_sources, builtins,
+                                            lambda p: load_reward_model(str(resolve_checkpoint(p))))
+            self._loaded["reward_funcs"] = [f.fn for f in resolved]
+        return self._loaded["reward_funcs"]
+
+    @property
+    def reward_processing_classes(self) -> list[Any]:
+        """One entry per reward function: a reward model's tokenizer (the one given, else its folder's), None for
+        a callable, as TRL."""
+        from rloo_jax.models import load_tokenizer
+
+        given = self._reward_tokenizers or [None] * len(self._reward_sources)
+        return [tok if tok is not None else (load_tokenizer(src) if isinstance(src, str) and _is_model(src) else None)
+                for src, tok in zip(self._reward_sources, given, strict=True)]
+
+    def _model_dir(self) -> str:
+        from rloo_jax import demo
+        from rloo_jax.build import CACHE_ROOT
+        from rloo_jax.models.hf import resolve_checkpoint
+
+        if self.model_name_or_path == "demo":
+            return demo.prepare_model(demo.model_dir(CACHE_ROOT, self.args.seed), self.args.seed)
+        return str(resolve_checkpoint(self.model_name_or_path))
+
+    # -- callbacks ----------------------------------------------------------------------------------------------
+    def add_callback(self, callback: Any) -> None:
+        """A transformers `TrainerCallback` (instance or class), called at the loop's events."""
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        self.callback_handler.pop(callback)
 
     def save_model(self, output_dir: str | None = None) -> str:
         """The trained policy (final/: a Hugging Face folder, or with LoRA a PEFT adapter folder), copied to
@@ -131,6 +249,20 @@ class _OnlineTrainer:
             return final
         shutil.copytree(final, output_dir, dirs_exist_ok=True)
         return output_dir
+
+
+def eval_sets(data: Any, cfg: TrainConfig) -> dict[str, Any]:
+    """`eval_dataset` as TRL takes it: one set, or a dict / DatasetDict of named sets (metrics `eval_<name>_*`)."""
+    if isinstance(data, dict | datasets.DatasetDict):
+        if not data:
+            raise DataError("eval_dataset is an empty dict; pass a set, or named sets")
+        return {str(name): prompt_dataset(ds, f"eval_dataset[{name!r}]", cfg) for name, ds in data.items()}
+    return {"": prompt_dataset(data, "eval_dataset", cfg)}
+
+
+def _is_model(source: str) -> bool:
+    """A reward source that names a model folder or hub id (not a built-in or `module:function`)."""
+    return os.path.isdir(source) or ("/" in source and ":" not in source and not source.endswith(".py"))
 
 
 class RLOOTrainer(_OnlineTrainer):
@@ -197,8 +329,8 @@ def reward_tokenizers(classes: Any, count: int) -> list[Any] | None:
         return None
     classes = list(classes) if isinstance(classes, list | tuple) else [classes]
     if len(classes) != count:
-        raise ConfigError(f"reward_processing_classes has {len(classes)} entries but there are {count} reward "
-                          "functions; give one per function (None for callables)")
+        raise ConfigError(f"The number of reward processing classes ({len(classes)}) must match the number of reward "
+                          f"functions ({count}); give one per function (None for callables)")
     return classes
 
 

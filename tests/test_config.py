@@ -174,7 +174,7 @@ def test_derived_values():
         ({"ref_model_mixup_alpha": 2}, "ref_model_mixup_alpha must be in"),
         ({"reward_clip_range": (1, 0)}, "min < max"),
         ({"reward_funcs": None}, "no reward"),
-        ({"reward_weights": [1, 2]}, "reward_weights has 2 values but there are 1 reward functions"),
+        ({"reward_weights": [1, 2]}, r"Number of reward weights \(2\) must match number of reward functions \(1"),
         ({"report_to": "tensorbord"}, "unknown sink 'tensorbord'"),
         ({"lr_scheduler_type": "cosin"}, "did you mean 'cosine'"),
         ({"kl_estimator": "k4"}, "not one of k1, k2, k3"),

@@ -408,7 +408,7 @@ BAD = [
     (["--max_prompt_length", "0"], "max_prompt_length must be >= 1"),
     (["--max_consecutive_nonfinite", "0"], "max_consecutive_nonfinite must be >= 1"),
     (["--per_device_train_batch_size", "10"], "must be divisible by num_generations = 4"),
-    (["--reward_weights", "1,2"], "reward_weights has 2 values but there are 1 reward functions"),
+    (["--reward_weights", "1,2"], r"Number of reward weights \(2\) must match number of reward functions \(1"),
     (["--reward_funcs", "nosuch_mod_q:f"], "cannot import 'nosuch_mod_q'"),
     (["--reward_funcs", "rloo_jax.demo:nosuch"], "has no callable 'nosuch'"),
     (["--model_name_or_path", "{d}/nosuch", *MODEL_ARGS], "checkpoint path does not exist: .*nosuch"),

@@ -46,7 +46,8 @@ def test_trainer_with_a_callable_and_a_dataset_matches_the_cli(tmp_path, capsys)
     args = rloo_jax.RLOOConfig(output_dir=str(api), max_steps=2, **SETTINGS)
     dataset = datasets.Dataset.from_list(rows)
     trainer = rloo_jax.RLOOTrainer("demo", demo.letters_reward, args=args, train_dataset=dataset)
-    assert trainer.train()["learning_rate"] == pytest.approx(1e-3)
+    assert trainer.train().global_step == 2
+    assert trainer.state.log_history[-2]["learning_rate"] == pytest.approx(1e-3)  # (the last: the run's summary)
     capsys.readouterr()
     args = rloo_jax.RLOOConfig(output_dir=str(api), max_steps=3, **SETTINGS)
     final = rloo_jax.RLOOTrainer("demo", [demo.letters_reward], args=args, train_dataset=rows).train()  # list of dicts
@@ -87,11 +88,13 @@ def test_reward_functions_get_trls_keyword_arguments(tmp_path):
     trainer = rloo_jax.RLOOTrainer("demo", probe, args=args, train_dataset=stream, eval_dataset=rows[:4])
     assert len(trainer.train_dataset) == 4  # 2 steps x 2 prompts, in stream order
     assert trainer.train_dataset["prompt"] == [r["prompt"] for r in rows[:4]]
-    metrics = trainer.train()
+    trainer.train()
+    metrics = trainer.result.metrics  # the last logged step's, with the evaluation's
     assert calls == [(["letters"], 0, 2, 8), (["letters"], 1, 2, 8), (["letters"], 2, 2, 8)]  # train, train, eval
     assert {"probe/length", "eval_probe/length", "eval_reward", *TIMINGS} <= set(metrics)
     assert 0 < metrics["probe/length"] <= 8
-    assert trainer.state.global_step == 2 and [r["step"] for r in trainer.state.log_history] == [1, 2, 2]  # +eval
+    assert trainer.state.global_step == 2 and [r["step"] for r in trainer.state.log_history] == [1, 2, 2, 2]  # +eval,
+    assert "train_loss" in trainer.state.log_history[-1]  # + the end-of-training record
     records = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
     assert len(records) == 16 and all(r["extra"]["first"] == r["completion"][:1] for r in records)
 
@@ -104,9 +107,9 @@ def test_trainer_refuses_what_it_cannot_take(tmp_path):
         rloo_jax.RLOOTrainer("demo", demo.letters_reward, args, stream)
     with pytest.raises(ConfigError, match="model must be a local folder or a hub id"):
         rloo_jax.RLOOTrainer(object(), demo.letters_reward, args, rows)
-    with pytest.raises(ConfigError, match="reward_processing_classes has 2 entries but there are 1 reward functions"):
+    with pytest.raises(ConfigError, match=r"reward processing classes \(2\) must match the number of reward"):
         rloo_jax.RLOOTrainer("demo", demo.letters_reward, args, rows, reward_processing_classes=[None, None])
-    with pytest.raises(ConfigError, match="train_dataset is required"):
+    with pytest.raises(ConfigError, match="`train_dataset` is required"):
         rloo_jax.RLOOTrainer("demo", demo.letters_reward, args)
     with pytest.raises(Exception, match="has no `prompt` column"):
         rloo_jax.RLOOTrainer("demo", demo.letters_reward, args, [{"question": "a"}])

@@ -61,10 +61,13 @@ def build_model(path: str, seed: int = 0) -> str:
 
 
 def position_reward(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
-                    **kwargs: Any) -> list[float]:
+                    by_position: bool = True, **kwargs: Any) -> list[float]:
     """A reward that differs inside a group of identical (greedy) completions: the row's position in the
-    generation batch, plus the completion's length (so the policy's own output matters too)."""
-    return [0.25 * (i % G) + 0.1 * len(ids) + 0.05 * (sum(ids) % 7) for i, ids in enumerate(completion_ids)]
+    generation batch, plus the completion's length (so the policy's own output matters too). `by_position` false:
+    the completion's alone, equal within a group, so group-centred advantages are exactly 0 (on-policy runs: no
+    policy gradient whose float-noise residue Adam would blow up to learning-rate-sized steps)."""
+    return [0.25 * (i % G) * by_position + 0.1 * len(ids) + 0.05 * (sum(ids) % 7)
+            for i, ids in enumerate(completion_ids)]
 
 
 def _common(out: str, **options: Any) -> dict[str, Any]:
@@ -78,7 +81,7 @@ def _common(out: str, **options: Any) -> dict[str, Any]:
     return base
 
 
-def run_trl(kind: str, model: str, out: str, **options: Any) -> dict[str, Any]:
+def run_trl(kind: str, model: str, out: str, by_position: bool = True, **options: Any) -> dict[str, Any]:
     """TRL 1.16's trainer `kind` (rloo, grpo) on CPU with its generation-batch shuffle made the identity."""
     import datasets
     import torch
@@ -89,7 +92,7 @@ def run_trl(kind: str, model: str, out: str, **options: Any) -> dict[str, Any]:
 
     def reward(prompts, completions, completion_ids, **kwargs):
         seen.extend(list(c) for c in completion_ids)
-        return position_reward(prompts, completions, completion_ids)
+        return position_reward(prompts, completions, completion_ids, by_position)
 
     reward.__name__ = "position_reward"
     cfg_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
@@ -109,7 +112,7 @@ def run_trl(kind: str, model: str, out: str, **options: Any) -> dict[str, Any]:
     return {"records": records, "completions": seen, "weights": weights}
 
 
-def run_ours(kind: str, model: str, out: str, **options: Any) -> dict[str, Any]:
+def run_ours(kind: str, model: str, out: str, by_position: bool = True, **options: Any) -> dict[str, Any]:
     """rloo_jax's trainer `kind` on the same run (float32 on CPU)."""
     import datasets
     from safetensors.numpy import load_file
@@ -120,7 +123,7 @@ def run_ours(kind: str, model: str, out: str, **options: Any) -> dict[str, Any]:
 
     def reward(prompts, completions, completion_ids, **kwargs):
         seen.extend(list(c) for c in completion_ids)
-        return position_reward(prompts, completions, completion_ids)
+        return position_reward(prompts, completions, completion_ids, by_position)
 
     reward.__name__ = "position_reward"
     cfg_cls, trainer_cls = (rj.GRPOConfig, rj.GRPOTrainer) if kind == "grpo" else (rj.RLOOConfig, rj.RLOOTrainer)

@@ -1,0 +1,145 @@
+"""What a TRL user reads from and plugs into a trainer: transformers-style callbacks (events, control flags, a
+callback that raises), `train()`'s `TrainOutput` and the end-of-training record, `evaluate()` with named sets, and
+the trainer's attributes (models, tokenizers, reward functions, state, args)."""
+
+import os
+
+import datasets
+import pytest
+
+import rloo_jax
+from rloo_jax import demo
+from rloo_jax.callbacks import CallbackError
+from rloo_jax.metrics import read_jsonl
+
+SETTINGS = dict(
+    per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_prompt_length=16, prompt_bucket=8,
+    learning_rate=1e-3, lr_scheduler_type="constant", beta=0.02, seed=0, logging_steps=2, save_steps=100,
+    compilation_cache=False, report_to="none",
+)
+
+
+def first_letter(completions, **kwargs):
+    return [float(bool(c) and c[0] in "abc") for c in completions]
+
+
+def rows(n=16):
+    return demo.make_rows(n, seed=0)
+
+
+class Recorder:
+    """A duck-typed callback (transformers' TrainerCallback has the same methods) recording every event."""
+
+    def __init__(self, stop_at=None, raise_at=None):
+        self.events, self.stop_at, self.raise_at = [], stop_at, raise_at
+
+    def __getattr__(self, event):
+        if not event.startswith("on_"):
+            raise AttributeError(event)
+
+        def call(args, state, control, **kwargs):
+            self.events.append((event, state.global_step))
+            if event == "on_step_end" and state.global_step == self.raise_at:
+                raise ValueError("boom")
+            if event == "on_step_end" and state.global_step == 3:
+                control.should_log = True  # an off-cadence record
+                control.should_save = True
+            if event == "on_step_end" and state.global_step == self.stop_at:
+                control.should_training_stop = True
+            return control
+
+        return call
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One run: 2 generation batches of 2 optimizer steps (steps_per_generation 2), a callback that forces a log
+    and a save at step 3 and stops training after step 3's generation batch (step 4)."""
+    out = tmp_path_factory.mktemp("surface") / "run"
+    rec = Recorder(stop_at=3)
+    args = rloo_jax.RLOOConfig(output_dir=str(out), max_steps=10, steps_per_generation=2, push_to_hub=False,
+                               **SETTINGS)
+    trainer = rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=rows(),
+                                   eval_dataset={"a": rows(8), "b": rows(4)}, callbacks=[rec])
+    output = trainer.train()
+    return trainer, output, rec, out
+
+
+def test_callback_events_and_control_flags(run):
+    trainer, output, rec, out = run
+    names = [e for e, _ in rec.events]
+    assert names[:2] == ["on_init_end", "on_train_begin"] and names[-1] == "on_train_end"
+    ends = [step for e, step in rec.events if e == "on_step_end"]
+    assert ends == [1, 2, 3, 4]  # stopped after the generation batch holding step 3: its step 4 is done
+    assert names.count("on_step_begin") == 4
+    logged = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert logged == [2, 3, 4]  # logging_steps 2, step 3 forced by should_log, 4 the last
+    assert os.listdir(out / "checkpoints") == ["4"]  # should_save at step 3 and the end: one save after step 4
+    assert ("on_save", 4) in rec.events and os.path.isdir(out / "final")
+    assert output.global_step == 4 and trainer.state.global_step == 4
+
+
+def test_train_output_and_the_end_of_training_record(run):
+    trainer, output, _, _ = run
+    summary = trainer.state.log_history[-1]
+    assert set(summary) == {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
+                            "train_loss", "epoch", "step"}
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert summary["step"] == 4 and output.training_loss == pytest.approx(summary["train_loss"])
+    assert len(losses) == 3 and output.metrics["train_loss"] == summary["train_loss"]
+    assert output.metrics["train_steps_per_second"] > 0
+    # a run already complete (its 4 steps done): no step, TRL's TrainOutput with loss 0
+    args = rloo_jax.RLOOConfig(output_dir=trainer.args.output_dir, max_steps=4, steps_per_generation=2, **SETTINGS)
+    again = rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=rows()).train()
+    assert again.global_step == 4 and again.training_loss == 0.0
+
+
+def test_evaluate_named_sets(run):
+    trainer, _, rec, out = run
+    metrics = trainer.evaluate()
+    assert {"eval_a_reward", "eval_b_reward", "eval_a_completions/mean_length"} <= set(metrics)
+    assert not any(k.startswith("eval_reward") for k in metrics)
+    assert any("eval_a_reward" in r for r in read_jsonl(out / "metrics.jsonl"))
+    one = trainer.evaluate(eval_dataset=rows(4))
+    assert "eval_reward" in one and 0.0 <= one["eval_reward"] <= 1.0
+
+
+def test_what_trl_users_read_from_a_trainer(run):
+    trainer, _, _, _ = run
+    from rloo_jax.models import CausalLM
+
+    assert isinstance(trainer.model, CausalLM)  # the trained policy, read from final/
+    assert isinstance(trainer.ref_model, CausalLM)  # beta > 0, full fine-tuning
+    assert trainer.processing_class.padding_side == "left"
+    assert trainer.reward_funcs == [first_letter] and trainer.reward_processing_classes == [None]
+    assert trainer.args.push_to_hub is False  # a TRL option without effect, still readable
+    assert trainer.state.max_steps == 10 and trainer.state.log_history
+
+
+def test_a_raising_callback_stops_with_its_name_and_keeps_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    args = rloo_jax.RLOOConfig(output_dir=str(out), max_steps=6, **dict(SETTINGS, save_steps=1))
+    trainer = rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=rows(),
+                                   callbacks=[Recorder(raise_at=3)])
+    with pytest.raises(CallbackError, match=r"callback Recorder.on_step_end raised ValueError: boom; training "
+                                            r"stopped at step 3"):
+        trainer.train()
+    assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"]
+    resumed = rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=rows()).train()
+    assert resumed.global_step == 6
+
+
+def test_transformers_callbacks_work(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    class Stop(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= 2:
+                control.should_training_stop = True
+            return control
+
+    args = rloo_jax.GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=8, **SETTINGS)
+    trainer = rloo_jax.GRPOTrainer("demo", first_letter, args=args, train_dataset=datasets.Dataset.from_list(rows()))
+    trainer.add_callback(Stop)
+    assert trainer.train().global_step == 2
+    assert trainer.pop_callback(Stop) is not None
