@@ -11,8 +11,11 @@ Plain pytrees all the way (the research API):
 A projection with an adapter computes y = x W + scale * dropout(x) A B (A [din, r], B [r, dout], scale = alpha / r
 or alpha / sqrt(r) with rsLoRA); B starts at zero, so the first policy equals the base exactly. Adapters are
 `LoRAParam`s (a `Param` type of their own) next to the weights they adapt, stacked on the layer axis with
-`scan_layers` and sharded by the same rule table (the rank axis replicated). Export: `models.save_adapter` (a
-PEFT folder), `merge_adapters` (a plain model with W + scale * A B).
+`scan_layers` and sharded by the same rule table (the rank axis over fsdp where the other axis is not). Export:
+`models.save_adapter` (a PEFT folder), `merge_adapters` (a plain model with W + scale * A B).
+
+QLoRA: `quantize_base(base_model, QuantSpec("nf4"))` stores the base's block projections quantized
+(`rloo_jax.quant`) before `with_adapters`; `dequantize_base` makes it a plain model again.
 """
 
 from __future__ import annotations

@@ -146,6 +146,23 @@ def test_stacked_layers_shapes_and_bytes():
     assert quant.stored_bytes(4096, 4096, None) == 4096 * 4096 * 2
 
 
+def test_decode_floor_counts_codes_at_their_bits():
+    """The decode floor's matrices (`efficiency.Transformer.weight_bytes`): Llama-3.1-8B's blocks at 218,103,808
+    matmul parameters each; nf4 stores them in 109,051,904 bytes of codes + 13,631,488 of float32 scales (one per
+    64); the LM head (4096 x 128256) stays at the compute dtype's 2 bytes."""
+    from rloo_jax.efficiency import Transformer
+    from rloo_jax.models import config_from_hf
+
+    cfg = config_from_hf(dict(TINY, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                              num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
+    plain, nf4 = Transformer.of(cfg), Transformer.of(cfg, QuantSpec("nf4"))
+    assert plain.layer_params == nf4.layer_params == 218103808 and plain.weight_bytes(2) == 2 * plain.matmul_params
+    assert nf4.layer_bytes == 109051904 + 13631488
+    assert nf4.weight_bytes(2) == 32 * (109051904 + 13631488) + 2 * 4096 * 128256
+    assert Transformer.of(cfg.replace(quant=QuantSpec("int8"))).layer_bytes == 218103808 + 4 * (
+        4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)  # one float32 scale per output channel
+
+
 def test_blocked_matmul_is_the_matmul():
     x = jax.random.normal(jax.random.key(2), (5, 128))
     w = dequantize(quantize(jax.random.normal(jax.random.key(3), (128, 96)), QuantSpec("nf4")), QuantSpec("nf4"))

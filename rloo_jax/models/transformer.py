@@ -13,7 +13,7 @@ single. Parameters are named (our path -> HF name in `hf.py`):
     model.final_norm.scale/bias           ("embed",)
     lm_head.kernel [D, V]                 ("embed", "vocab")    (absent when embeddings are tied)
     score.kernel [D, 1]                   ("embed", None)       (RewardModel)
-    ....{q,k,v,o,gate,up,down}.lora_a/b   A [din, r] (din's axis, None), B [r, dout] (None, dout's axis): LoRA
+    ....{q,k,v,o,gate,up,down}.lora_a/b   A [din, r] (din's axis, "lora_rank"), B [r, dout] ("lora_rank", dout's): LoRA
     model.layers.attn.qkv_lora_a          GPT-NeoX's fused query_key_value: one A for q, k, v (their B apart)
 
 With `scan_layers` (the default) the L blocks are ONE `Block` whose parameters carry a leading layer axis
@@ -190,11 +190,13 @@ class Dense(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
         self.name = name  # the output's `checkpoint_name`, which remat policies select by
         # adapters start at zero (no randomness drawn: the base's initial values do not depend on them);
-        # `rloo_jax.lora.init_adapters` draws A. The rank axis is never sharded.
+        # `rloo_jax.lora.init_adapters` draws A. The rank axis ("lora_rank") splits over fsdp where the other axis
+        # does not (an A on a 28672-wide MLP input, a B onto the heads): replicated, the adapters of Llama-3.1-70B
+        # and their AdamW moments took 6.2 GiB of every chip of a v5e-16 (BENCHMARKS.md, Session 7).
         r = cfg.lora.rank if cfg.lora is not None and lora else 0
-        self.lora_a = LoRAParam(jnp.zeros((din, r), pdt), out_sharding=(axes[0], None), eager_sharding=False) \
+        self.lora_a = LoRAParam(jnp.zeros((din, r), pdt), out_sharding=(axes[0], "lora_rank"), eager_sharding=False) \
             if "a" in lora and r else None
-        self.lora_b = LoRAParam(jnp.zeros((r, dout), pdt), out_sharding=(None, axes[1]), eager_sharding=False) \
+        self.lora_b = LoRAParam(jnp.zeros((r, dout), pdt), out_sharding=("lora_rank", axes[1]), eager_sharding=False) \
             if r else None
         self.lora_scale = cfg.lora.scale if r else 0.0
         self.lora_dropout = cfg.lora.dropout if r else 0.0
@@ -291,7 +293,7 @@ class Attention(nnx.Module):
         self.o = Dense(h * dh, d, ("heads", "embed"), cfg.o_bias, cfg, rngs, "out_proj", _lora(cfg, "o"), True)
         fused = _lora(cfg, "q") == "b"  # GPT-NeoX query_key_value: one A for q, k and v
         pdt = jnp.dtype(cfg.param_dtype)
-        self.qkv_lora_a = LoRAParam(jnp.zeros((d, cfg.lora.rank), pdt), out_sharding=("embed", None),
+        self.qkv_lora_a = LoRAParam(jnp.zeros((d, cfg.lora.rank), pdt), out_sharding=("embed", "lora_rank"),
                                     eager_sharding=False) if fused else None
         self.shape = (h, k, dh)
 
