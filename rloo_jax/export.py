@@ -8,7 +8,8 @@ the trained parameters are read from the checkpoint (no optimizer state). The fo
 `config.json` dtype, e.g. bfloat16; `--dtype float32` keeps the float32 master weights), one `model.safetensors`
 or past `--max_shard_size` (transformers 5's 50GB by default) shards with `model.safetensors.index.json`, and the
 tokenizer. LoRA runs give a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) or with
-`--merged` the base with the adapters folded in. `--push_to_hub REPO` uploads OUT_DIR afterwards (needs a network).
+`--merged` the base with the adapters folded in (a QLoRA run's base quantized as in training, then dequantized:
+the weights the policy used). `--push_to_hub REPO` uploads OUT_DIR afterwards (needs a network).
 
 The trainer's own `final/` and `final_merged/` go through `write_policy` here too (`RLOOConfig.export_dtype`,
 `export_max_shard_size`). Exit codes: 0 done; 2 a wrong CHECKPOINT, a missing config.yaml or base model, a bad

@@ -319,6 +319,7 @@ def _logits(model, ids, mask):
     return np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)))
 
 
+@pytest.mark.slow
 def test_cli_load_in_4bit_trains_and_exports(tmp_path):
     """--use_peft --load_in_4bit on the demo: the KL starts at 0 (the quantized base is the reference), the
     checkpoint holds the adapters only; final/ is a PEFT adapter folder for the unquantized base; final_merged/ is
