@@ -29,6 +29,9 @@ MODELS: dict[str, dict] = {
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
 }
+# Llama-3.1-70B: the published architecture (its config.json; no weights needed to compile)
+MODELS["Llama-3.1-70B"] = dict(MODELS["Llama-3.1-8B"], hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                               num_attention_heads=64, num_key_value_heads=8)
 
 
 def write_model(root: Path, name: str) -> Path:

@@ -205,7 +205,7 @@ def per_chip_bytes(tree: Any) -> int:
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        total += -(-int(np.prod(shape, dtype=np.int64)) * jax.dtypes.itemsize_bits(x.dtype) // 8)  # uint4: 1/2
     return total
 
 
@@ -509,7 +509,7 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     batch = 4 * (2 * b * p + 4 * n * cfg.max_completion_length) // cfg.data_shards
 
     programs = []
-    model, c, chips = Transformer.of(run.model.config), cfg.max_completion_length, slc.chips
+    model, c, chips = Transformer.of(run.model.config, cfg.quant_spec), cfg.max_completion_length, slc.chips
     itemsize = 2 if cfg.bf16 else 4  # the compute dtype: the sampler's matrices and KV caches
 
     def add(name: str, lower: Callable[[], Any], resident_bytes: int, model_flops: float,
@@ -523,7 +523,7 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     def decode_floor(prompts: int, group: int) -> float:
         """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
         sampler's tensor parallelism splits it) and its share of the KV caches."""
-        weights = model.matmul_params * itemsize / layout[2]
+        weights = model.weight_bytes(itemsize) / layout[2]  # (a QLoRA base's codes at their 4 or 8 bits)
         return weights + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
 
     g = cfg.num_generations

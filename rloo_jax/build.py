@@ -25,7 +25,7 @@ from rloo_jax import demo
 from rloo_jax.config import TrainConfig
 from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError
-from rloo_jax.lora import split_adapters, with_adapters
+from rloo_jax.lora import quantize_base, split_adapters, with_adapters
 from rloo_jax.mesh import _resolve_mesh_shape, host_memory, rollout_shape
 from rloo_jax.metrics import check_report_to
 from rloo_jax.models import ModelLoadError, abstract_model, attention, load_causal_lm, load_tokenizer, lora_spec
@@ -179,13 +179,14 @@ class Policy:
     graphdef: nnx.GraphDef
     params: nnx.State  # trained: the whole policy, or with LoRA its adapters only
     ref_params: nnx.State | None  # full fine-tuning with beta > 0: the frozen reference copy
-    frozen: nnx.State | None = None  # LoRA: the base, stored in the compute dtype (also the reference)
+    frozen: nnx.State | None = None  # LoRA: the base, in the compute dtype or quantized (QLoRA); also the reference
     ref_graphdef: nnx.GraphDef | None = None  # LoRA: the model without its adapters
 
 
 def policy(cfg: TrainConfig, model: Any) -> Policy:
     """The policy to train from the loaded (or abstract) model: the whole model and a reference copy, or with
-    `use_peft` adapters on a frozen base (loaded in the compute dtype by `prepare`) that is also the reference."""
+    `use_peft` adapters on a frozen base (loaded in the compute dtype by `prepare`) that is also the reference;
+    with `load_in_4bit` / `load_in_8bit` that base is quantized first (`rloo_jax.lora.quantize_base`)."""
     abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
     if not cfg.use_peft:
         graphdef, params = nnx.split(model)
@@ -196,6 +197,8 @@ def policy(cfg: TrainConfig, model: Any) -> Policy:
         return Policy(graphdef, params, ref)
     spec = lora_spec(model.config.family, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
                      cfg.use_rslora)
+    if cfg.quant_spec is not None:  # QLoRA: the base's block projections quantized once, here
+        model = quantize_base(model, cfg.quant_spec)
     ref_graphdef, base = nnx.split(model)
     # the adapters' A from the run's seed (its own stream: sampling uses key(seed), evaluation key(seed + 1))
     lora_model = with_adapters(model, spec, jax.random.key(cfg.seed + 2), cfg.param_dtype)

@@ -24,6 +24,7 @@ from rloo_jax.data import parse_tfds_name
 from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.mesh import _resolve_mesh_shape
 from rloo_jax.numerics import MatmulPrecision
+from rloo_jax.quant import QuantSpec
 from rloo_jax.tpu import parse_slice
 from rloo_jax.trl_options import TABLES, is_trl_only, split_options
 
@@ -199,6 +200,29 @@ class TrainConfig:
         "peft",
         "With use_peft, also write <output_dir>/final_merged: the base model with the adapters folded into its "
         "weights (W + lora_alpha / lora_r * A B), a plain Hugging Face folder.",
+    )
+    # --- QLoRA: a quantized frozen base (TRL's ModelConfig names; bitsandbytes' formats, docs/lora.md)
+    load_in_4bit: bool = _opt(
+        False,
+        "peft",
+        "QLoRA: store the frozen base's block projections in 4 bits (bnb_4bit_quant_type; blocks of 64 inputs, "
+        "one float32 absmax each), quantized once from the checkpoint and dequantized to the compute dtype inside "
+        "every forward; embeddings, LM head and norms stay in the compute dtype. Needs use_peft.",
+    )
+    load_in_8bit: bool = _opt(
+        False,
+        "peft",
+        "QLoRA with an int8 base: the block projections as int8 with one float32 scale per output channel "
+        "(weight-only: activations stay in the compute dtype). Needs use_peft.",
+    )
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = _opt(
+        "nf4", "peft", "The 4-bit codebook with load_in_4bit: nf4 (QLoRA's NormalFloat) or fp4 (bitsandbytes' FP4)."
+    )
+    use_bnb_nested_quant: bool = _opt(
+        False,
+        "peft",
+        "With load_in_4bit, double quantization (bitsandbytes' bnb_4bit_use_double_quant): the 4-bit scales as "
+        "uint8 codes of one float32 scale per 256 output columns, 0.5 -> 0.13 bits per weight of scales.",
     )
 
     # --- rewards
@@ -693,6 +717,13 @@ class TrainConfig:
         return data, fsdp, tensor
 
     @property
+    def quant_spec(self) -> QuantSpec | None:
+        """How the frozen base is stored (load_in_4bit / load_in_8bit; `rloo_jax.quant`), None: unquantized."""
+        if self.load_in_4bit:
+            return QuantSpec(self.bnb_4bit_quant_type, self.use_bnb_nested_quant)
+        return QuantSpec("int8") if self.load_in_8bit else None
+
+    @property
     def data_shards(self) -> int:
         """Devices the batch is split over (data_parallel * fsdp): TRL's number of processes, one per device."""
         data, fsdp, _ = self.mesh_shape
@@ -868,6 +899,15 @@ class TrainConfig:
         _check(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)", self.lora_dropout)
         _check(_is_size(self.export_max_shard_size), "export_max_shard_size", "must be a size such as 5GB or 500MB",
                self.export_max_shard_size)
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ConfigError("load_in_4bit and load_in_8bit both set: choose one (the base is stored in 4 or 8 bits)")
+        if (self.load_in_4bit or self.load_in_8bit) and not self.use_peft:
+            name = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
+            raise ConfigError(f"{name} quantizes the frozen base of LoRA (QLoRA): pass --use_peft, or drop --{name} "
+                              "(a quantized model cannot be trained whole)")
+        if self.use_bnb_nested_quant and not self.load_in_4bit:
+            raise ConfigError("use_bnb_nested_quant quantizes the scales of a 4-bit base: pass --load_in_4bit, or "
+                              "drop --use_bnb_nested_quant")
         if self.merge_adapter_on_export and not self.use_peft:
             raise ConfigError("merge_adapter_on_export merges LoRA adapters, but use_peft is off; pass --use_peft or "
                               "drop --merge_adapter_on_export")

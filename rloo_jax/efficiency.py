@@ -103,24 +103,39 @@ class Transformer:
     attention_width: int  # H * Dh
     kv_width: int  # K * Dh: keys (and values) cached per token and layer
     window: int | None = None  # sliding window
+    layer_bytes: float | None = None  # one block's matrices as stored when quantized (QLoRA); None: compute dtype
 
     @classmethod
-    def of(cls, config) -> Transformer:  # noqa: ANN001 - a rloo_jax.models.ModelConfig
-        d, dh = config.hidden_size, config.head_dim
-        attention = d * config.num_heads * dh * 2 + d * config.num_kv_heads * dh * 2
-        mlp = (3 if config.family == "llama" else 2) * d * config.intermediate_size  # gated (SwiGLU) or not
+    def of(cls, config, quant=None) -> Transformer:  # noqa: ANN001 - a rloo_jax.models.ModelConfig, a QuantSpec
+        """The sizes of `config`'s model; `quant` (default: the config's): its block matrices stored quantized."""
+        from rloo_jax.quant import stored_bytes
+
+        d, dh, f = config.hidden_size, config.head_dim, config.intermediate_size
+        hq, hk = config.num_heads * dh, config.num_kv_heads * dh
+        matrices = [(d, hq), (d, hk), (d, hk), (hq, d), *[(d, f)] * (2 if config.family == "llama" else 1), (f, d)]
+        quant = quant or config.quant
         return cls(
-            attention + mlp,
+            sum(i * o for i, o in matrices),  # attention's q, k, v, o + the MLP (gated SwiGLU or not)
             config.num_layers,
             d * config.vocab_size,
-            config.num_heads * dh,
-            config.num_kv_heads * dh,
+            hq,
+            hk,
             config.sliding_window,
+            None if quant is None else sum(stored_bytes(i, o, quant) for i, o in matrices),
         )
 
     @property
     def matmul_params(self) -> int:
         return self.num_layers * self.layer_params + self.unembed_params
+
+    def weight_bytes(self, itemsize: int) -> float:
+        """Bytes of every matrix a forward multiplies by: the blocks' as stored (`layer_bytes`: 4-bit codes at half
+        a byte + their scales) or at `itemsize`, and the unembedding at `itemsize` (never quantized).
+
+        Example: layer_params 10, 2 layers, unembed 6, itemsize 2: 52; with layer_bytes 6.5: 2 * 6.5 + 12 = 25.
+        """
+        per_layer = self.layer_params * itemsize if self.layer_bytes is None else self.layer_bytes
+        return self.num_layers * per_layer + self.unembed_params * itemsize
 
     @staticmethod
     def tokens(prompts: int, prompt_length: int, group: int, completion_length: int) -> int:

@@ -8,7 +8,8 @@ the trained parameters are read from the checkpoint (no optimizer state). The fo
 `config.json` dtype, e.g. bfloat16; `--dtype float32` keeps the float32 master weights), one `model.safetensors`
 or past `--max_shard_size` (transformers 5's 50GB by default) shards with `model.safetensors.index.json`, and the
 tokenizer. LoRA runs give a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) or with
-`--merged` the base with the adapters folded in. `--push_to_hub REPO` uploads OUT_DIR afterwards (needs a network).
+`--merged` the base with the adapters folded in (a QLoRA run's base quantized as in training, then dequantized:
+the weights the policy used). `--push_to_hub REPO` uploads OUT_DIR afterwards (needs a network).
 
 The trainer's own `final/` and `final_merged/` go through `write_policy` here too (`RLOOConfig.export_dtype`,
 `export_max_shard_size`). Exit codes: 0 done; 2 a wrong CHECKPOINT, a missing config.yaml or base model, a bad
@@ -97,7 +98,8 @@ def upload_to_hub(folder: str | os.PathLike, repo_id: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ a checkpoint
 RUN_FIELDS = ("model_name_or_path", "seed", "bf16", "param_dtype", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
-              "lora_target_modules", "use_rslora")
+              "lora_target_modules", "use_rslora", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type",
+              "use_bnb_nested_quant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +171,15 @@ def read_checkpoint(path: str, model_name_or_path: str | None = None) -> Saved:
     return Saved(output_dir, step, run, dict(meta))
 
 
+def quant_spec(run: dict[str, Any]) -> Any:
+    """The run's quantized base (`rloo_jax.quant.QuantSpec`), or None: as `RLOOConfig.quant_spec`."""
+    from rloo_jax.quant import QuantSpec
+
+    if run["load_in_4bit"]:
+        return QuantSpec(run["bnb_4bit_quant_type"], run["use_bnb_nested_quant"])
+    return QuantSpec("int8") if run["load_in_8bit"] else None
+
+
 def model_folder(run: dict[str, Any]) -> str:
     """The base model's local folder (the demo's is rebuilt from its seed; a hub id is downloaded)."""
     from rloo_jax import demo
@@ -186,10 +197,11 @@ def load_policy(saved: Saved, with_base: bool = True) -> tuple[Any, str]:
 
     Full fine-tuning: built from the base's config.json, every parameter from the checkpoint. LoRA: the adapters
     from the checkpoint on the base read from its folder (`with_base`), or on an abstract base (the adapter
-    export reads no base weight)."""
+    export reads no base weight); a QLoRA run's base quantized as in training (a merge then folds the adapters
+    into the dequantized weights the policy used)."""
     import orbax.checkpoint as ocp
 
-    from rloo_jax.lora import split_adapters, with_adapters
+    from rloo_jax.lora import quantize_base, split_adapters, with_adapters
     from rloo_jax.models import abstract_model, load_causal_lm, lora_spec
 
     run, layout = saved.run, saved.meta.get("layout", {})
@@ -208,6 +220,9 @@ def load_policy(saved: Saved, with_base: bool = True) -> tuple[Any, str]:
         # as `rloo_jax.build.policy`: the base in the compute dtype, the adapters in param_dtype
         base = load_causal_lm(model_dir, dtype=compute, scan_layers=scan) if with_base else \
             abstract_model(model_dir, dtype=compute, scan_layers=scan)
+        quant = quant_spec(run)
+        if quant is not None:  # QLoRA: the base the adapters were trained on (what a merge folds them into)
+            base = quantize_base(base, quant)
         spec = lora_spec(base.config.family, lora["r"], run["lora_alpha"], run["lora_dropout"],
                          lora["target_modules"], run["use_rslora"])
         # the adapters' initial values are overwritten by the checkpoint's

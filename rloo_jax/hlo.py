@@ -356,6 +356,10 @@ def _read(param: _Instruction, fused: list[_Instruction], computations: dict[str
             size += user.nbytes
         elif user.opcode == "dynamic-update-slice" and user.operands[0] == param.name:
             continue
+        elif user.opcode == "fusion" and _aliases_whole(user, param.name):
+            # a relayout in place (the TPU compiler's copy of stacked int8/int4 weights from their storage tiling
+            # to the matmul's, written over its input): reads only what its users read
+            size += _read(user, fused, computations, start)
         elif user.opcode == "fusion":
             inner = computations.get(_callees(user).get("calls", [""])[0], [])
             params = _parameters(inner)
@@ -366,6 +370,12 @@ def _read(param: _Instruction, fused: list[_Instruction], computations: dict[str
         elif not whole:
             whole, size = True, size + param.nbytes
     return size
+
+
+def _aliases_whole(fusion: _Instruction, operand: str) -> bool:
+    """The fusion writes its whole result over `operand`'s buffer (`output_to_operand_aliasing={{}: (k, {})}`)."""
+    m = re.search(r"output_to_operand_aliasing=\{\{\}: \((\d+), \{\}\)\}", fusion.attrs)
+    return m is not None and int(m.group(1)) < len(fusion.operands) and fusion.operands[int(m.group(1))] == operand
 
 
 def _parameters(fused: list[_Instruction]) -> dict[int, _Instruction]:

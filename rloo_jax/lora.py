@@ -11,28 +11,39 @@ Plain pytrees all the way (the research API):
 A projection with an adapter computes y = x W + scale * dropout(x) A B (A [din, r], B [r, dout], scale = alpha / r
 or alpha / sqrt(r) with rsLoRA); B starts at zero, so the first policy equals the base exactly. Adapters are
 `LoRAParam`s (a `Param` type of their own) next to the weights they adapt, stacked on the layer axis with
-`scan_layers` and sharded by the same rule table (the rank axis replicated). Export: `models.save_adapter` (a
-PEFT folder), `merge_adapters` (a plain model with W + scale * A B).
+`scan_layers` and sharded by the same rule table (the rank axis over fsdp where the other axis is not). Export:
+`models.save_adapter` (a PEFT folder), `merge_adapters` (a plain model with W + scale * A B).
+
+QLoRA: `quantize_base(base_model, QuantSpec("nf4"))` stores the base's block projections quantized
+(`rloo_jax.quant`) before `with_adapters`; `dequantize_base` makes it a plain model again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rloo_jax.models.config import LoRASpec, lora_spec
+from rloo_jax import quant
+from rloo_jax.models.config import LoRASpec, ModelConfig, lora_spec
 from rloo_jax.models.transformer import MLP, Attention, CausalLM, Dense, LoRAParam
+from rloo_jax.quant import QuantSpec
 
 __all__ = [
     "LoRAParam",
     "LoRASpec",
+    "QuantSpec",
+    "dequantize_base",
     "init_adapters",
     "lora_spec",
     "merge_adapters",
     "merge_params",
+    "quantize_base",
     "split_adapters",
     "with_adapters",
 ]
@@ -98,7 +109,11 @@ def merge_params(base: nnx.State, adapters: nnx.State) -> nnx.State:
 
 def merge_adapters(model: CausalLM) -> CausalLM:
     """A plain model (no adapters) whose weights are W + scale * A B, computed in float32 and stored in W's
-    dtype: the same function as the adapted model up to that rounding (exact to float32 for float32 weights)."""
+    dtype: the same function as the adapted model up to that rounding (exact to float32 for float32 weights). A
+    quantized base is dequantized first (`dequantize_base`, into the compute dtype), so W is what the policy
+    multiplied by."""
+    if model.config.quant is not None:
+        model = dequantize_base(model)
     spec = model.config.lora
     if spec is None:
         return model
@@ -116,3 +131,83 @@ def merge_adapters(model: CausalLM) -> CausalLM:
             dense.kernel[...] = (w.astype(jnp.float32) + spec.scale * delta).astype(w.dtype)
     plain = nnx.eval_shape(lambda: CausalLM(model.config.replace(lora=None), nnx.Rngs(0)))
     return nnx.merge(nnx.graphdef(plain), split_adapters(model)[2])
+
+
+# ------------------------------------------------------------------------------------------------ QLoRA
+def _dotted(path: tuple) -> str:
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
+def _rebuild(model: CausalLM, config: ModelConfig, leaf: Callable[[str, Any, dict[str, Any]], Any]) -> CausalLM:
+    """A model of `config` (built abstractly) whose parameter at each dotted path p is `leaf(p, its abstract value,
+    {path: array} of model)`."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(config, nnx.Rngs(0))))
+    source = {_dotted(p): x for p, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))}
+    pure = jax.tree_util.tree_map_with_path(lambda p, x: leaf(_dotted(p), x, source), nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def _where(x: Any) -> Any:
+    """Compute on the device `x` lives on: a model waiting in host memory is quantized there, not on an
+    accelerator (a 70B model's codes alone would not fit one chip)."""
+    devices = getattr(x, "devices", None)
+    return jax.default_device(next(iter(devices()))) if callable(devices) else contextlib.nullcontext()
+
+
+def _per_layer(fn: Callable[[Any], Any], x: Any) -> Any:
+    """fn(x) for one kernel [din, dout] or stacked kernels [L, din, dout] (one layer at a time, stacked after: the
+    host holds one layer's float32 temporaries, not L of them); abstract in, abstract out."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.eval_shape(fn, x)
+    with _where(x):
+        if x.ndim == 2:
+            return fn(x)
+        return jax.tree.map(lambda *ys: jnp.stack(ys), *(fn(x[i]) for i in range(x.shape[0])))
+
+
+_STORED = {"qkernel": "codes", "qscale": "scale", "qscale2": "scale2"}  # Dense's attribute -> quant's name
+
+
+def quantize_base(model: CausalLM, spec: QuantSpec) -> CausalLM:
+    """`model` (no adapters, not yet quantized) with its block projections' kernels quantized by `spec`
+    (`rloo_jax.quant.quantize`: codes + scales), once, on the device the weights are on; embeddings, the LM head,
+    norms and biases kept as they are (bitsandbytes keeps the LM head too). An abstract model (`nnx.eval_shape`)
+    gives an abstract result."""
+    if model.config.lora is not None or model.config.quant is not None:
+        raise ValueError("quantize the base before adding adapters, and only once")
+    one = jax.jit(lambda w: quant.quantize(w, spec))
+    done: dict[str, dict[str, Any]] = {}
+
+    def leaf(path: str, _: Any, source: dict[str, Any]) -> Any:
+        stem, _, name = path.rpartition(".")
+        if name not in _STORED:
+            return source[path]
+        if stem not in done:
+            done[stem] = _per_layer(one, source[f"{stem}.kernel"])
+        return done[stem][_STORED[name]]
+
+    return _rebuild(model, model.config.replace(quant=spec), leaf)
+
+
+def dequantize_base(model: CausalLM, dtype: str | None = None) -> CausalLM:
+    """A quantized model (adapters, if any, kept) as a plain one: every quantized kernel dequantized into `dtype`
+    (default: the compute dtype, what the forward multiplies by). `dequantize_base(quantize_base(m, s))` computes
+    what the quantized model computes, up to the order of the float32 sums in its blocked matmul."""
+    spec = model.config.quant
+    if spec is None:
+        return model
+    dt = jnp.dtype(dtype or model.config.dtype)
+
+    def leaf(path: str, target: Any, source: dict[str, Any]) -> Any:
+        stem, _, name = path.rpartition(".")
+        if name != "kernel" or f"{stem}.qkernel" not in source:
+            return source[path]
+        stored = {v: source[f"{stem}.{k}"] for k, v in _STORED.items() if f"{stem}.{k}" in source}
+        shape = target.shape
+        if isinstance(stored["codes"], jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(shape, dt)
+        with _where(stored["codes"]):
+            return quant.dequantize(stored, spec, dt).reshape(shape)
+
+    return _rebuild(model, model.config.replace(quant=None), leaf)

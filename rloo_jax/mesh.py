@@ -78,6 +78,7 @@ LOGICAL_RULES: Rules = {
     "heads": "tensor",
     "kv": "tensor",
     "vocab": "tensor",
+    "lora_rank": "fsdp",  # LoRA's rank axis: over fsdp where the adapter's other axis is not (`fit_spec`)
 }
 
 

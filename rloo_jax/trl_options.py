@@ -341,9 +341,14 @@ _GROUPS: list[tuple[str, str, Decision]] = [
     ("lora_task_type", "lora_task_type", accepted("causal LMs only", is_one_of("causal_lm"), "CAUSAL_LM")),
     ("LoRA extras", "use_dora lora_modules_to_save lora_target_parameters",
      refused("DoRA, trained full modules and parameter targets are not implemented", off, "false / None")),
-    ("quantisation", "load_in_8bit load_in_4bit", refused("no quantised base (QLoRA) yet", off, "false")),
-    ("bitsandbytes", "bnb_4bit_quant_type use_bnb_nested_quant bnb_4bit_quant_storage",
-     accepted("no effect without load_in_4bit")),
+    ("quantisation (QLoRA)", "load_in_8bit load_in_4bit bnb_4bit_quant_type use_bnb_nested_quant", supported(
+        "with use_peft: the frozen base's block projections stored as bitsandbytes stores them (int8 per output "
+        "channel; nf4 / fp4 in blocks of 64, its codebooks; nested: the scales in 8 bits), dequantized to the compute "
+        "dtype in every forward (bnb_4bit_compute_dtype: as TRL, the model's dtype, here bf16 or float32); the LM "
+        "head and embeddings stay unquantized (docs/lora.md)")),
+    ("bnb_4bit_quant_storage", "bnb_4bit_quant_storage",
+     accepted("the torch dtype bitsandbytes packs 4-bit codes into; here they are JAX's uint4, two to a byte in TPU "
+              "memory")),
     ("model_revision", "model_revision", refused(
         "download that revision and pass its folder as model_name_or_path", is_one_of("main", "none", ""), "main")),
     ("dtype", "dtype", accepted("the policy's weights are kept in param_dtype (bfloat16 here sets param_dtype "

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from rloo_jax.models.attention import IMPLEMENTATIONS
+from rloo_jax.quant import QuantSpec
 
 
 class ModelLoadError(ValueError):
@@ -139,6 +140,8 @@ class ModelConfig:
     scan_layers: bool = True  # jax.lax.scan over the stacked blocks (False: unrolled; the same numbers)
     remat_policy: str = "none"  # a key of REMAT_POLICIES
     lora: LoRASpec | None = None  # low-rank adapters on some projections (None: the plain model)
+    # the block projections' kernels stored quantized, dequantized in the forward (QLoRA's frozen base; None: plain)
+    quant: QuantSpec | None = None
     # how the forwards compute attention (`attention.IMPLEMENTATIONS`: eager, splash, cudnn); None: the best for
     # the platform compiled for. Decoding keeps its one-query einsum whatever this says.
     attn_implementation: str | None = None

@@ -13,7 +13,7 @@ single. Parameters are named (our path -> HF name in `hf.py`):
     model.final_norm.scale/bias           ("embed",)
     lm_head.kernel [D, V]                 ("embed", "vocab")    (absent when embeddings are tied)
     score.kernel [D, 1]                   ("embed", None)       (RewardModel)
-    ....{q,k,v,o,gate,up,down}.lora_a/b   A [din, r] (din's axis, None), B [r, dout] (None, dout's axis): LoRA
+    ....{q,k,v,o,gate,up,down}.lora_a/b   A [din, r] (din's axis, "lora_rank"), B [r, dout] ("lora_rank", dout's): LoRA
     model.layers.attn.qkv_lora_a          GPT-NeoX's fused query_key_value: one A for q, k, v (their B apart)
 
 With `scan_layers` (the default) the L blocks are ONE `Block` whose parameters carry a leading layer axis
@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from rloo_jax import quant
 from rloo_jax.mesh import KV_CACHE_AXES, constrain, row_major
 from rloo_jax.models import attention
 from rloo_jax.models.attention import attend, attend_shared_prompt, visible
@@ -140,6 +141,15 @@ class LoRAParam(nnx.Param):
     split from the frozen base with `nnx.split(model, LoRAParam, nnx.Param)`."""
 
 
+def _unsharded_embed(v: nnx.Variable) -> jax.Array:
+    """A parameter's value laid out with its `embed` axis whole (gathered over fsdp) and its other axes as the rule
+    table splits them, on the mesh traced on (a no-op without one). The trailing axes of its logical names: a
+    stacked parameter's slice inside the layer scan has lost the leading "layers"."""
+    x = v[...]
+    axes = tuple(v.get_metadata().get("out_sharding") or (None,) * x.ndim)[-x.ndim:]
+    return constrain(x, tuple(None if a == "embed" else a for a in axes))
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout: x * keep / (1 - rate), keep ~ Bernoulli(1 - rate); identity without a key or rate."""
     if key is None or rate == 0.0:
@@ -151,7 +161,9 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 class Dense(nnx.Module):
     """y = x @ kernel (+ bias) (+ scale * dropout(x) @ lora_a @ lora_b); weights in param dtype, math in the
     compute dtype. `lora` "ab": this layer's own adapter; "b": only B, its A shared with sibling layers (the
-    caller passes `lora_x = dropout(x) @ A`, as GPT-NeoX's fused q/k/v); "": none."""
+    caller passes `lora_x = dropout(x) @ A`, as GPT-NeoX's fused q/k/v); "": none. `quantize` (the blocks'
+    projections) with `cfg.quant`: the kernel is stored as `qkernel` codes and `qscale` (+ `qscale2`) scales and
+    dequantized to the compute dtype at every call (`rloo_jax.quant`)."""
 
     def __init__(
         self,
@@ -163,22 +175,41 @@ class Dense(nnx.Module):
         rngs: nnx.Rngs,
         name: str | None = None,
         lora: str = "",
+        quantize: bool = False,
     ) -> None:
         pdt = jnp.dtype(cfg.param_dtype)
         w = jax.random.normal(rngs.params(), (din, dout), jnp.float32) * cfg.initializer_range
-        self.kernel = _param(w.astype(pdt), axes)
+        # QLoRA's frozen base: the kernel as quantized codes and scales (`rloo_jax.quant`), the same draw quantized
+        self.quant = cfg.quant if quantize else None
+        stored = {"kernel": w.astype(pdt)} if self.quant is None else quant.quantize(w.astype(pdt), self.quant)
+        logical = {"kernel": axes} if self.quant is None else quant.stored_axes(axes, self.quant)
+        self.kernel = _param(stored["kernel"], axes) if self.quant is None else None
+        self.qkernel, self.qscale, self.qscale2 = (
+            _param(stored[n], logical[n]) if n in stored else None for n in ("codes", "scale", "scale2"))
         self.bias = _param(jnp.zeros((dout,), pdt), (axes[1],)) if bias else None
         self.dtype = jnp.dtype(cfg.dtype)
         self.name = name  # the output's `checkpoint_name`, which remat policies select by
         # adapters start at zero (no randomness drawn: the base's initial values do not depend on them);
-        # `rloo_jax.lora.init_adapters` draws A. The rank axis is never sharded.
+        # `rloo_jax.lora.init_adapters` draws A. The rank axis ("lora_rank") splits over fsdp where the other axis
+        # does not (an A on a 28672-wide MLP input, a B onto the heads): replicated, the adapters of Llama-3.1-70B
+        # and their AdamW moments took 6.2 GiB of every chip of a v5e-16 (BENCHMARKS.md, Session 7).
         r = cfg.lora.rank if cfg.lora is not None and lora else 0
-        self.lora_a = LoRAParam(jnp.zeros((din, r), pdt), out_sharding=(axes[0], None), eager_sharding=False) \
+        self.lora_a = LoRAParam(jnp.zeros((din, r), pdt), out_sharding=(axes[0], "lora_rank"), eager_sharding=False) \
             if "a" in lora and r else None
-        self.lora_b = LoRAParam(jnp.zeros((r, dout), pdt), out_sharding=(None, axes[1]), eager_sharding=False) \
+        self.lora_b = LoRAParam(jnp.zeros((r, dout), pdt), out_sharding=("lora_rank", axes[1]), eager_sharding=False) \
             if r else None
         self.lora_scale = cfg.lora.scale if r else 0.0
         self.lora_dropout = cfg.lora.dropout if r else 0.0
+
+    def weight(self) -> jax.Array:
+        """The kernel in the compute dtype: [din, dout], or dequantized from its codes ([din/K, K, dout] for 4-bit,
+        `quant.blocked_matmul` takes either). Codes and scales are gathered whole over fsdp first: left to itself
+        the partitioner dequantized the shards and gathered the bf16 weight, 4x the bytes over ICI (BENCHMARKS.md)."""
+        if self.quant is None:
+            return self.kernel[...].astype(self.dtype)
+        stored = {n: _unsharded_embed(v) for n, v in (("codes", self.qkernel), ("scale", self.qscale),
+                                                       ("scale2", self.qscale2)) if v is not None}
+        return quant.dequantize(stored, self.quant, self.dtype)
 
     def lora_input(self, x: jax.Array, a: nnx.Param, key: jax.Array | None) -> jax.Array:
         """dropout(x) @ A in the compute dtype: [..., din] -> [N, r] (leading dims flattened)."""
@@ -190,8 +221,8 @@ class Dense(nnx.Module):
         # dot natively; a bf16-output dot it widens to f32 with a convert of both operands first.
         # Leading dims flattened: [B, T, din] -> [B*T, din], so the weight gradient contracts one token axis
         # (a 3-D dot made XLA:CPU transpose the activations for it; -12% fwd+bwd time on the MLP, BENCHMARKS.md).
-        w = self.kernel[...].astype(self.dtype)
-        y = jnp.dot(x.reshape(-1, x.shape[-1]).astype(self.dtype), w, preferred_element_type=jnp.float32)
+        w = self.weight()
+        y = quant.blocked_matmul(x.reshape(-1, x.shape[-1]).astype(self.dtype), w)
         y = y if self.bias is None else y + self.bias[...].astype(jnp.float32)
         if self.lora_b is not None:
             h = self.lora_input(x, self.lora_a, key) if lora_x is None else lora_x
@@ -256,13 +287,13 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q = Dense(d, h * dh, ("embed", "heads"), cfg.qkv_bias, cfg, rngs, "query_proj", _lora(cfg, "q"))
-        self.k = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "key_proj", _lora(cfg, "k"))
-        self.v = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "value_proj", _lora(cfg, "v"))
-        self.o = Dense(h * dh, d, ("heads", "embed"), cfg.o_bias, cfg, rngs, "out_proj", _lora(cfg, "o"))
+        self.q = Dense(d, h * dh, ("embed", "heads"), cfg.qkv_bias, cfg, rngs, "query_proj", _lora(cfg, "q"), True)
+        self.k = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "key_proj", _lora(cfg, "k"), True)
+        self.v = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "value_proj", _lora(cfg, "v"), True)
+        self.o = Dense(h * dh, d, ("heads", "embed"), cfg.o_bias, cfg, rngs, "out_proj", _lora(cfg, "o"), True)
         fused = _lora(cfg, "q") == "b"  # GPT-NeoX query_key_value: one A for q, k and v
         pdt = jnp.dtype(cfg.param_dtype)
-        self.qkv_lora_a = LoRAParam(jnp.zeros((d, cfg.lora.rank), pdt), out_sharding=("embed", None),
+        self.qkv_lora_a = LoRAParam(jnp.zeros((d, cfg.lora.rank), pdt), out_sharding=("embed", "lora_rank"),
                                     eager_sharding=False) if fused else None
         self.shape = (h, k, dh)
 
@@ -288,9 +319,9 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         llama = cfg.family == "llama"
-        self.gate = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi", _lora(cfg, "gate")) if llama else None
-        self.up = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi", _lora(cfg, "up"))
-        self.down = Dense(f, d, ("mlp", "embed"), bias, cfg, rngs, "mlpwo", _lora(cfg, "down"))
+        self.gate = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi", _lora(cfg, "gate"), True) if llama else None
+        self.up = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi", _lora(cfg, "up"), True)
+        self.down = Dense(f, d, ("mlp", "embed"), bias, cfg, rngs, "mlpwo", _lora(cfg, "down"), True)
         self.act = cfg.hidden_act
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
