@@ -247,7 +247,7 @@ def _step_config():
 
     sampling = SamplingConfig(max_new_tokens=6, num_generations=4, temperature=0.9, eos_token_ids=(3,),
                               pad_token_id=0)
-    return StepConfig(sampling=sampling, rloo=rj.RLOOOptions(beta=0.1))
+    return StepConfig(sampling=sampling, algorithm=rj.RLOO(beta=0.1))
 
 
 def _qlora(model, step=None):
@@ -257,14 +257,14 @@ def _qlora(model, step=None):
 
     from rloo_jax.lora import split_adapters, with_adapters
     from rloo_jax.models import lora_spec
-    from rloo_jax.step import RLOOStep
+    from rloo_jax.programs import Programs
 
     model = nnx.merge(nnx.graphdef(model), jax.tree.map(jnp.copy, nnx.state(model)))  # update() donates the base
     graphdef, adapters, frozen = split_adapters(with_adapters(model, lora_spec("llama", 4, 8, 0.0, "all-linear"),
                                                               jax.random.key(1)))
     keys = iter(jax.random.split(jax.random.key(5), 64))
     adapters = jax.tree.map(lambda x: 0.05 * jax.random.normal(next(keys), x.shape), adapters)
-    step = step or RLOOStep(graphdef, optax.sgd(1e-2), _step_config(), ref_graphdef=nnx.graphdef(model))
+    step = step or Programs(graphdef, optax.sgd(1e-2), _step_config(), ref_graphdef=nnx.graphdef(model))
     return step, step.init_state(adapters, frozen=frozen)
 
 
@@ -272,6 +272,7 @@ def _update(step, state, ro, rewards):
     """The update on the completions of `ro`, their old and reference log-probs computed by this policy and base
     (one jitted program for the log-probs): (old log-probs, the adapters' update, scalar metrics)."""
     from rloo_jax.lora import merge_params
+    from rloo_jax.programs import flat_metrics
     from rloo_jax.step import Rollout, completion_logps
 
     @jax.jit
@@ -284,6 +285,7 @@ def _update(step, state, ro, rewards):
     before = [np.asarray(x) for x in jax.tree.leaves(state.params)]
     rollout = Rollout(ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, ro.is_truncated, old, ref)
     state, metrics = step.update(state, rollout, rewards, jnp.ones((1,)))
+    metrics = flat_metrics(metrics)
     delta = np.concatenate([(np.asarray(x) - b).ravel() for x, b in zip(jax.tree.leaves(state.params), before,
                                                                         strict=True)])
     return np.asarray(old), delta, {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
@@ -327,10 +329,10 @@ def test_cli_load_in_4bit_trains_and_exports(tmp_path):
     `python -m rloo_jax.export --merged` writes from the checkpoint."""
     import transformers
 
+    from rloo_jax.cli import main
     from rloo_jax.export import load_policy, read_checkpoint
     from rloo_jax.export import main as export_main
     from rloo_jax.models import load_causal_lm
-    from rloo_jax.train import main
 
     out = tmp_path / "run"
     args = ["--output_dir", str(out), "--max_steps", "2", "--logging_steps", "1", "--save_steps", "2",
@@ -371,7 +373,7 @@ def test_cli_load_in_4bit_trains_and_exports(tmp_path):
     ],
 )
 def test_bad_quantization_options_exit_2_with_one_line(tmp_path, capsys, args, message):
-    from rloo_jax.train import main
+    from rloo_jax.cli import main
 
     assert main(["--output_dir", str(tmp_path / "x"), *args]) == 2
     err = capsys.readouterr().err
