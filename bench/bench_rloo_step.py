@@ -78,10 +78,12 @@ def step_stats(times: list[float], wall: float) -> dict:
     return {"first_step_s": times[0], "step_s": sum(times[1:]) / len(times[1:]), "wall_s": wall}
 
 
-def run_ours(model_dir: str, data: str, steps: int, bf16: bool, cache: bool, extra: list[str] = ()) -> dict:
-    """`python -m rloo_jax.train` in a fresh process; step times from its metrics.jsonl."""
+def run_ours(model_dir: str, data: str, steps: int, bf16: bool, cache: bool, extra: list[str] = (),
+             algorithm: str = "rloo") -> dict:
+    """`python -m rloo_jax.train <algorithm>` in a fresh process; step times from its metrics.jsonl."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "rloo_jax.train", "--model_name_or_path", model_dir, "--dataset_name", data,
+        cmd = [sys.executable, "-m", "rloo_jax.train", algorithm, "--model_name_or_path", model_dir, "--dataset_name",
+               data,
                "--reward_funcs", "bench_rloo_step:reward", "--output_dir", out, "--max_steps", str(steps),
                "--save_steps", str(10 * steps), "--seed", "0", "--lr_scheduler_type",
                "constant", "--bf16", str(bf16).lower(), "--compilation_cache", str(cache).lower(),
