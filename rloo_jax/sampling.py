@@ -408,7 +408,7 @@ def _generate(
     group, length, pad = cfg.num_generations, cfg.max_new_tokens, cfg.pad_token_id
     rows = num_prompts * group
 
-    last_logits, prompt_cache = model.prefill(prompt_ids, prompt_mask)
+    last_logits, prompt_cache = model.prefill(prompt_ids, prompt_mask, length)  # length: LongRoPE's choice
     cache = model.init_decode_cache(prompt_cache, group, length)
     logits = jnp.repeat(last_logits, group, axis=0)  # [N, V]
     vocab = logits.shape[-1]
