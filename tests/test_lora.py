@@ -56,6 +56,10 @@ def _hf_logits(model, ids, mask):
         ("llama3", ["q_proj", "down_proj"], True),
         ("neox_parallel_r025", None, False),  # peft's default: the fused query_key_value
         ("neox_sequential_r050", "all-linear", False),
+        ("qwen3", "all-linear", False),  # the per-head q/k norms sit between the adapted q/k and RoPE
+        ("phi3", "all-linear", False),  # fused qkv_proj and gate_up_proj: one A each, B split
+        ("phi3", ["gate_up_proj", "down_proj"], True),
+        ("gemma2", None, False),  # peft's default q_proj, v_proj; soft-capped
     ],
 )
 def test_adapter_loads_in_peft_with_our_logits(tiny_checkpoint, tmp_path, name, targets, rslora):
@@ -95,6 +99,12 @@ def test_targets_and_scale():
     with pytest.raises(ModelLoadError, match="q_proj is not a projection of a gpt_neox model; choose from "
                                              "query_key_value, dense"):
         lora_spec("gpt_neox", 4, 4, targets=["q_proj"])
+    # Phi-3's fused modules, under peft's names: one adapter each, its B split into our q/k/v or gate/up
+    assert lora_spec("phi3", 4, 4).targets == ("qkv_proj",) and lora_spec("phi3", 4, 4).ours("phi3") == {"qkv"}
+    assert lora_spec("phi3", 4, 4, targets="all-linear").ours("phi3") == {"qkv", "o", "gate_up", "down"}
+    with pytest.raises(ModelLoadError, match="q_proj is not a projection of a phi3 model; choose from qkv_proj, "
+                                             "o_proj, gate_up_proj, down_proj"):
+        lora_spec("phi3", 4, 4, targets=["q_proj"])
 
 
 def test_init_is_peft_s_and_layout_independent():
