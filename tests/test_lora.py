@@ -107,6 +107,24 @@ def test_targets_and_scale():
         lora_spec("phi3", 4, 4, targets=["q_proj"])
 
 
+@pytest.mark.parametrize("name", ["phi3", "neox_parallel_r025"])
+def test_fused_adapters_are_matrices_to_the_optimizer_and_the_sampler(tiny_checkpoint, name):
+    """Every adapter weight, the fused modules' shared A (`qkv_lora_a`, `gate_up_lora_a`) included, gets weight decay
+    and is cast to the compute dtype for decoding, as the other matrices."""
+    from rloo_jax.build import decay_mask
+    from rloo_jax.sampling import compute_dtype_weights
+
+    base = load_causal_lm(tiny_checkpoint(name), dtype="bfloat16", param_dtype="float32")
+    model = with_adapters(base, lora_spec(base.config.family, 4, 8, targets="all-linear"), jax.random.key(0))
+    graphdef, adapters, _ = split_adapters(model)
+    names = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(adapters)[0]}
+    assert any("gate_up_lora_a" in n for n in names) == (name == "phi3") and any("qkv_lora_a" in n for n in names)
+    assert all(jax.tree.leaves(decay_mask(adapters)))
+    cast = compute_dtype_weights(graphdef, nnx.state(model))
+    cast_adapters = nnx.state(nnx.merge(graphdef, cast), LoRAParam)
+    assert {x.dtype for x in jax.tree.leaves(cast_adapters)} == {jnp.dtype("bfloat16")}
+
+
 def test_init_is_peft_s_and_layout_independent():
     """A ~ U(-1/sqrt(din), 1/sqrt(din)), B = 0, the same numbers stacked or per layer; the first policy = base."""
     cfg = rj.models.config_from_hf(TINY).replace(lora=lora_spec("llama", 4, 8, targets="all-linear"))
