@@ -209,6 +209,12 @@ def test_old_config_formats_read_as_new():
     assert s3.rope_kinds == (0, 0, 2, 0, 0, 2) and s3.rope_theta == 2e6
     assert config_from_hf({**base, "model_type": "qwen3"}).head_dim == 8  # head_dim given in base
     assert config_from_hf({k: v for k, v in base.items() if k != "head_dim"} | {"model_type": "qwen3"}).head_dim == 128
+    # Qwen3 with use_sliding_window: the layers from max_window_layers on slide, as Qwen3Config derives them
+    q3 = dict(base, use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    ours = config_from_hf({**q3, "model_type": "qwen3"})
+    assert ours.layer_types == tuple(transformers.Qwen3Config(**q3).layer_types)
+    assert ours.windows == (None, None, 4, 4, 4, 4)
+    assert config_from_hf({**q3, "model_type": "qwen3", "use_sliding_window": False}).windows == (None,) * 6
 
 
 # ------------------------------------------------------------------------------------------------ errors
