@@ -138,11 +138,11 @@ def test_causal_matches_eager_values_and_grads(impl, window, scale, softcap):
 
 
 # ----------------------------------------------------------------------------------------------- shared prompt
-@pytest.mark.parametrize("impl, window", [("splash", None), ("cudnn", 4)])
-def test_shared_prompt_matches_eager_values_and_grads(impl, window):
+@pytest.mark.parametrize("impl, window, scale, softcap", [("splash", None, 0.3, 2.0), ("cudnn", 4, 0.3, None)])
+def test_shared_prompt_matches_eager_values_and_grads(impl, window, scale, softcap):
     """B=2 left-padded prompts (6 and 3 real of 6) x G=3 completions of 5 (one ended after 2 tokens): the prompts'
     outputs, every completion token's joint softmax over its prompt and its own keys, and the gradients of all six
-    inputs (the prompt K/V through every completion of its group)."""
+    inputs (the prompt K/V through every completion of its group); a score scale, and splash's soft-cap."""
     rng = np.random.RandomState(1)
     b, g, p, c = 2, 3, 6, 5
     pmask = jnp.asarray(_left_mask(p, [6, 3]))
@@ -158,7 +158,7 @@ def test_shared_prompt_matches_eager_values_and_grads(impl, window):
 
     def run(name):  # noqa: ANN001, ANN202
         fn = attention.shared_prompt(pmask, p_pos, cmask, c_pos, implementation=name, window=window,
-                                     dtype=jnp.float32)
+                                     dtype=jnp.float32, scale=scale, softcap=softcap)
         out = jax.jit(fn)(*args)
 
         def loss(*a):  # noqa: ANN002, ANN202
