@@ -28,6 +28,22 @@ MODELS: dict[str, dict] = {
                          max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
+    # Qwen/Qwen3-8B's config.json
+    "Qwen3-8B": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", rms_norm_eps=1e-6,
+                     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                     attention_bias=False, rope_theta=1000000.0, max_position_embeddings=40960,
+                     use_sliding_window=False, sliding_window=None, max_window_layers=36, bos_token_id=151643,
+                     eos_token_id=151645),
+    # google/gemma-3-12b-it's text_config, as a text-only Gemma3ForCausalLM (old-style rope keys, as on the hub)
+    "Gemma-3-12B": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, hidden_size=3840,
+                        intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=256, vocab_size=262208, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                        sliding_window=1024, sliding_window_pattern=6, rope_theta=1000000.0,
+                        rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0),
+                        attn_logit_softcapping=None, final_logit_softcapping=None, max_position_embeddings=131072,
+                        bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0),
 }
 # Llama-3.1-70B: the published architecture (its config.json; no weights needed to compile)
 MODELS["Llama-3.1-70B"] = dict(MODELS["Llama-3.1-8B"], hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,

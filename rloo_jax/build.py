@@ -72,7 +72,7 @@ def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps:
 def decay_mask(params: Any) -> Any:
     """Weight decay on matrices only (as transformers skips biases and norms): `kernel`, `embedding` and LoRA's
     A and B leaves. By name, not by rank: a stacked block's norm scale [L, D] is 2-D but no matrix."""
-    matrices = {"kernel", "embedding", "lora_a", "lora_b", "qkv_lora_a"}
+    matrices = {"kernel", "embedding", "lora_a", "lora_b", "qkv_lora_a", "gate_up_lora_a"}
 
     def is_matrix(path: tuple, _: Any) -> bool:
         return bool({getattr(k, "key", getattr(k, "name", None)) for k in path} & matrices)

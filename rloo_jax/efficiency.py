@@ -9,10 +9,12 @@ Model FLOPs of one forward over a generation batch (`forward_flops`): every toke
 matmuls once (2 * layer_params per token, layer_params = q, k, v, o and the MLP's matrices; norms, biases and the
 embedding lookup are not matmuls), the positions that are scored through the unembedding (2 * D * V per
 position), and attention's two matmuls (scores q k^T and the weighted sum of v: 4 * H * Dh per query-key pair),
-counted causally: a token attends to itself and every earlier position of its row (within a sliding window),
-never to the padding the program computes and masks. Tokens: each prompt runs once, shared by its G completions
-(`Transformer.forward_shared_prompt`): B * P prompt tokens + N * C completion tokens through the layers, N * C
-scored positions; query-key pairs B * P (P + 1) / 2 + N * (C P + C (C + 1) / 2).
+counted causally: a token attends to itself and every earlier position of its row (within its layer's sliding
+window: Gemma alternates windowed and global layers), never to the padding the program computes and masks. Norms
+(Gemma's four per block, the q/k norms of Qwen3, Gemma 3 and OLMo 2) and soft-capping are elementwise, not counted;
+Phi-3's fused qkv_proj and gate_up_proj are the same matmuls as separate ones. Tokens: each prompt runs once, shared
+by its G completions (`Transformer.forward_shared_prompt`): B * P prompt tokens + N * C completion tokens through the
+layers, N * C scored positions; query-key pairs per layer B * P (P + 1) / 2 + N * (C P + C (C + 1) / 2).
 
 - update: 3 x forward per pass over the generation batch (the backward is two matmuls per forward matmul: the
   input's gradient and the weight's), x `num_iterations` passes. Full fine-tuning: every matrix is trained (with
@@ -102,7 +104,8 @@ class Transformer:
     unembed_params: int  # D * V (the lm head, or the tied embedding)
     attention_width: int  # H * Dh
     kv_width: int  # K * Dh: keys (and values) cached per token and layer
-    window: int | None = None  # sliding window
+    window: int | None = None  # the sliding window of every layer (None: global, or the layers differ: `windows`)
+    windows: tuple[int | None, ...] = ()  # each layer's window when they differ (Gemma); (): `window` everywhere
     layer_bytes: float | None = None  # one block's matrices as stored when quantized (QLoRA); None: compute dtype
 
     @classmethod
@@ -112,17 +115,33 @@ class Transformer:
 
         d, dh, f = config.hidden_size, config.head_dim, config.intermediate_size
         hq, hk = config.num_heads * dh, config.num_kv_heads * dh
-        matrices = [(d, hq), (d, hk), (d, hk), (hq, d), *[(d, f)] * (2 if config.family == "llama" else 1), (f, d)]
+        # q, k, v, o + the MLP: gated (SwiGLU, GeGLU: gate, up, down) or not (up, down)
+        matrices = [(d, hq), (d, hk), (d, hk), (hq, d), *[(d, f)] * (2 if config.gated_mlp else 1), (f, d)]
         quant = quant or config.quant
+        windows = config.windows
+        uniform = len(set(windows)) == 1
         return cls(
             sum(i * o for i, o in matrices),  # attention's q, k, v, o + the MLP (gated SwiGLU or not)
             config.num_layers,
             d * config.vocab_size,
             hq,
             hk,
-            config.sliding_window,
+            windows[0] if uniform else None,
+            () if uniform else tuple(windows),
             None if quant is None else sum(stored_bytes(i, o, quant) for i, o in matrices),
         )
+
+    def layer_pairs(self, start: int, count: int) -> int:
+        """Query-key pairs of `count` queries at positions start .. start+count-1 summed over the L layers, each
+        within its own window (`causal_pairs`). Example: 2 layers, windows (2, None), start 0, count 4: 7 + 10."""
+        if not self.windows:
+            return self.num_layers * causal_pairs(start, count, self.window)
+        return sum(causal_pairs(start, count, w) for w in self.windows)
+
+    def _forward(self, tokens: int, scored: int, pairs: int) -> float:
+        """`forward_flops` with `pairs` summed over the layers (`layer_pairs`), exact for per-layer windows."""
+        return forward_flops(self.layer_params, self.num_layers, self.unembed_params, self.attention_width,
+                             tokens=tokens, scored=scored, pairs=0) + 4.0 * self.attention_width * pairs
 
     @property
     def matmul_params(self) -> int:
@@ -145,38 +164,14 @@ class Transformer:
     def batch_forward(self, prompts: int, prompt_length: int, group: int, completion_length: int) -> float:
         """One forward over B prompts and their B * G completions, each prompt once (the module docstring)."""
         b, p, n, c = prompts, prompt_length, prompts * group, completion_length
-        pairs = b * causal_pairs(0, p, self.window) + n * causal_pairs(p, c, self.window)
-        return forward_flops(
-            self.layer_params,
-            self.num_layers,
-            self.unembed_params,
-            self.attention_width,
-            tokens=self.tokens(b, p, group, c),
-            scored=n * c,
-            pairs=pairs,
-        )
+        pairs = b * self.layer_pairs(0, p) + n * self.layer_pairs(p, c)
+        return self._forward(self.tokens(b, p, group, c), n * c, pairs)
 
     def sampling(self, prompts: int, prompt_length: int, group: int, completion_length: int) -> float:
         """Prefill B prompts (logits at their last token) + C - 1 decode steps of B * G rows."""
         b, p, n, c = prompts, prompt_length, prompts * group, completion_length
-        prefill = forward_flops(
-            self.layer_params,
-            self.num_layers,
-            self.unembed_params,
-            self.attention_width,
-            tokens=b * p,
-            scored=b,
-            pairs=b * causal_pairs(0, p, self.window),
-        )
-        decode = forward_flops(
-            self.layer_params,
-            self.num_layers,
-            self.unembed_params,
-            self.attention_width,
-            tokens=n * (c - 1),
-            scored=n * (c - 1),
-            pairs=n * causal_pairs(p, c - 1, self.window),
-        )
+        prefill = self._forward(b * p, b, b * self.layer_pairs(0, p))
+        decode = self._forward(n * (c - 1), n * (c - 1), n * self.layer_pairs(p, c - 1))
         return prefill + decode
 
     def kv_cache_bytes(

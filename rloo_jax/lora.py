@@ -121,7 +121,7 @@ def merge_adapters(model: CausalLM) -> CausalLM:
     for _, node in nnx.iter_graph(model):
         if not isinstance(node, Attention | MLP):
             continue
-        shared = getattr(node, "qkv_lora_a", None)
+        shared = getattr(node, "qkv_lora_a", None) or getattr(node, "gate_up_lora_a", None)  # a fused A
         for dense in (getattr(node, n, None) for n in ("q", "k", "v", "o", "gate", "up", "down")):
             if not isinstance(dense, Dense) or dense.lora_b is None:
                 continue

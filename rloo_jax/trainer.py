@@ -24,6 +24,7 @@ from rloo_jax.callbacks import CallbackHandler
 from rloo_jax.config import GRPOConfig, RLOOConfig, TrainConfig, replace
 from rloo_jax.data import check_prompt_dataset
 from rloo_jax.errors import ConfigError, DataError
+from rloo_jax.models import check_checkpoints
 from rloo_jax.rewards import TrainerState
 
 IN_MEMORY = "<train_dataset>"  # dataset_name recorded in config.yaml for a dataset passed as an object
@@ -97,6 +98,7 @@ class _OnlineTrainer:
         if not isinstance(args, cls):
             raise ConfigError(f"{type(self).__name__} takes a {cls.__name__} as args (got a {type(args).__name__})")
         funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+        check_checkpoints(model, funcs)  # an unsupported architecture fails here, before anything is loaded
         tokenizers = reward_tokenizers(reward_processing_classes, len(funcs))
         overrides: dict[str, Any] = {"model_name_or_path": model, **lora_options(peft_config)}
         if funcs != args.reward_sources:  # given here, not named by args (the CLI passes args' own)

@@ -155,6 +155,94 @@ def build_mistral(out_dir: str | Path, sliding_window: int = 4, seed: int = 5) -
     return _build(transformers.MistralForCausalLM, config, out_dir, seed)
 
 
+# ------------------------------------------------------------------------------------------------ newer families
+# Each family's quirks sized so that leaving one out moves the logits well past the 1e-4 parity tolerance.
+def qwen3_config(**overrides: Any) -> Any:
+    """Qwen3: per-head q/k RMSNorm, no qkv bias, explicit head_dim 16 (not hidden / heads = 8), GQA 4 / 2."""
+    kw = dict(**TINY_SIZE, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, rope_theta=1000.0,
+              **_SPECIAL)
+    kw.update(overrides)
+    return transformers.Qwen3Config(**kw)
+
+
+def gemma2_config(**overrides: Any) -> Any:
+    """Gemma 2: (1 + w) norms around attention and MLP, sqrt(D) embeddings, query_pre_attn_scalar 12 (not
+    head_dim 8), attention / final soft-caps 5 / 3 (small, so they bite), layer 0 sliding (window 4), layer 1
+    global, tied embeddings."""
+    kw = dict(**TINY_SIZE, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12, sliding_window=4,
+              attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **_SPECIAL)
+    kw.update(overrides)
+    return transformers.Gemma2Config(**kw)
+
+
+def gemma3_config(**overrides: Any) -> Any:
+    """Gemma 3 text: Gemma 2's block with per-head q/k norms and no soft-caps, layer 0 sliding (window 4, local
+    RoPE base 10) and layer 1 global (base 1000, linear scaling x8, as Gemma 3 4B+)."""
+    kw = dict(**TINY_SIZE, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12, sliding_window=4,
+              layer_types=["sliding_attention", "full_attention"],
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}},
+              **_SPECIAL)
+    kw.update(overrides)
+    return transformers.Gemma3TextConfig(**kw)
+
+
+def phi3_config(**overrides: Any) -> Any:
+    """Phi-3: fused qkv_proj and gate_up_proj, LongRoPE (original context 20: rows up to 20 tokens take the short
+    factors, longer ones the long factors) on half of each head (partial_rotary_factor 0.5, as Phi-4-mini's 0.75),
+    sliding window 6 on every layer."""
+    kw = dict(**TINY_SIZE, num_key_value_heads=2, sliding_window=6, original_max_position_embeddings=20,
+              tie_word_embeddings=False, **_SPECIAL)
+    kw["max_position_embeddings"] = 64
+    kw.update(rope_parameters={"rope_type": "longrope", "rope_theta": 100.0, "partial_rotary_factor": 0.5,
+                               "short_factor": [1.0, 1.5], "long_factor": [3.0, 7.0]})
+    kw.update(overrides)
+    return transformers.Phi3Config(**kw)
+
+
+def olmo2_config(**overrides: Any) -> Any:
+    """OLMo 2: post-norm blocks (norms on the attention and MLP outputs), q/k RMSNorm over the whole projection."""
+    kw = dict(**TINY_SIZE, num_key_value_heads=2, tie_word_embeddings=False, **_SPECIAL)
+    kw.update(overrides)
+    return transformers.Olmo2Config(**kw)
+
+
+def llama32_config(**overrides: Any) -> Any:
+    """Llama 3.2: tied embeddings and llama3 RoPE scaling together."""
+    kw = dict(**TINY_SIZE, num_key_value_heads=2, tie_word_embeddings=True, **_SPECIAL,
+              rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 32.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    kw.update(overrides)
+    return transformers.LlamaConfig(**kw)
+
+
+def smollm3_config(**overrides: Any) -> Any:
+    """SmolLM3: a Llama block whose layer 1 has no RoPE (no_rope_layers [1, 0]); tied embeddings."""
+    kw = dict(**TINY_SIZE, num_key_value_heads=2, no_rope_layers=[1, 0], rope_theta=1000.0, **_SPECIAL)
+    kw.update(overrides)
+    return transformers.SmolLM3Config(**kw)
+
+
+# family -> (its config builder, causal LM class name, sequence-classification class name)
+FAMILIES: dict[str, tuple[Any, str, str]] = {
+    "qwen3": (qwen3_config, "Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+    "gemma2": (gemma2_config, "Gemma2ForCausalLM", "Gemma2ForSequenceClassification"),
+    "gemma3": (gemma3_config, "Gemma3ForCausalLM", "Gemma3TextForSequenceClassification"),
+    "phi3": (phi3_config, "Phi3ForCausalLM", "Phi3ForSequenceClassification"),
+    "olmo2": (olmo2_config, "Olmo2ForCausalLM", "Olmo2ForSequenceClassification"),
+    "llama32": (llama32_config, "LlamaForCausalLM", "LlamaForSequenceClassification"),
+    "smollm3": (smollm3_config, "SmolLM3ForCausalLM", "SmolLM3ForSequenceClassification"),
+}
+
+
+def build_family(out_dir: str | Path, family: str, reward: bool = False, seed: int = 11, **overrides: Any) -> Path:
+    """A tiny checkpoint of a `FAMILIES` entry: its causal LM, or with `reward` its sequence classifier
+    (num_labels 1)."""
+    make, lm, rm = FAMILIES[family]
+    config = make(**overrides, **({"num_labels": 1} if reward else {}))
+    return _build(getattr(transformers, rm if reward else lm), config, out_dir, seed + 50 * reward)
+
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -200,6 +288,8 @@ BUILDERS = {
     "neox_reward": build_gpt_neox_reward,
     "qwen2_reward": build_qwen2_reward,
     "tokenizer": build_tokenizer,
+    **{f: (lambda d, f=f: build_family(d, f)) for f in FAMILIES},
+    **{f"{f}_reward": (lambda d, f=f: build_family(d, f, reward=True)) for f in FAMILIES},
 }
 CAUSAL_LMS = (
     "qwen2_tied",
@@ -208,5 +298,6 @@ CAUSAL_LMS = (
     "mistral_sliding",
     "neox_parallel_r025",
     "neox_sequential_r050",
+    *FAMILIES,
 )
-REWARD_MODELS = ("neox_reward", "qwen2_reward")
+REWARD_MODELS = ("neox_reward", "qwen2_reward", *(f"{f}_reward" for f in FAMILIES))

@@ -1,6 +1,7 @@
 """Attention implementations against the einsum reference: splash (Pallas TPU kernels, interpreted on CPU) and the
 cuDNN path's call (`jax.nn.dot_product_attention`, run through XLA here), values and gradients, with left padding,
-GQA, a sliding window, the plain and the shared-prompt forms; how each is chosen and refused."""
+GQA, a sliding window, a score scale and soft-capping (Gemma), the plain and the shared-prompt forms; how each is
+chosen and refused; the einsum reference against a plain loop."""
 
 import json
 import os
@@ -76,11 +77,45 @@ def test_rotations_goldens():
                                                         -jnp.array([1, 3])), x)
 
 
+# ----------------------------------------------------------------------------------------------- the reference
+def test_eager_attention_with_scale_and_softcap_equals_a_loop():
+    """softmax(cap * tanh(scale q.k / cap), masked) v, per row, query head and key, against `attend` (GQA)."""
+    rng = np.random.RandomState(3)
+    b, t = 2, 5
+    q, k, v = (rng.normal(size=(b, t, n, DH)).astype(np.float32) * 3 for n in (H, K, K))
+    allowed = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
+    allowed[1, :, :2] = False
+    allowed[1, :2, :2] = np.eye(2, dtype=bool)  # the padding queries see themselves
+    scale, cap = 0.3, 2.0
+    ref = np.zeros_like(q)
+    for i in range(b):
+        for j in range(t):
+            for h in range(H):
+                s = np.array([cap * np.tanh(scale * q[i, j, h] @ k[i, u, h // (H // K)] / cap) for u in range(t)])
+                s = np.where(allowed[i, j], s, -np.inf)
+                p = np.exp(s - s.max())
+                ref[i, j, h] = (p / p.sum()) @ v[i, :, h // (H // K)]
+    ours = attention.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(allowed), scale=scale,
+                            softcap=cap)
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5)
+    plain = attention.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(allowed), scale=scale)
+    assert np.abs(np.asarray(plain) - ref).max() > 0.1  # the cap bites at these scores
+
+
+def test_cudnn_cannot_softcap_and_falls_back_to_eager(caplog):
+    assert attention.effective("cudnn", None) == "cudnn" and attention.effective("splash", 50.0) == "splash"
+    attention._NOTED.clear()
+    with caplog.at_level("WARNING"):
+        assert attention.effective("cudnn", 50.0) == attention.effective("cudnn", 30.0) == "eager"
+    assert caplog.text.count("cannot soft-cap") == 1  # one note per process
+
+
 # ----------------------------------------------------------------------------------------------- the plain form
-@pytest.mark.parametrize("impl, window", [("splash", 5), ("cudnn", None)])
-def test_causal_matches_eager_values_and_grads(impl, window):
+@pytest.mark.parametrize("impl, window, scale, softcap", [("splash", 5, None, None), ("cudnn", None, None, None),
+                                                          ("splash", 3, 0.3, 2.0), ("cudnn", 4, 0.3, None)])
+def test_causal_matches_eager_values_and_grads(impl, window, scale, softcap):
     """Left-padded GQA rows (20, 7 and 1 real tokens of 20), causal (within a window), values and the gradients
-    of q, k and v under a loss on the real rows."""
+    of q, k and v under a loss on the real rows; Gemma's score scale and (splash) its soft-cap in the kernel."""
     rng = np.random.RandomState(0)
     b, t = 3, 20
     mask = jnp.asarray(_left_mask(t, [20, 7, 1]))
@@ -89,7 +124,8 @@ def test_causal_matches_eager_values_and_grads(impl, window):
     w = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * mask[:, :, None, None]
 
     def run(name):  # noqa: ANN001, ANN202
-        fn = attention.causal(mask, pos, implementation=name, window=window, dtype=jnp.float32)
+        fn = attention.causal(mask, pos, implementation=name, window=window, dtype=jnp.float32, scale=scale,
+                              softcap=softcap)
         out = jax.jit(fn)(q, k, v)
         grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2)))(q, k, v)
         return out, grads
@@ -102,11 +138,11 @@ def test_causal_matches_eager_values_and_grads(impl, window):
 
 
 # ----------------------------------------------------------------------------------------------- shared prompt
-@pytest.mark.parametrize("impl, window", [("splash", None), ("cudnn", 4)])
-def test_shared_prompt_matches_eager_values_and_grads(impl, window):
+@pytest.mark.parametrize("impl, window, scale, softcap", [("splash", None, 0.3, 2.0), ("cudnn", 4, 0.3, None)])
+def test_shared_prompt_matches_eager_values_and_grads(impl, window, scale, softcap):
     """B=2 left-padded prompts (6 and 3 real of 6) x G=3 completions of 5 (one ended after 2 tokens): the prompts'
     outputs, every completion token's joint softmax over its prompt and its own keys, and the gradients of all six
-    inputs (the prompt K/V through every completion of its group)."""
+    inputs (the prompt K/V through every completion of its group); a score scale, and splash's soft-cap."""
     rng = np.random.RandomState(1)
     b, g, p, c = 2, 3, 6, 5
     pmask = jnp.asarray(_left_mask(p, [6, 3]))
@@ -122,7 +158,7 @@ def test_shared_prompt_matches_eager_values_and_grads(impl, window):
 
     def run(name):  # noqa: ANN001, ANN202
         fn = attention.shared_prompt(pmask, p_pos, cmask, c_pos, implementation=name, window=window,
-                                     dtype=jnp.float32)
+                                     dtype=jnp.float32, scale=scale, softcap=softcap)
         out = jax.jit(fn)(*args)
 
         def loss(*a):  # noqa: ANN002, ANN202

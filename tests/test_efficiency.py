@@ -91,3 +91,17 @@ def test_model_flops_of_gpt_neox_and_sliding_windows():
     assert full.batch_forward(1, 16, 2, 16) - w.batch_forward(1, 16, 2, 16) == 4 * 2 * 64 * (
         brute_pairs(0, 16) + 2 * brute_pairs(16, 16) - brute_pairs(0, 16, 8) - 2 * brute_pairs(16, 16, 8)
     )
+    # Gemma 2: layer 0 windowed, layer 1 global: half the layers save what Mistral's two save
+    gemma = dict(TINY, architectures=["Gemma2ForCausalLM"], model_type="gemma2", sliding_window=8, head_dim=16)
+    gw = Transformer.of(config_from_hf(gemma))
+    assert (gw.window, gw.windows) == (None, (8, None)) and gw.layer_params == full.layer_params  # gated MLP too
+    assert gw.layer_pairs(16, 16) == brute_pairs(16, 16, 8) + brute_pairs(16, 16)
+    assert full.batch_forward(1, 16, 2, 16) - gw.batch_forward(1, 16, 2, 16) == 4 * 64 * (
+        brute_pairs(0, 16) + 2 * brute_pairs(16, 16) - brute_pairs(0, 16, 8) - 2 * brute_pairs(16, 16, 8)
+    )
+    assert full.sampling(1, 16, 2, 16) - gw.sampling(1, 16, 2, 16) == 4 * 64 * (
+        brute_pairs(0, 16) + 2 * brute_pairs(16, 15) - brute_pairs(0, 16, 8) - 2 * brute_pairs(16, 15, 8)
+    )
+    # Phi-3: the fused qkv_proj / gate_up_proj hold the same matrices
+    phi3 = dict(TINY, architectures=["Phi3ForCausalLM"], model_type="phi3")
+    assert Transformer.of(config_from_hf(phi3)).layer_params == full.layer_params

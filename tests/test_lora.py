@@ -57,6 +57,10 @@ def _hf_logits(model, ids, mask):
         ("llama3", ["q_proj", "down_proj"], True),
         ("neox_parallel_r025", None, False),  # peft's default: the fused query_key_value
         ("neox_sequential_r050", "all-linear", False),
+        ("qwen3", "all-linear", False),  # the per-head q/k norms sit between the adapted q/k and RoPE
+        ("phi3", "all-linear", False),  # fused qkv_proj and gate_up_proj: one A each, B split
+        ("phi3", ["gate_up_proj", "down_proj"], True),
+        ("gemma2", None, False),  # peft's default q_proj, v_proj; soft-capped
     ],
 )
 def test_adapter_loads_in_peft_with_our_logits(tiny_checkpoint, tmp_path, name, targets, rslora):
@@ -96,6 +100,30 @@ def test_targets_and_scale():
     with pytest.raises(ModelLoadError, match="q_proj is not a projection of a gpt_neox model; choose from "
                                              "query_key_value, dense"):
         lora_spec("gpt_neox", 4, 4, targets=["q_proj"])
+    # Phi-3's fused modules, under peft's names: one adapter each, its B split into our q/k/v or gate/up
+    assert lora_spec("phi3", 4, 4).targets == ("qkv_proj",) and lora_spec("phi3", 4, 4).ours("phi3") == {"qkv"}
+    assert lora_spec("phi3", 4, 4, targets="all-linear").ours("phi3") == {"qkv", "o", "gate_up", "down"}
+    with pytest.raises(ModelLoadError, match="q_proj is not a projection of a phi3 model; choose from qkv_proj, "
+                                             "o_proj, gate_up_proj, down_proj"):
+        lora_spec("phi3", 4, 4, targets=["q_proj"])
+
+
+@pytest.mark.parametrize("name", ["phi3", "neox_parallel_r025"])
+def test_fused_adapters_are_matrices_to_the_optimizer_and_the_sampler(tiny_checkpoint, name):
+    """Every adapter weight, the fused modules' shared A (`qkv_lora_a`, `gate_up_lora_a`) included, gets weight decay
+    and is cast to the compute dtype for decoding, as the other matrices."""
+    from rloo_jax.build import decay_mask
+    from rloo_jax.sampling import compute_dtype_weights
+
+    base = load_causal_lm(tiny_checkpoint(name), dtype="bfloat16", param_dtype="float32")
+    model = with_adapters(base, lora_spec(base.config.family, 4, 8, targets="all-linear"), jax.random.key(0))
+    graphdef, adapters, _ = split_adapters(model)
+    names = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(adapters)[0]}
+    assert any("gate_up_lora_a" in n for n in names) == (name == "phi3") and any("qkv_lora_a" in n for n in names)
+    assert all(jax.tree.leaves(decay_mask(adapters)))
+    cast = compute_dtype_weights(graphdef, nnx.state(model))
+    cast_adapters = nnx.state(nnx.merge(graphdef, cast), LoRAParam)
+    assert {x.dtype for x in jax.tree.leaves(cast_adapters)} == {jnp.dtype("bfloat16")}
 
 
 def test_init_is_peft_s_and_layout_independent():

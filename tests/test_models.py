@@ -104,10 +104,13 @@ def test_logits_match_transformers_left_padded(tiny_checkpoint, name):
 
 @pytest.mark.parity
 @pytest.mark.parametrize("impl, name", [("splash", "qwen2_tied"), ("splash", "mistral_sliding"), ("cudnn", "llama3"),
-                                        ("cudnn", "mistral_sliding")])
+                                        ("cudnn", "mistral_sliding"), ("splash", "gemma2"), ("cudnn", "gemma3"),
+                                        ("cudnn", "gemma2")])
 def test_logits_match_transformers_with_each_attention(tiny_checkpoint, impl, name):
     """The fused implementations in the model (GQA; a sliding window; left padding down to one real token): splash
-    interpreted, cudnn's call through XLA (no TPU or GPU here), against transformers as the eager path is."""
+    interpreted, cudnn's call through XLA (no TPU or GPU here), against transformers as the eager path is. Gemma:
+    local and global layers picked per layer in the scan, the score scale, splash's soft-cap (cudnn has none: a
+    soft-capped model's layers run eager there)."""
     path = tiny_checkpoint(name)
     ids, mask = _batch(3, 11, [11, 7, 1], seed=1)
     model = load_causal_lm(path, attn_implementation=impl)

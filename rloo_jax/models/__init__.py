@@ -1,6 +1,8 @@
-"""Flax NNX causal LMs (Llama/Qwen2/Mistral, GPT-NeoX) and reward heads, with Hugging Face checkpoint I/O."""
+"""Flax NNX causal LMs (Llama 2/3, Qwen2/3, Mistral, Gemma 2/3, Phi-3/4, OLMo 2, SmolLM3, GPT-NeoX) and reward
+heads, with Hugging Face checkpoint I/O (`config.ARCHITECTURES` lists the architectures)."""
 
 from rloo_jax.models.config import (
+    ARCHITECTURES,
     LoRASpec,
     ModelConfig,
     ModelLoadError,
@@ -12,6 +14,8 @@ from rloo_jax.models.config import (
 from rloo_jax.models.hf import (
     abstract_model,
     adapter_table,
+    check_checkpoint,
+    check_checkpoints,
     export_tensors,
     init_causal_lm,
     init_reward_model,
@@ -35,6 +39,7 @@ from rloo_jax.models.transformer import (
 )
 
 __all__ = [
+    "ARCHITECTURES",
     "CausalLM",
     "DecodeCache",
     "LoRAParam",
@@ -45,6 +50,8 @@ __all__ = [
     "RewardModel",
     "abstract_model",
     "adapter_table",
+    "check_checkpoint",
+    "check_checkpoints",
     "config_from_hf",
     "config_to_hf",
     "export_tensors",

@@ -18,6 +18,13 @@ softmax(q k^T / sqrt(Dh)) v of a forward is computed:
 None resolves for the platform the program is compiled for (`resolve`): splash on TPU, cudnn on GPU with bf16/fp16
 compute, eager otherwise.
 
+Every form takes the model's score scale (`scale`: head_dim ** -0.5, Gemma's query_pre_attn_scalar ** -0.5) and
+its attention soft-capping (`softcap`, Gemma 2: scores -> cap * tanh(scores / cap) before the mask), and each
+layer its own sliding window (`window`; Gemma's alternating local/global layers build one function per window,
+`Transformer.attention_fns`). Splash soft-caps inside its kernel; cuDNN's flash attention cannot (jax's
+`dot_product_attention` has no soft-cap), so a soft-capped model's layers fall back to eager under `cudnn`
+(`effective`; one note in the log).
+
 Two forms, built once per forward (masks, segment ids, rotations; outside the layer loop) and called per layer:
 
 - `causal(mask, positions)`: rows of T tokens with any padding, causal self-attention (prefill, reward models).
@@ -36,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,6 +53,9 @@ import jax.numpy as jnp
 from rloo_jax.efficiency import attention_kernel_flops, block_sparse_pairs
 from rloo_jax.hlo import kernel_flops_scope
 from rloo_jax.mesh import fit_spec
+
+logger = logging.getLogger(__name__)
+_NOTED: dict[str, bool] = {}  # notes logged once per process
 
 IMPLEMENTATIONS = ("eager", "splash", "cudnn")
 AVAILABLE: dict[str, tuple[str, ...]] = {"cpu": ("eager",), "gpu": ("eager", "cudnn"), "tpu": ("eager", "splash")}
@@ -94,11 +105,24 @@ def resolve(implementation: str | None, platform: str, dtype: str) -> str:
     return implementation
 
 
-def _resolved(implementation: str | None, dtype: jnp.dtype) -> str:
-    """At trace time, for the platform compiled for (no availability check: the run config did it)."""
-    if implementation is not None:
-        return implementation
-    return resolve(None, target_platform(), jnp.dtype(dtype).name)
+def effective(implementation: str, softcap: float | None) -> str:
+    """What runs a layer asked to run `implementation`: eager instead of cudnn for soft-capped attention (cuDNN's
+    flash attention through jax has no soft-cap; splash has one). Example: effective("cudnn", 50.0) -> "eager"."""
+    if implementation == "cudnn" and softcap is not None:
+        if not _NOTED.get("cudnn_softcap"):
+            _NOTED["cudnn_softcap"] = True
+            logger.warning("note: attn_implementation cudnn cannot soft-cap attention scores (Gemma 2's "
+                           "attn_logit_softcapping): those layers run eager attention")
+        return "eager"
+    return implementation
+
+
+def _resolved(implementation: str | None, dtype: jnp.dtype, softcap: float | None = None) -> str:
+    """At trace time, for the platform compiled for (no availability check: the run config did it); then
+    `effective` for the model's soft-capping."""
+    if implementation is None:
+        implementation = resolve(None, target_platform(), jnp.dtype(dtype).name)
+    return effective(implementation, softcap)
 
 
 # ----------------------------------------------------------------------------------------------- eager (reference)
@@ -109,8 +133,18 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array
     return q_pos - k_pos < window
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Grouped-query attention: softmax(q k^T / sqrt(Dh) masked) v, softmax in float32.
+def _scores(s: jax.Array, scale: float, softcap: float | None) -> jax.Array:
+    """Raw float32 scores q k^T -> scale * them, soft-capped: cap * tanh(scale * s / cap) (HF's order)."""
+    s = s * scale
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, scale: float | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Grouped-query attention: softmax(cap(scale q k^T) masked) v, softmax in float32; scale defaults to
+    Dh ** -0.5, cap(s) = softcap * tanh(s / softcap) (identity for softcap None).
 
     q [B, T, H, Dh], k/v [B, S, K, Dh], allowed [B, T, S] bool -> [B, T, H, Dh]. Query head h uses kv head
     h // (H / K) (HF `repeat_kv` order), done by a reshape instead of repeating k/v.
@@ -118,7 +152,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.
     b, t, h, dh = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, h // kh, dh)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (dh**-0.5)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = _scores(s, dh**-0.5 if scale is None else scale, softcap)
     s = jnp.where(allowed[:, None, None], s, _NEG)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v)
@@ -133,8 +168,12 @@ def attend_shared_prompt(
     gk: jax.Array,
     gv: jax.Array,
     g_allowed: jax.Array,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """T queries per row over its prompt's shared keys plus its own keys, one joint softmax (f32).
+    """T queries per row over its prompt's shared keys plus its own keys, one joint softmax (f32) of the scaled,
+    soft-capped scores (as `attend`).
 
     q [B, G, T, H, Dh]; prompt pk/pv [B, K, P, Dh] (NOT repeated G times), p_allowed [B, G, T, P];
     own keys gk/gv [N, K, S, Dh] with N = B*G rows (row n continues prompt n // G), g_allowed [B, G, T, S]
@@ -148,10 +187,10 @@ def attend_shared_prompt(
     b, g, t, h, dh = q.shape
     kh = pk.shape[1]
     qg = q.reshape(b, g, t, kh, h // kh, dh)
-    scale = dh**-0.5
-    sp = jnp.einsum("bgtkhd,bkpd->bgkhtp", qg, pk, preferred_element_type=jnp.float32) * scale
+    scale = dh**-0.5 if scale is None else scale
+    sp = _scores(jnp.einsum("bgtkhd,bkpd->bgkhtp", qg, pk, preferred_element_type=jnp.float32), scale, softcap)
     sc = jnp.einsum("ntkhd,nksd->nkhts", qg.reshape(b * g, *qg.shape[2:]), gk, preferred_element_type=jnp.float32)
-    sc = sc.reshape(b, g, *sc.shape[1:]) * scale
+    sc = _scores(sc.reshape(b, g, *sc.shape[1:]), scale, softcap)
     sp = jnp.where(p_allowed[:, :, None, None], sp, _NEG)
     sc = jnp.where(g_allowed[:, :, None, None], sc, _NEG)
     m = jnp.maximum(sp.max(-1, keepdims=True), sc.max(-1, keepdims=True))
@@ -204,10 +243,13 @@ def splash_attention(
     offset: int = 0,
     window: int | None = None,
     interpret: bool | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal GQA over segment-masked rows with splash attention: query t sees key s iff s <= t + offset,
     q_segments[t] == kv_segments[s] (and t + offset - s < window). Every query must see at least its own key
-    (s = t + offset, same segment): then no softmax row is empty.
+    (s = t + offset, same segment): then no softmax row is empty. Scores scale * q k^T (default Dh ** -0.5),
+    soft-capped in the kernel with `softcap`.
 
     q [B, T, H, Dh], k/v [B, S, K, Dh], q_segments [B, T], kv_segments [B, S] int32 -> [B, T, H, Dh] in q's dtype.
     Rows and heads are split over the context mesh (`shard_map`); on each shard the kernel runs per row (vmap).
@@ -215,7 +257,8 @@ def splash_attention(
     """
     interpret = target_platform() != "tpu" if interpret is None else interpret
     mesh = jax.sharding.get_abstract_mesh()
-    run = functools.partial(_splash_local, offset=offset, window=window, interpret=interpret)
+    run = functools.partial(_splash_local, offset=offset, window=window, interpret=interpret, scale=scale,
+                            softcap=softcap)
     if mesh.empty:
         return run(q, k, v, q_segments, kv_segments)
     rows = _axis(fit_spec(("batch",), q.shape[:1], mesh), 0)
@@ -235,7 +278,7 @@ def _axis(spec: jax.sharding.PartitionSpec, i: int) -> str | tuple[str, ...] | N
 
 def _splash_local(
     q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, *, offset: int,
-    window: int | None, interpret: bool,
+    window: int | None, interpret: bool, scale: float | None = None, softcap: float | None = None,
 ) -> jax.Array:
     """`splash_attention` on one device's shard (no mesh)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -244,8 +287,9 @@ def _splash_local(
     b, t, h, dh = q.shape
     s = k.shape[1]
     bq, bkv, tp, sp = splash_layout(t, s)
-    # splash scales nothing: q / sqrt(Dh), rounded once to the compute dtype
-    qs = (q.astype(jnp.float32) * dh**-0.5).astype(q.dtype)
+    # splash scales nothing: q * scale (default 1 / sqrt(Dh)), rounded once to the compute dtype; the kernel
+    # soft-caps the scores of the scaled q, cap * tanh(q k^T / cap), as HF caps scale * q k^T
+    qs = (q.astype(jnp.float32) * (dh**-0.5 if scale is None else scale)).astype(q.dtype)
     qs = jnp.pad(qs, ((0, 0), (0, tp - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # [B, H, Tp, Dh]
     kv_pad = ((0, 0), (0, sp - s), (0, 0), (0, 0))
     kp = jnp.pad(k, kv_pad).transpose(0, 2, 1, 3)  # [B, K, Sp, Dh]
@@ -263,7 +307,7 @@ def _splash_local(
     def run(q: jax.Array, k: jax.Array, v: jax.Array, qs: jax.Array, ks: jax.Array) -> jax.Array:
         # built where it runs: the kernel holds its mask's block tables as arrays of the trace that makes it
         kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                    interpret=interpret)
+                                    interpret=interpret, attn_logits_soft_cap=softcap)
         return jax.vmap(kernel)(q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks))
 
     # the compiler counts no FLOPs inside a Pallas kernel: the forward kernel's, by the blocks it visits, travel
@@ -316,19 +360,20 @@ def rotate_rows(x: jax.Array, shift: jax.Array) -> jax.Array:
 
 def cudnn_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, window: int | None = None,
-    implementation: str = "cudnn",
+    implementation: str = "cudnn", scale: float | None = None,
 ) -> jax.Array:
     """Causal GQA over rows whose real tokens are one contiguous run (left and/or right padding) with
     `jax.nn.dot_product_attention`: each row rotated so its real tokens come first, causal (within the window),
     rotated back. A real query then sees exactly the real tokens before it; a padding query sees the tokens before
     it (never an empty row). q [B, T, H, Dh], k/v [B, T, K, Dh], mask [B, T] -> [B, T, H, Dh].
 
-    `implementation` "xla" runs the same call through XLA (materialised scores: tests off a GPU).
+    `implementation` "xla" runs the same call through XLA (materialised scores: tests off a GPU). `scale`: on
+    q k^T (default Dh ** -0.5); no soft-capping (`effective` sends soft-capped models to eager).
     """
     shift = front_shift(mask)
     o = jax.nn.dot_product_attention(
         rotate_rows(q, shift), rotate_rows(k, shift), rotate_rows(v, shift), is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0), implementation=implementation,
+        local_window_size=None if window is None else (window - 1, 0), implementation=implementation, scale=scale,
     )
     return rotate_rows(o, -shift)
 
@@ -343,20 +388,21 @@ SharedFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def causal(
-    mask: jax.Array, positions: jax.Array, *, implementation: str | None, window: int | None, dtype: jnp.dtype
+    mask: jax.Array, positions: jax.Array, *, implementation: str | None, window: int | None, dtype: jnp.dtype,
+    scale: float | None = None, softcap: float | None = None,
 ) -> AttendFn:
     """Causal self-attention over B padded rows (real tokens: `mask` [B, T]; their positions [B, T]), built once
     per forward: -> fn(q [B, T, H, Dh], k, v [B, T, K, Dh]) -> [B, T, H, Dh]. Exact for any padding with eager and
     splash; cudnn needs each row's real tokens contiguous (as left- or right-padded rows are)."""
-    impl = _resolved(implementation, dtype)
+    impl = _resolved(implementation, dtype, softcap)
     if impl == "eager":
         allowed = causal_allowed(mask, positions, window)
-        return lambda q, k, v: attend(q, k, v, allowed)
+        return lambda q, k, v: attend(q, k, v, allowed, scale=scale, softcap=softcap)
     if impl == "splash":
         seg = (mask > 0).astype(jnp.int32)
-        return lambda q, k, v: splash_attention(q, k, v, seg, seg, window=window)
+        return lambda q, k, v: splash_attention(q, k, v, seg, seg, window=window, scale=scale, softcap=softcap)
     call = _cudnn_call(target_platform())
-    return lambda q, k, v: cudnn_attention(q, k, v, mask, window=window, implementation=call)
+    return lambda q, k, v: cudnn_attention(q, k, v, mask, window=window, implementation=call, scale=scale)
 
 
 def shared_prompt(
@@ -368,6 +414,8 @@ def shared_prompt(
     implementation: str | None,
     window: int | None,
     dtype: jnp.dtype,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> SharedFn:
     """B left-padded prompts, each continued by G right-padded completions (row n continues prompt n // G; its
     mask a prefix of ones), built once per forward: prompt_mask, prompt_positions [B, P]; completion_mask,
@@ -375,7 +423,8 @@ def shared_prompt(
     fn(qp [B, P, H, Dh], qc [N, C, H, Dh], pk, pv [B, P, K, Dh], gk, gv [N, C, K, Dh]) -> (prompt out [B, P, H, Dh],
     completion out [N, C, H, Dh]): the prompts' causal self-attention and each completion token's one softmax over
     its prompt's real tokens and its own real tokens up to itself (within the window)."""
-    impl = _resolved(implementation, dtype)
+    impl = _resolved(implementation, dtype, softcap)
+    opts = {"scale": scale, "softcap": softcap}
     b, p = prompt_mask.shape
     n, c = completion_mask.shape
     g = n // b
@@ -389,9 +438,9 @@ def shared_prompt(
         cc_allowed = cc_allowed.reshape(b, g, c, c) & visible(cq[..., None], cq[:, :, None, :], window)
 
         def eager(qp, qc, pk, pv, gk, gv):  # noqa: ANN001, ANN202
-            o_prompt = attend(qp, pk, pv, pp_allowed)
+            o_prompt = attend(qp, pk, pv, pp_allowed, **opts)
             o_comp = attend_shared_prompt(qc.reshape(b, g, c, *qc.shape[2:]), pk.swapaxes(1, 2), pv.swapaxes(1, 2),
-                                          cp_allowed, gk.swapaxes(1, 2), gv.swapaxes(1, 2), cc_allowed)
+                                          cp_allowed, gk.swapaxes(1, 2), gv.swapaxes(1, 2), cc_allowed, **opts)
             return o_prompt, o_comp.reshape(qc.shape)
 
         return eager
@@ -403,10 +452,10 @@ def shared_prompt(
         kv_seg = jnp.concatenate([jnp.repeat(pseg, g, axis=0), cseg], axis=1)  # [N, P + C]
 
         def splash(qp, qc, pk, pv, gk, gv):  # noqa: ANN001, ANN202
-            o_prompt = splash_attention(qp, pk, pv, pseg, pseg, window=window)
+            o_prompt = splash_attention(qp, pk, pv, pseg, pseg, window=window, **opts)
             keys = jnp.concatenate([jnp.repeat(pk, g, axis=0), gk], axis=1)
             values = jnp.concatenate([jnp.repeat(pv, g, axis=0), gv], axis=1)
-            return o_prompt, splash_attention(qc, keys, values, cseg, kv_seg, offset=p, window=window)
+            return o_prompt, splash_attention(qc, keys, values, cseg, kv_seg, offset=p, window=window, **opts)
 
         return splash
     # cudnn: per completion row the whole [prompt; completion] row (one contiguous run of real tokens), causal;
@@ -417,7 +466,7 @@ def shared_prompt(
 
     def cudnn(qp, qc, pk, pv, gk, gv):  # noqa: ANN001, ANN202
         rows = [jnp.concatenate([jnp.repeat(xp, g, axis=0), xc], axis=1) for xp, xc in ((qp, qc), (pk, gk), (pv, gv))]
-        o = cudnn_attention(*rows, row_mask, window=window, implementation=call)
+        o = cudnn_attention(*rows, row_mask, window=window, implementation=call, scale=scale)
         return o[::g, :p], o[:, p:]
 
     return cudnn

@@ -1,7 +1,13 @@
 """Model configuration: one frozen, hashable dataclass read from a Hugging Face `config.json` dict.
 
-Two families share one module tree (see `transformer.py`):
-- "llama": Llama 2/3, Qwen2/2.5, Mistral. RMSNorm, SwiGLU MLP, full rotary, sequential residual.
+Three families share one module tree (see `transformer.py`); what differs within a family is a few static flags:
+- "llama": Llama 2/3/3.2/3.3, Qwen2/2.5, Qwen3, Mistral, Gemma 2, Gemma 3 (text), OLMo 2, SmolLM3. RMSNorm, gated
+  MLP, full rotary, sequential residual. Flags: q/k norms (`qk_norm`: per head for Qwen3 and Gemma 3, over the whole
+  projection for OLMo 2), where the norms sit (`norm_layout`: pre, Gemma's pre+post "sandwich", OLMo 2's post),
+  Gemma's (1 + w) norms, embedding scaling, attention scale, attention and final-logit soft-capping, per-layer
+  sliding windows and RoPE (`layer_types`, `local_rope_theta`, SmolLM3's NoPE layers `rope_layers`).
+- "phi3": Phi-3 / Phi-4. The llama block, with q/k/v and gate/up fused in the checkpoint (`qkv_proj`,
+  `gate_up_proj`: split on load, `hf.py`), and LongRoPE (`su`) scaling.
 - "gpt_neox": GPT-NeoX / Pythia. LayerNorm with bias, gelu MLP with bias, partial rotary, parallel residual
   (optional), fused QKV in the checkpoint (split into q/k/v on load, see `hf.py`).
 """
@@ -22,19 +28,42 @@ class ModelLoadError(ValueError):
     """A checkpoint or config cannot be turned into one of our models (the message says why)."""
 
 
+# HF model_type -> (family, class-name stem): `{stem}ForCausalLM` and `{stem}ForSequenceClassification`.
+MODEL_TYPES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "Llama"),
+    "qwen2": ("llama", "Qwen2"),
+    "qwen3": ("llama", "Qwen3"),
+    "mistral": ("llama", "Mistral"),
+    "gemma2": ("llama", "Gemma2"),
+    "gemma3_text": ("llama", "Gemma3"),
+    "olmo2": ("llama", "Olmo2"),
+    "smollm3": ("llama", "SmolLM3"),
+    "phi3": ("phi3", "Phi3"),
+    "gpt_neox": ("gpt_neox", "GPTNeoX"),
+}
+
+
+def architecture_names(model_type: str) -> tuple[str, str]:
+    """The HF class names of a model_type's causal LM and sequence classifier (reward model)."""
+    stem = MODEL_TYPES[model_type][1]
+    reward = "Gemma3TextForSequenceClassification" if model_type == "gemma3_text" else \
+        f"{stem}ForSequenceClassification"
+    return f"{stem}ForCausalLM", reward
+
+
 # HF architecture name -> (family, task). `task` is "causal_lm" or "reward".
 ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("llama", "causal_lm"),
-    "Qwen2ForCausalLM": ("llama", "causal_lm"),
-    "MistralForCausalLM": ("llama", "causal_lm"),
-    "GPTNeoXForCausalLM": ("gpt_neox", "causal_lm"),
-    "LlamaForSequenceClassification": ("llama", "reward"),
-    "Qwen2ForSequenceClassification": ("llama", "reward"),
-    "MistralForSequenceClassification": ("llama", "reward"),
-    "GPTNeoXForSequenceClassification": ("gpt_neox", "reward"),
+    name: (family, task)
+    for model_type, (family, _) in MODEL_TYPES.items()
+    for name, task in zip(architecture_names(model_type), ("causal_lm", "reward"), strict=True)
 }
-MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "gpt_neox": "gpt_neox"}
-ROPE_TYPES = ("default", "linear", "llama3")
+# the model_type each architecture's config.json carries
+ARCHITECTURE_MODEL_TYPES: dict[str, str] = {
+    name: model_type for model_type in MODEL_TYPES for name in architecture_names(model_type)
+}
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+NORM_LAYOUTS = ("pre", "sandwich", "post")
 DTYPES = ("float32", "bfloat16")
 # What the backward pass keeps of each transformer block (MaxText's `remat_policy` names); the rest is recomputed.
 # Named block outputs (`checkpoint_name` in transformer.py): query_proj, key_proj, value_proj, out_proj,
@@ -50,13 +79,18 @@ REMAT_POLICIES: dict[str, str] = {
 }
 # LoRA targets: Hugging Face module name -> our projection (`transformer.py`), per family. GPT-NeoX's fused
 # `query_key_value` is our q, k and v sharing one A (its B split three ways, as the kernel is).
+# Phi-3's fused `qkv_proj` and `gate_up_proj` likewise: one A, B split into q/k/v and gate/up.
 LORA_MODULES: dict[str, dict[str, str]] = {
     "llama": {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
               "down_proj": "down"},
+    "phi3": {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"},
     "gpt_neox": {"query_key_value": "qkv", "dense": "o", "dense_h_to_4h": "up", "dense_4h_to_h": "down"},
 }
-# peft's defaults when no target is named (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
-LORA_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {"llama": ("q_proj", "v_proj"), "gpt_neox": ("query_key_value",)}
+# peft's defaults when no target is named (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: q_proj, v_proj
+# for llama, qwen2, qwen3, mistral, gemma2, gemma3_text). peft has none for phi3, olmo2, smollm3 (it asks for
+# target_modules); those get their family's: q_proj, v_proj, and Phi-3's fused qkv_proj.
+LORA_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {"llama": ("q_proj", "v_proj"), "phi3": ("qkv_proj",),
+                                                    "gpt_neox": ("query_key_value",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +112,8 @@ class LoRASpec:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     def ours(self, family: str) -> frozenset[str]:
-        """Our projection names the targets select ("q", "k", "v", "o", "gate", "up", "down"; "qkv" fused)."""
+        """Our projection names the targets select ("q", "k", "v", "o", "gate", "up", "down"; fused: "qkv",
+        "gate_up")."""
         return frozenset(LORA_MODULES[family][t] for t in self.targets)
 
 
@@ -112,8 +147,8 @@ class ModelConfig:
     `hf_config` (the original `config.json` dict) is kept for export and excluded from hashing/equality.
     """
 
-    family: str  # "llama" | "gpt_neox"
-    model_type: str  # HF model_type: "llama", "qwen2", "mistral", "gpt_neox"
+    family: str  # "llama" | "phi3" | "gpt_neox"
+    model_type: str  # HF model_type: a key of MODEL_TYPES
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -125,14 +160,29 @@ class ModelConfig:
     hidden_act: str  # "silu" (llama) | "gelu" | "gelu_new" | "gelu_pytorch_tanh" | "relu"
     rope_theta: float
     rotary_dim: int  # leading head dims that are rotated (= head_dim * partial_rotary_factor)
-    rope_type: str = "default"  # "default" | "linear" | "llama3"
-    rope_factors: tuple[tuple[str, float], ...] = ()  # e.g. (("factor", 8.0), ("low_freq_factor", 1.0), ...)
+    rope_type: str = "default"  # "default" | "linear" | "llama3" | "longrope"
+    # e.g. (("factor", 8.0), ("low_freq_factor", 1.0), ...); longrope: short_factor / long_factor are tuples
+    rope_factors: tuple[tuple[str, Any], ...] = ()
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     parallel_residual: bool = False
-    sliding_window: int | None = None  # Mistral: a key is visible iff q_pos - k_pos < sliding_window
+    sliding_window: int | None = None  # a key is visible iff q_pos - k_pos < sliding_window (in sliding layers)
+    # per layer "full_attention" | "sliding_attention" (HF's `layer_types`); () with a sliding_window: every layer
+    # slides (Mistral, Phi-3)
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (default rope); None: as global
+    rope_layers: tuple[bool, ...] = ()  # SmolLM3: False for a layer without RoPE (NoPE); (): every layer
+    qk_norm: str = ""  # "" | "head": RMSNorm of each head's q and k (Qwen3, Gemma 3) | "full": of the whole q and k
+    # projections (OLMo 2); before RoPE
+    norm_layout: str = "pre"  # "pre": x + f(norm(x)); "sandwich" (Gemma): x + norm(f(norm(x))); "post" (OLMo 2):
+    # x + norm(f(x))
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (offset + w) with w the stored weight
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the compute dtype
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this ** -0.5 (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before the mask
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     initializer_range: float = 0.02
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
@@ -162,6 +212,45 @@ class ModelConfig:
             raise ModelLoadError(f"rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ModelLoadError(f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+        for name in ("layer_types", "rope_layers"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ModelLoadError(f"{name} has {len(getattr(self, name))} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ModelLoadError(f"layer_types {', '.join(bad)} not supported; supported: {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ModelLoadError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.qk_norm not in ("", "head", "full") or self.norm_layout not in NORM_LAYOUTS:
+            raise ModelLoadError(f"qk_norm={self.qk_norm!r} / norm_layout={self.norm_layout!r}: supported "
+                                 f"'', head, full / {', '.join(NORM_LAYOUTS)}")
+        for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ModelLoadError(f"{name}={getattr(self, name)} must be > 0 (or None)")
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: global attention)."""
+        if not self.layer_types:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
+
+    @property
+    def rope_kinds(self) -> tuple[int, ...]:
+        """Each layer's RoPE table: 0 the global one, 1 the local one (sliding layers, `local_rope_theta`), 2 none
+        (NoPE)."""
+        local = self.local_rope_theta is not None
+        return tuple(2 if self.rope_layers and not self.rope_layers[i] else int(local and w is not None)
+                     for i, w in enumerate(self.windows))
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q k^T: query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def gated_mlp(self) -> bool:
+        """down(act(gate(x)) * up(x)) (llama, phi3), else down(act(up(x))) (gpt_neox)."""
+        return self.family != "gpt_neox"
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (e.g. `cfg.replace(dtype="bfloat16")`)."""
@@ -169,19 +258,26 @@ class ModelConfig:
 
 
 def rope_inv_freq(
-    rotary_dim: int, theta: float, rope_type: str = "default", factors: tuple[tuple[str, float], ...] = ()
+    rotary_dim: int, theta: float, rope_type: str = "default", factors: tuple[tuple[str, Any], ...] = (),
+    long: bool = False,
 ) -> np.ndarray:
     """Inverse rotary frequencies, as HF `modeling_rope_utils`, float32 [rotary_dim // 2].
 
     default: inv_freq_i = theta ** (-2i / rotary_dim).  linear: inv_freq / factor.
     llama3: wavelen = 2 pi / inv_freq; wavelen > old_len / low_ff -> inv_freq / factor; wavelen < old_len / high_ff
     -> unchanged; in between s = (old_len / wavelen - low_ff) / (high_ff - low_ff), (1 - s) inv / factor + s inv.
+    longrope (Phi-3): inv_freq_i / ext_i with ext = short_factor, or long_factor when `long` (a forward that reaches
+    past original_max_position_embeddings; `Transformer.rope_tables` picks).
     Example: rope_inv_freq(4, 10000.0) -> [1.0, 0.01].
     """
     inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)))
     f = dict(factors)
     if rope_type == "linear":
         return (inv / np.float32(f["factor"])).astype(np.float32)
+    if rope_type == "longrope":
+        ext = np.asarray(f["long_factor" if long else "short_factor"], np.float32)
+        base = np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim))
+        return (np.float32(1.0) / (ext * base)).astype(np.float32)
     if rope_type == "llama3":
         factor, low, high = f["factor"], f["low_freq_factor"], f["high_freq_factor"]
         old_len = f["original_max_position_embeddings"]
@@ -194,6 +290,12 @@ def rope_inv_freq(
     return inv.astype(np.float32)
 
 
+def rope_attention_factor(rope_type: str, factors: tuple[tuple[str, Any], ...]) -> float:
+    """The factor HF multiplies cos and sin by: longrope's `attention_factor` (default sqrt(1 + ln(factor) /
+    ln(original_max_position_embeddings)), 1 for factor <= 1); 1.0 for the other types."""
+    return float(dict(factors).get("attention_factor", 1.0)) if rope_type == "longrope" else 1.0
+
+
 def _require(hf: dict[str, Any], *keys: str) -> Any:
     for k in keys:
         if hf.get(k) is not None:
@@ -201,30 +303,85 @@ def _require(hf: dict[str, Any], *keys: str) -> Any:
     raise ModelLoadError(f"config.json lacks {' / '.join(keys)}")
 
 
+def _supported_list() -> str:
+    return ", ".join(sorted(ARCHITECTURES))
+
+
 def family_and_task(hf: dict[str, Any]) -> tuple[str, str | None]:
-    """(family, task) from `architectures[0]` (task None when only `model_type` is known)."""
+    """(family, task) from `architectures[0]` (task None when only `model_type` is known); ModelLoadError naming
+    the supported architectures for any other."""
     archs = hf.get("architectures") or []
     if archs:
         if archs[0] not in ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
-            )
+            hint = ""
+            if archs[0] == "Gemma3ForConditionalGeneration":
+                hint = " (the multimodal Gemma 3: use a text-only Gemma3ForCausalLM checkpoint)"
+            raise ModelLoadError(f"unsupported architecture {archs[0]!r}{hint}; supported: {_supported_list()}")
         return ARCHITECTURES[archs[0]]
     mt = hf.get("model_type")
     if mt not in MODEL_TYPES:
-        raise ModelLoadError(f"unsupported model_type {mt!r}; supported: {', '.join(sorted(MODEL_TYPES))}")
-    return MODEL_TYPES[mt], None
+        raise ModelLoadError(f"unsupported model_type {mt!r}; supported: {', '.join(sorted(MODEL_TYPES))} "
+                             f"(architectures: {_supported_list()})")
+    return MODEL_TYPES[mt][0], None
 
 
-def _rope_settings(hf: dict[str, Any], head_dim: int, default_prf: float) -> dict[str, Any]:
+def _model_type(hf: dict[str, Any], family: str) -> str:
+    """config.json's model_type, or the one its architecture implies."""
+    mt = hf.get("model_type")
+    if mt in MODEL_TYPES and MODEL_TYPES[mt][0] == family:
+        return mt
+    archs = hf.get("architectures") or []
+    if archs and archs[0] in ARCHITECTURE_MODEL_TYPES:
+        return ARCHITECTURE_MODEL_TYPES[archs[0]]
+    raise ModelLoadError(f"model_type {mt!r} does not match the {family} family")
+
+
+# HF config classes' defaults where config.json may omit a key and the class default is not hidden // heads
+_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+_THETA = {"smollm3": 2_000_000.0, "gemma3_text": 1_000_000.0}
+_EPS = {"olmo2": 1e-5, "phi3": 1e-5}
+_TIED = {"qwen2", "gemma2", "gemma3_text", "smollm3"}
+
+
+def _rope_dict(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The (global) rope dict: `rope_parameters` (new) or `rope_scaling` (old; Phi-3 prefers it), flat. Gemma 3's
+    is nested per layer type: its full_attention entry (its sliding_attention one: `_local_rope_theta`)."""
+    rp = hf.get("rope_parameters")
+    if model_type == "phi3" and hf.get("rope_scaling"):
+        rp = hf["rope_scaling"]
+    rp = dict(rp or hf.get("rope_scaling") or {})
+    if "full_attention" in rp or "sliding_attention" in rp:
+        rp = dict(rp.get("full_attention") or {})
+    elif model_type == "gemma3_text" and hf.get("rope_parameters") is None and hf.get("rope_scaling"):
+        rp = dict(hf["rope_scaling"])  # old Gemma 3 files: rope_scaling is the global layers' (e.g. linear x8)
+    return rp
+
+
+def _local_rope_theta(hf: dict[str, Any], model_type: str) -> float | None:
+    """Gemma 3's sliding layers' RoPE base: rope_parameters.sliding_attention.rope_theta, or the old
+    `rope_local_base_freq` (default 10000); None for the other models."""
+    if model_type != "gemma3_text":
+        return None
+    local = dict((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
+    rope_type = local.get("rope_type", local.get("type", "default"))
+    if rope_type != "default":
+        raise ModelLoadError(f"Gemma 3 sliding-layer rope_type {rope_type!r} is not supported (default only)")
+    return float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
+
+
+def _rope_settings(hf: dict[str, Any], head_dim: int, default_prf: float, model_type: str = "") -> dict[str, Any]:
     """Rotary settings from the new `rope_parameters` dict or the old top-level keys / `rope_scaling`."""
-    rp = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rp.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
+    rp = _rope_dict(hf, model_type)
+    theta = rp.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", _THETA.get(model_type, 10000.0))))
     prf = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", default_prf)))
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    factors: tuple[tuple[str, float], ...] = ()
+    if model_type == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # as Phi3Config maps them
+    if rope_type not in ROPE_TYPES or (rope_type == "longrope" and model_type != "phi3"):
+        raise ModelLoadError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES[:3])} "
+                             "(and longrope for Phi-3)")
+    rotary_dim = int(head_dim * float(prf))
+    factors: tuple[tuple[str, Any], ...] = ()
     if rope_type == "linear":
         factors = (("factor", float(rp["factor"])),)
     elif rope_type == "llama3":
@@ -235,27 +392,95 @@ def _rope_settings(hf: dict[str, Any], head_dim: int, default_prf: float) -> dic
             ("high_freq_factor", float(rp["high_freq_factor"])),
             ("original_max_position_embeddings", float(old_len)),
         )
-    return {
-        "rope_theta": float(theta),
-        "rotary_dim": int(head_dim * float(prf)),
-        "rope_type": rope_type,
-        "rope_factors": factors,
-    }
+    elif rope_type == "longrope":
+        # HF: the top-level original_max_position_embeddings wins over the rope dict's; factor defaults to
+        # max_position_embeddings / it, attention_factor to sqrt(1 + ln(factor) / ln(old_len)) (1 if factor <= 1)
+        old_len = hf.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") or \
+            hf.get("max_position_embeddings")
+        factor = rp.get("factor") or float(hf.get("max_position_embeddings", old_len)) / float(old_len)
+        attention = rp.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+        short, long_ = (tuple(float(x) for x in rp[k]) for k in ("short_factor", "long_factor"))
+        if len(short) != rotary_dim // 2 or len(long_) != rotary_dim // 2:
+            raise ModelLoadError(f"longrope short_factor / long_factor need {rotary_dim // 2} entries, got "
+                                 f"{len(short)} / {len(long_)}")
+        factors = (("short_factor", short), ("long_factor", long_),
+                   ("original_max_position_embeddings", float(old_len)), ("attention_factor", float(attention)))
+    return {"rope_theta": float(theta), "rotary_dim": rotary_dim, "rope_type": rope_type, "rope_factors": factors}
+
+
+def _layer_types(hf: dict[str, Any], model_type: str, layers: int, window: int | None) -> tuple[str, ...]:
+    """Per-layer attention kinds: config.json's `layer_types`, else what each HF config class derives."""
+    if hf.get("layer_types"):
+        return tuple(hf["layer_types"])
+    if model_type == "gemma2":
+        return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers))
+    if model_type == "gemma3_text":
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
+    if model_type == "qwen3" and window is not None:
+        first = int(hf.get("max_window_layers", 28))
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+    return ()
+
+
+def _llama_flags(hf: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
+    """The llama family's per-model flags (see `ModelConfig`)."""
+    flags: dict[str, Any] = {}
+    window = hf.get("sliding_window")
+    if model_type == "mistral":
+        return {"sliding_window": None if window is None else int(window)}
+    if model_type == "qwen2":
+        if hf.get("use_sliding_window"):
+            raise ModelLoadError("Qwen2 with use_sliding_window=True is not supported")
+        return flags
+    if model_type in ("qwen3", "smollm3") and not hf.get("use_sliding_window"):
+        window = None  # as the config classes: the window applies only with use_sliding_window
+    if model_type in ("gemma2", "gemma3_text"):
+        if hf.get("use_bidirectional_attention"):
+            raise ModelLoadError("Gemma with use_bidirectional_attention=True is not a causal LM")
+        window = hf.get("sliding_window", 4096)
+        gemma2 = model_type == "gemma2"
+        flags.update(
+            norm_layout="sandwich", norm_offset=1.0, embed_scale=True,
+            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+            attn_softcap=hf.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+            final_softcap=hf.get("final_logit_softcapping", 30.0 if gemma2 else None),
+            qk_norm="" if gemma2 else "head",
+            local_rope_theta=_local_rope_theta(hf, model_type),
+        )
+        flags["attn_softcap"] = None if flags["attn_softcap"] is None else float(flags["attn_softcap"])
+        flags["final_softcap"] = None if flags["final_softcap"] is None else float(flags["final_softcap"])
+    if model_type == "qwen3":
+        flags["qk_norm"] = "head"
+    if model_type == "olmo2":
+        flags.update(qk_norm="full", norm_layout="post")
+    if model_type == "smollm3":
+        nope = hf.get("no_rope_layers") or [int((i + 1) % int(hf.get("no_rope_layer_interval", 4)) != 0)
+                                            for i in range(layers)]
+        flags["rope_layers"] = tuple(bool(x) for x in nope)
+    types = _layer_types(hf, model_type, layers, window)
+    if "sliding_attention" not in types:
+        types, window = (), None  # no layer slides: no window (whatever sliding_window says)
+    flags.update(sliding_window=None if window is None else int(window), layer_types=types)
+    return flags
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str = "float32", param_dtype: str | None = None) -> ModelConfig:
     """Build a `ModelConfig` from a HF `config.json` dict (old and new rope formats)."""
     family, _ = family_and_task(hf)
-    model_type = hf.get("model_type") or {"gpt_neox": "gpt_neox"}.get(family, "llama")
+    model_type = _model_type(hf, family)
     hidden = int(_require(hf, "hidden_size"))
     heads = int(_require(hf, "num_attention_heads"))
-    head_dim = int(hf.get("head_dim") or hidden // heads)
+    layers = int(_require(hf, "num_hidden_layers"))
+    head_dim = int(hf.get("head_dim") or _HEAD_DIM.get(model_type, hidden // heads))
     common = dict(
         family=family,
         model_type=model_type,
         vocab_size=int(_require(hf, "vocab_size")),
         hidden_size=hidden,
-        num_layers=int(_require(hf, "num_hidden_layers")),
+        num_layers=layers,
         num_heads=heads,
         head_dim=head_dim,
         intermediate_size=int(_require(hf, "intermediate_size")),
@@ -278,39 +503,52 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32", param_dtype: str 
             parallel_residual=bool(hf.get("use_parallel_residual", True)),
             **_rope_settings(hf, head_dim, 0.25),
         )
-    sliding = None
-    if model_type == "mistral":
-        sliding = hf.get("sliding_window")
-    elif model_type == "qwen2" and hf.get("use_sliding_window"):
-        raise ModelLoadError("Qwen2 with use_sliding_window=True is not supported")
-    qkv_bias = model_type == "qwen2" or bool(hf.get("attention_bias", False))
+    if family == "phi3":
+        window = hf.get("sliding_window")
+        flags: dict[str, Any] = {"sliding_window": None if window is None else int(window)}
+    else:
+        flags = _llama_flags(hf, model_type, layers)
+    bias = bool(hf.get("attention_bias", False))
+    qkv_bias = model_type == "qwen2" or (family == "llama" and bias)
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or \
+        ("gelu_pytorch_tanh" if model_type in ("gemma2", "gemma3_text") else "silu")
     return ModelConfig(
         **common,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        hidden_act=hf.get("hidden_act", "silu"),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type == "qwen2")),
+        norm_eps=float(hf.get("rms_norm_eps", _EPS.get(model_type, 1e-6))),
+        hidden_act=act,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in _TIED)),
         qkv_bias=qkv_bias,
-        o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
-        mlp_bias=bool(hf.get("mlp_bias", False)),
+        o_bias=family == "llama" and model_type != "qwen2" and bias,
+        mlp_bias=family == "llama" and bool(hf.get("mlp_bias", False)),
         parallel_residual=False,
-        sliding_window=None if sliding is None else int(sliding),
-        **_rope_settings(hf, head_dim, 1.0),
+        **flags,
+        **_rope_settings(hf, head_dim, 1.0, model_type),
     )
+
+
+def _rope_out(cfg: ModelConfig) -> dict[str, Any]:
+    """The global rope dict as HF writes it (lists for longrope's factors)."""
+    rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    for k, v in cfg.rope_factors:
+        rope[k] = list(v) if isinstance(v, tuple) else v
+    if "original_max_position_embeddings" in rope:
+        rope["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+    return rope
 
 
 def config_to_hf(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
     """The HF `config.json` dict for export: the original dict with every field we use written explicitly.
 
-    Rope settings are written in both the new (`rope_parameters`) and old (top-level) forms, with equal values.
+    Rope settings are written in both the new (`rope_parameters`) and old (top-level) forms, with equal values
+    (Gemma 3: nested per layer type; Phi-3: `original_max_position_embeddings` at the top level, as it reads it).
     """
     hf = dict(cfg.hf_config)
-    for k in ("rope_scaling", "rope_theta", "rotary_pct", "rotary_emb_base", "partial_rotary_factor"):
+    for k in ("rope_scaling", "rope_theta", "rotary_pct", "rotary_emb_base", "partial_rotary_factor",
+              "rope_local_base_freq"):
         hf.pop(k, None)
     prf = cfg.rotary_dim / cfg.head_dim
-    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **dict(cfg.rope_factors)}
-    if "original_max_position_embeddings" in rope:
-        rope["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+    rope = _rope_out(cfg)
     hf.update(
         architectures=[architecture],
         model_type=cfg.model_type,
@@ -323,11 +561,11 @@ def config_to_hf(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
         tie_word_embeddings=cfg.tie_word_embeddings,
         initializer_range=cfg.initializer_range,
         dtype="float32",
-        rope_theta=cfg.rope_theta,
     )
     hf.pop("torch_dtype", None)
     if cfg.family == "gpt_neox":
         hf.update(
+            rope_theta=cfg.rope_theta,
             layer_norm_eps=cfg.norm_eps,
             use_parallel_residual=cfg.parallel_residual,
             attention_bias=cfg.qkv_bias,
@@ -335,17 +573,35 @@ def config_to_hf(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
             rotary_emb_base=cfg.rope_theta,
             rope_parameters={**rope, "partial_rotary_factor": prf},
         )
+        return hf
+    hf.update(num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+              rms_norm_eps=cfg.norm_eps)
+    mt = cfg.model_type
+    if mt == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}
+        hf["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+    elif mt == "phi3":
+        if "original_max_position_embeddings" in rope:
+            hf["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+        hf.update(rope_theta=cfg.rope_theta, rope_parameters={**rope, "partial_rotary_factor": prf})
     else:
-        hf.update(
-            num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            rms_norm_eps=cfg.norm_eps,
-            rope_parameters=rope,
-        )
+        hf.update(rope_theta=cfg.rope_theta, rope_parameters=rope)
         if cfg.rope_type != "default":
             hf["rope_scaling"] = dict(rope)
-        if cfg.model_type != "qwen2":
-            hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
-        if cfg.model_type == "mistral":
-            hf["sliding_window"] = cfg.sliding_window
+    if mt not in ("qwen2", "gemma2", "gemma3_text", "phi3"):
+        hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    if mt in ("gemma2", "gemma3_text"):
+        qpas = cfg.query_pre_attn_scalar
+        qpas = int(qpas) if qpas is not None and float(qpas).is_integer() else qpas  # HF's field is an int
+        hf.update(hidden_activation=cfg.hidden_act, query_pre_attn_scalar=qpas,
+                  attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
+                  attention_bias=cfg.qkv_bias)
+    if mt == "smollm3":
+        hf["no_rope_layers"] = [int(x) for x in cfg.rope_layers] if cfg.rope_layers else [1] * cfg.num_layers
+    if cfg.layer_types or mt in ("qwen3", "smollm3", "gemma2", "gemma3_text"):  # these derive their own if absent
+        hf["layer_types"] = list(cfg.layer_types or ("full_attention",) * cfg.num_layers)
+    if mt in ("qwen3", "smollm3"):
+        hf["use_sliding_window"] = cfg.sliding_window is not None
+    if mt in ("mistral", "phi3", "qwen3", "smollm3", "gemma2", "gemma3_text"):
+        hf["sliding_window"] = cfg.sliding_window
     return hf

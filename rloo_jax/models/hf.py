@@ -2,9 +2,11 @@
 
 A table row maps one HF tensor to one or more of our parameters with a transform and its inverse:
 HF `nn.Linear.weight` [out, in] <-> our kernel [in, out] (transpose); GPT-NeoX `query_key_value` [H*3*Dh, D]
-(interleaved per head: view [H, 3, Dh, D]) <-> our q, k, v kernels [D, H*Dh]. Reading uses safetensors'
-numpy backend tensor by tensor (bf16 tensors are read from the raw bytes, which numpy cannot name), converting
-each to the param dtype as it goes, into a module built abstractly with `nnx.eval_shape` (no random init).
+(interleaved per head: view [H, 3, Dh, D]) <-> our q, k, v kernels [D, H*Dh]; Phi-3's `qkv_proj`
+[(H+2K)*Dh, D] and `gate_up_proj` [2F, D] (stacked: [q; k; v], [gate; up]) <-> our q, k, v / gate, up kernels.
+Reading uses safetensors' numpy backend tensor by tensor (bf16 tensors are read from the raw bytes, which numpy
+cannot name), converting each to the param dtype as it goes, into a module built abstractly with `nnx.eval_shape`
+(no random init).
 No torch anywhere.
 """
 
@@ -28,6 +30,7 @@ from rloo_jax.models.config import (
     ARCHITECTURES,
     ModelConfig,
     ModelLoadError,
+    architecture_names,
     config_from_hf,
     config_to_hf,
     family_and_task,
@@ -78,6 +81,21 @@ def fused_qkv(num_heads: int, is_bias: bool) -> Transform:
     return Transform(to_ours, to_hf, hf_shape)
 
 
+def stacked(sizes: tuple[int, ...]) -> Transform:
+    """A fused `nn.Linear` whose outputs are our projections one after another (Phi-3's `qkv_proj` [q; k; v],
+    `gate_up_proj` [gate; up]): weight [sum(sizes), din] <-> kernels [din, size_i] (LoRA's B [sum(sizes), r] <->
+    [r, size_i] alike). Example: sizes (2, 1): rows 0-1 -> the first kernel's columns, row 2 -> the second's."""
+    cuts = np.cumsum(sizes)[:-1]
+
+    def to_ours(a: np.ndarray) -> tuple[np.ndarray, ...]:
+        return tuple(x.T for x in np.split(a, cuts, axis=0))
+
+    def to_hf(parts: tuple[np.ndarray, ...]) -> np.ndarray:
+        return np.concatenate([x.T for x in parts], axis=0)
+
+    return Transform(to_ours, to_hf, lambda s: (sum(x[-1] for x in s), s[0][0]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One HF tensor name <-> our parameter paths (dot-joined, e.g. "model.layers.attn.q.kernel"); `layer` is the
@@ -105,17 +123,41 @@ def _layer(cfg: ModelConfig, i: int) -> tuple[str, int | None]:
     return ("model.layers", i) if cfg.scan_layers else (f"model.layers.{i}", None)
 
 
+# HF norm name -> ours, per `norm_layout` (HF's "post_attention_layernorm" is the pre-MLP norm of a pre-norm block)
+_NORMS = {
+    "pre": {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"},
+    "sandwich": {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attn_norm",
+                 "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"},
+    "post": {"post_attention_layernorm": "post_attn_norm", "post_feedforward_layernorm": "post_mlp_norm"},
+}
+
+
 def _llama_rows(cfg: ModelConfig) -> list[Row]:
+    """The llama and phi3 families (Phi-3: q/k/v and gate/up fused in the file)."""
     rows = [Row("model.embed_tokens.weight", ("model.embed.embedding",), IDENTITY)]
+    kv, f = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     for i in range(cfg.num_layers):
         hf, (us, layer) = f"model.layers.{i}", _layer(cfg, i)
-        rows += _norm(f"{hf}.input_layernorm", f"{us}.attn_norm", False, layer)
-        for n in "qkv":
-            rows += _linear(f"{hf}.self_attn.{n}_proj", f"{us}.attn.{n}", cfg.qkv_bias, layer)
+        for theirs, ours in _NORMS[cfg.norm_layout].items():
+            rows += _norm(f"{hf}.{theirs}", f"{us}.{ours}", False, layer)
+        if cfg.family == "phi3":
+            qkv = tuple(f"{us}.attn.{n}.kernel" for n in "qkv")
+            rows.append(Row(f"{hf}.self_attn.qkv_proj.weight", qkv, stacked((cfg.num_heads * cfg.head_dim, kv, kv)),
+                            layer))
+        else:
+            for n in "qkv":
+                rows += _linear(f"{hf}.self_attn.{n}_proj", f"{us}.attn.{n}", cfg.qkv_bias, layer)
         rows += _linear(f"{hf}.self_attn.o_proj", f"{us}.attn.o", cfg.o_bias, layer)
-        rows += _norm(f"{hf}.post_attention_layernorm", f"{us}.mlp_norm", False, layer)
-        for n in ("gate", "up", "down"):
-            rows += _linear(f"{hf}.mlp.{n}_proj", f"{us}.mlp.{n}", cfg.mlp_bias, layer)
+        if cfg.qk_norm:
+            rows += _norm(f"{hf}.self_attn.q_norm", f"{us}.attn.q_norm", False, layer)
+            rows += _norm(f"{hf}.self_attn.k_norm", f"{us}.attn.k_norm", False, layer)
+        if cfg.family == "phi3":
+            gate_up = (f"{us}.mlp.gate.kernel", f"{us}.mlp.up.kernel")
+            rows.append(Row(f"{hf}.mlp.gate_up_proj.weight", gate_up, stacked((f, f)), layer))
+            rows += _linear(f"{hf}.mlp.down_proj", f"{us}.mlp.down", False, layer)
+        else:
+            for n in ("gate", "up", "down"):
+                rows += _linear(f"{hf}.mlp.{n}_proj", f"{us}.mlp.{n}", cfg.mlp_bias, layer)
     return rows + _norm("model.norm", "model.final_norm", False)
 
 
@@ -150,7 +192,7 @@ def weight_table(cfg: ModelConfig, task: str) -> list[Row]:
 def adapter_table(cfg: ModelConfig) -> list[Row]:
     """PEFT adapter tensors <-> our `lora_a`/`lora_b`, derived from the weight table: the adapter of HF module
     `X` is `base_model.model.X.lora_A.weight` [r, din] (transposed A) and `...lora_B.weight` [dout, r], whose
-    layout is the module weight's with r for din (so GPT-NeoX's fused B goes through the same `fused_qkv`)."""
+    layout is the module weight's with r for din (so a fused B goes through the same `fused_qkv` / `stacked`)."""
     if cfg.lora is None:
         return []
     ours, rows = cfg.lora.ours(cfg.family), []
@@ -161,6 +203,8 @@ def adapter_table(cfg: ModelConfig) -> list[Row]:
         hf = "base_model.model." + r.hf.removesuffix(".weight")
         if len(modules) == 3 and "qkv" in ours:  # fused q/k/v: one A in the attention module
             a = modules[0].rsplit(".", 1)[0] + ".qkv_lora_a"
+        elif len(modules) == 2 and "gate_up" in ours:  # Phi-3's fused gate/up: one A in the MLP
+            a = modules[0].rsplit(".", 1)[0] + ".gate_up_lora_a"
         elif len(modules) == 1 and modules[0].rsplit(".", 1)[-1] in ours:
             a = modules[0] + ".lora_a"
         else:
@@ -172,8 +216,7 @@ def adapter_table(cfg: ModelConfig) -> list[Row]:
 
 def architecture_name(cfg: ModelConfig, task: str) -> str:
     """HF class name to write in `config.json` for export."""
-    stem = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "gpt_neox": "GPTNeoX"}[cfg.model_type]
-    name = f"{stem}For{'CausalLM' if task == 'causal_lm' else 'SequenceClassification'}"
+    name = architecture_names(cfg.model_type)[0 if task == "causal_lm" else 1]
     assert name in ARCHITECTURES, name
     return name
 
@@ -348,6 +391,33 @@ def _config(
         raise ModelLoadError(f"model options {sorted(options)}: {e}") from None
 
 
+def check_checkpoint(path_or_hub_id: str | Path, task: str = "causal_lm") -> ModelConfig:
+    """Read a checkpoint's `config.json` (a local folder, or a hub snapshot without its weights) and check it is a
+    model we build: a supported architecture of the right task with a config we read (ModelLoadError naming the
+    supported architectures otherwise). No weights are read; a PEFT adapter folder checks its base model. Returns
+    its `ModelConfig`."""
+    directory = resolve_checkpoint(path_or_hub_id, weights=False)
+    adapter = directory / ADAPTER_CONFIG
+    if task == "causal_lm" and adapter.is_file():  # as load_causal_lm: the adapter's base
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ModelLoadError(f"{adapter} has no base_model_name_or_path")
+        return check_checkpoint(base, task)
+    cfg, _ = _config(directory, task, "float32", None, False, {})
+    return cfg
+
+
+def check_checkpoints(policy: str | Path, rewards: Any = ()) -> None:
+    """`check_checkpoint` the policy (unless it is the built-in `demo`) and every reward entry that is a local
+    folder (a reward model), before anything is loaded or trained: what `RLOOTrainer(...)` (and so the CLI) calls
+    at construction, so an unsupported model fails there, not after the run has started."""
+    if str(policy) != "demo":
+        check_checkpoint(policy, "causal_lm")
+    for r in rewards:
+        if isinstance(r, str | Path) and Path(r).expanduser().is_dir():
+            check_checkpoint(r, "reward")
+
+
 def load_causal_lm(
     path_or_hub_id: str | Path,
     dtype: str = "float32",
@@ -355,8 +425,8 @@ def load_causal_lm(
     rngs: nnx.Rngs | None = None,
     **options: Any,
 ) -> CausalLM:
-    """Load a HF causal LM (Llama/Qwen2/Mistral/GPT-NeoX, safetensors) as a `CausalLM`; a PEFT LoRA adapter
-    folder (`adapter_config.json`) loads its base model with the adapters (`load_adapter`).
+    """Load a HF causal LM (an architecture of `config.ARCHITECTURES`, safetensors) as a `CausalLM`; a PEFT LoRA
+    adapter folder (`adapter_config.json`) loads its base model with the adapters (`load_adapter`).
 
     dtype: compute dtype ("float32" | "bfloat16"); param_dtype: storage dtype (default: dtype); `options`:
     execution fields of `ModelConfig` (`scan_layers`, `remat_policy`). `rngs` is accepted for interface symmetry

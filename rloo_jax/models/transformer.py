@@ -1,20 +1,26 @@
-"""Decoder-only transformer (Llama/Qwen2/Mistral and GPT-NeoX families), a causal LM head and a reward head.
+"""Decoder-only transformer (the llama, phi3 and gpt_neox families of `config.py`), a causal LM head and a reward
+head.
 
-One module tree for both families: the differences are a few static `ModelConfig` flags (norm kind, MLP kind,
-biases, rotary fraction, parallel residual), which keeps the weight tables in `hf.py` and the KV-cache code
-single. Parameters are named (our path -> HF name in `hf.py`):
+One module tree for every family: the differences are static `ModelConfig` flags (norm kind and placement, q/k
+norms, MLP kind, biases, rotary fraction and per-layer tables, per-layer sliding windows, soft-capping, embedding
+and attention scales, parallel residual), which keeps the weight tables in `hf.py` and the KV-cache code single.
+Parameters are named (our path -> HF name in `hf.py`):
 
     model.embed.embedding [V, D]          ("vocab", "embed")
     model.layers.attn_norm.scale/bias     ("layers", "embed")   (unrolled: model.layers.{i}..., no "layers")
     model.layers.attn.{q,k,v,o}.kernel    q: ("layers", "embed", "heads"), k/v: (.., "embed", "kv"),
                                           o: ("layers", "heads", "embed")
-    model.layers.mlp_norm.scale/bias      ("layers", "embed")
+    model.layers.attn.{q,k}_norm.scale    qk_norm "head": [Dh] (None); "full": [H*Dh] ("heads"), [K*Dh] ("kv")
+    model.layers.post_attn_norm.scale     ("layers", "embed")   (norm_layout sandwich / post: on attn's output)
+    model.layers.mlp_norm.scale/bias      ("layers", "embed")   (absent with norm_layout post, as attn_norm)
     model.layers.mlp.{gate,up,down}       gate/up: ("layers", "embed", "mlp"), down: ("layers", "mlp", "embed")
+    model.layers.post_mlp_norm.scale      ("layers", "embed")   (norm_layout sandwich / post)
     model.final_norm.scale/bias           ("embed",)
     lm_head.kernel [D, V]                 ("embed", "vocab")    (absent when embeddings are tied)
     score.kernel [D, 1]                   ("embed", None)       (RewardModel)
     ....{q,k,v,o,gate,up,down}.lora_a/b   A [din, r] (din's axis, "lora_rank"), B [r, dout] ("lora_rank", dout's): LoRA
-    model.layers.attn.qkv_lora_a          GPT-NeoX's fused query_key_value: one A for q, k, v (their B apart)
+    model.layers.attn.qkv_lora_a          fused query_key_value / qkv_proj: one A for q, k, v (their B apart)
+    model.layers.mlp.gate_up_lora_a       Phi-3's fused gate_up_proj: one A for gate and up
 
 With `scan_layers` (the default) the L blocks are ONE `Block` whose parameters carry a leading layer axis
 [L, ...] (`stacked_blocks`, paths `model.layers.attn.q.kernel`, axes ("layers", ...)) run by `jax.lax.scan`:
@@ -42,7 +48,7 @@ from rloo_jax import quant
 from rloo_jax.mesh import KV_CACHE_AXES, constrain, row_major
 from rloo_jax.models import attention
 from rloo_jax.models.attention import attend, attend_shared_prompt, visible
-from rloo_jax.models.config import ModelConfig, ModelLoadError, rope_inv_freq
+from rloo_jax.models.config import ModelConfig, ModelLoadError, rope_attention_factor, rope_inv_freq
 
 __all__ = ["CausalLM", "RewardModel", "Transformer", "attend", "attend_shared_prompt"]
 
@@ -74,11 +80,39 @@ def left_align(ids: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.take_along_axis(ids, order, axis=1), jnp.take_along_axis(mask, order, axis=1)
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables for rotate-half RoPE, float32 [..., R]: angle = pos * concat(inv_freq, inv_freq)."""
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for rotate-half RoPE, float32 [..., R]: angle = pos * concat(inv_freq, inv_freq), both tables
+    times `scale` (LongRoPE's attention factor; 1 otherwise)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if scale == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """Soft-capping (Gemma 2): cap * tanh(x / cap), identity for cap None. E.g. cap 30: 30 -> 22.85, 1 -> 0.9996."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def pick(stacked: jax.Array, table: tuple[int, ...], layer: Any) -> jax.Array:
+    """stacked[table[layer]]: a layer's entry of a per-kind stack [K, ...] (statically when `layer` is a Python int
+    or every layer has the same kind; an index under `scan`)."""
+    if len(set(table)) == 1:
+        return stacked[table[0]]
+    if isinstance(layer, int):
+        return stacked[table[layer]]
+    return stacked[jnp.asarray(table, jnp.int32)[layer]]
+
+
+def switch(layer: Any, table: tuple[int, ...], fns: list[Callable], *args: Any) -> Any:
+    """fns[table[layer]](*args): a layer's own attention (e.g. its sliding window), picked statically where `layer`
+    is known, else by `lax.switch` (one branch runs; every branch is compiled)."""
+    if len(fns) == 1:
+        return fns[0](*args)
+    if isinstance(layer, int):
+        return fns[table[layer]](*args)
+    return jax.lax.switch(jnp.asarray(table, jnp.int32)[layer], fns, *args)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -233,24 +267,29 @@ class Dense(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    """Token embedding table [V, D]; lookup returns the compute dtype."""
+    """Token embedding table [V, D]; lookup returns the compute dtype (Gemma: times sqrt(D) rounded to it, as HF
+    multiplies by `embed_scale` in the weights' dtype)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         w = jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32) * cfg.initializer_range
         self.embedding = _param(w.astype(jnp.dtype(cfg.param_dtype)), ("vocab", "embed"))
         self.dtype = jnp.dtype(cfg.dtype)
+        self.scale = float(cfg.hidden_size**0.5) if cfg.embed_scale else None
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        x = jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        return x if self.scale is None else x * jnp.asarray(self.scale, self.dtype)
 
 
 class Norm(nnx.Module):
-    """RMSNorm (llama: x / rms(x) * scale) or LayerNorm (gpt_neox: (x - mean) / std * scale + bias), in f32."""
+    """RMSNorm (llama: x / rms(x) * (offset + scale), offset 1 for Gemma's stored weights, else 0) or LayerNorm
+    (gpt_neox: (x - mean) / std * scale + bias), in f32, over the last axis of size `dim` (default D)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        pdt = jnp.dtype(cfg.param_dtype)
-        self.scale = _param(jnp.ones((cfg.hidden_size,), pdt), ("embed",))
-        self.bias = _param(jnp.zeros((cfg.hidden_size,), pdt), ("embed",)) if cfg.family == "gpt_neox" else None
+    def __init__(self, cfg: ModelConfig, dim: int | None = None, axis: str | None = "embed") -> None:
+        pdt, dim = jnp.dtype(cfg.param_dtype), dim or cfg.hidden_size
+        self.offset = cfg.norm_offset
+        self.scale = _param(jnp.full((dim,), 1.0 - cfg.norm_offset, pdt), (axis,))  # unit gain at init
+        self.bias = _param(jnp.zeros((dim,), pdt), (axis,)) if cfg.family == "gpt_neox" else None
         self.eps = cfg.norm_eps
         self.dtype = jnp.dtype(cfg.dtype)
 
@@ -258,7 +297,8 @@ class Norm(nnx.Module):
         x = x.astype(jnp.float32)
         if self.bias is None:
             y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-            y = y * self.scale[...].astype(jnp.float32)
+            w = self.scale[...].astype(jnp.float32)
+            y = y * (w if self.offset == 0.0 else self.offset + w)
         else:
             mu = jnp.mean(x, axis=-1, keepdims=True)
             var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
@@ -272,9 +312,17 @@ def _lora(cfg: ModelConfig, name: str) -> str:
     if cfg.lora is None:
         return ""
     ours = cfg.lora.ours(cfg.family)
-    if name in ("q", "k", "v") and "qkv" in ours:
-        return "b"
+    if (name in ("q", "k", "v") and "qkv" in ours) or (name in ("gate", "up") and "gate_up" in ours):
+        return "b"  # a fused projection's part: B only, A shared (`Attention.qkv_lora_a`, `MLP.gate_up_lora_a`)
     return "ab" if name in ours else ""
+
+
+def _shared_a(cfg: ModelConfig, din: int, fused: bool) -> LoRAParam | None:
+    """The one A [din, r] of a fused projection's adapter (None without one)."""
+    if not fused:
+        return None
+    return LoRAParam(jnp.zeros((din, cfg.lora.rank), jnp.dtype(cfg.param_dtype)), out_sharding=("embed", "lora_rank"),
+                     eager_sharding=False)
 
 
 def _keys(key: jax.Array | None, n: int) -> list[jax.Array | None]:
@@ -283,7 +331,8 @@ def _keys(key: jax.Array | None, n: int) -> list[jax.Array | None]:
 
 
 class Attention(nnx.Module):
-    """q/k/v/o projections; the attention itself is a function passed in (full sequence or cached decode)."""
+    """q/k/v/o projections (and q/k norms); the attention itself is a function passed in (full sequence or cached
+    decode)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -291,10 +340,13 @@ class Attention(nnx.Module):
         self.k = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "key_proj", _lora(cfg, "k"), True)
         self.v = Dense(d, k * dh, ("embed", "kv"), cfg.qkv_bias, cfg, rngs, "value_proj", _lora(cfg, "v"), True)
         self.o = Dense(h * dh, d, ("heads", "embed"), cfg.o_bias, cfg, rngs, "out_proj", _lora(cfg, "o"), True)
-        fused = _lora(cfg, "q") == "b"  # GPT-NeoX query_key_value: one A for q, k and v
-        pdt = jnp.dtype(cfg.param_dtype)
-        self.qkv_lora_a = LoRAParam(jnp.zeros((d, cfg.lora.rank), pdt), out_sharding=("embed", "lora_rank"),
-                                    eager_sharding=False) if fused else None
+        # fused query_key_value / qkv_proj: one A for q, k and v
+        self.qkv_lora_a = _shared_a(cfg, d, _lora(cfg, "q") == "b")
+        # q/k RMSNorms before RoPE: per head over Dh (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+        self.qk_norm = cfg.qk_norm
+        head = cfg.qk_norm == "head"
+        self.q_norm = Norm(cfg, dh if head else h * dh, None if head else "heads") if cfg.qk_norm else None
+        self.k_norm = Norm(cfg, dh if head else k * dh, None if head else "kv") if cfg.qk_norm else None
         self.shape = (h, k, dh)
 
     def __call__(
@@ -306,22 +358,28 @@ class Attention(nnx.Module):
         h, kh, dh = self.shape
         kq, kk, kv, ko = _keys(key, 4)
         xa = None if self.qkv_lora_a is None else self.q.lora_input(x, self.qkv_lora_a, kq)
-        q = apply_rope(self.q(x, kq, xa).reshape(b, t, h, dh), cos, sin)
-        k = apply_rope(self.k(x, kk, xa).reshape(b, t, kh, dh), cos, sin)
+        q, k = self.q(x, kq, xa), self.k(x, kk, xa)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.reshape(b, t, h, dh), k.reshape(b, t, kh, dh)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v(x, kv, xa).reshape(b, t, kh, dh)
         o, aux = fn(q, k, v)
         return self.o(o.reshape(b, t, h * dh), ko), aux
 
 
 class MLP(nnx.Module):
-    """llama: down(act(gate(x)) * up(x)) (SwiGLU); gpt_neox: down(act(up(x)))."""
+    """llama, phi3: down(act(gate(x)) * up(x)) (gated); gpt_neox: down(act(up(x)))."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        llama = cfg.family == "llama"
-        self.gate = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi", _lora(cfg, "gate"), True) if llama else None
+        gated = cfg.gated_mlp
+        self.gate = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi", _lora(cfg, "gate"), True) if gated else None
         self.up = Dense(d, f, ("embed", "mlp"), bias, cfg, rngs, "mlpwi", _lora(cfg, "up"), True)
         self.down = Dense(f, d, ("mlp", "embed"), bias, cfg, rngs, "mlpwo", _lora(cfg, "down"), True)
+        self.gate_up_lora_a = _shared_a(cfg, d, _lora(cfg, "up") == "b")  # Phi-3's gate_up_proj: one A
         self.act = cfg.hidden_act
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
@@ -329,30 +387,37 @@ class MLP(nnx.Module):
         # elementwise math op by op with a convert around each, which made this the slowest op of a bf16 decode.
         act, f32 = activation(self.act), jnp.float32
         kg, ku, kd = _keys(key, 3)
-        up = self.up(x, ku).astype(f32)
-        h = act(up) if self.gate is None else act(self.gate(x, kg).astype(f32)) * up
+        xa = None if self.gate_up_lora_a is None else self.up.lora_input(x, self.gate_up_lora_a, kg)
+        up = self.up(x, ku, xa).astype(f32)
+        h = act(up) if self.gate is None else act(self.gate(x, kg, xa).astype(f32)) * up
         return self.down(h.astype(x.dtype), kd)
 
 
 class Block(nnx.Module):
-    """Pre-norm block. Sequential: x += attn(n1(x)); x += mlp(n2(x)). Parallel: x += attn(n1(x)) + mlp(n2(x))."""
+    """A residual block; `norm_layout` pre: x += attn(n1(x)); x += mlp(n2(x)) (parallel: x += attn(n1(x)) +
+    mlp(n2(x))); sandwich (Gemma): x += n3(attn(n1(x))); x += n4(mlp(n2(x))); post (OLMo 2): x += n3(attn(x));
+    x += n4(mlp(x))."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-        self.attn_norm = Norm(cfg)
+        pre, post = cfg.norm_layout != "post", cfg.norm_layout != "pre"
+        self.attn_norm = Norm(cfg) if pre else None
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = Norm(cfg)
+        self.post_attn_norm = Norm(cfg) if post else None
+        self.mlp_norm = Norm(cfg) if pre else None
         self.mlp = MLP(cfg, rngs)
+        self.post_mlp_norm = Norm(cfg) if post else None
         self.parallel = cfg.parallel_residual
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable, key: jax.Array | None = None
     ) -> tuple[jax.Array, Any]:
         ka, km = _keys(key, 2)
-        a, aux = self.attn(self.attn_norm(x), cos, sin, fn, ka)
+        norm = lambda n, y: y if n is None else n(y)  # noqa: E731
+        a, aux = self.attn(norm(self.attn_norm, x), cos, sin, fn, ka)
         if self.parallel:
             return x + a + self.mlp(self.mlp_norm(x), km), aux
-        x = x + a
-        return x + self.mlp(self.mlp_norm(x), km), aux
+        x = x + norm(self.post_attn_norm, a)
+        return x + norm(self.post_mlp_norm, self.mlp(norm(self.mlp_norm, x), km)), aux
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -401,19 +466,58 @@ class Transformer(nnx.Module):
         self.layers = stacked_blocks(cfg, rngs) if cfg.scan_layers else nnx.List([Block(cfg, rngs) for _ in
                                                                                  range(cfg.num_layers)])
         self.final_norm = Norm(cfg)
-        # a tuple of floats (exact float32 values) keeps it static graph data, not an array attribute
-        inv = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_factors)
-        self.inv_freq = tuple(float(f) for f in inv)
-        self.sliding_window = cfg.sliding_window
+        # tuples of floats (exact float32 values) keep them static graph data, not array attributes
+        freqs = lambda *a, **k: tuple(float(f) for f in rope_inv_freq(cfg.rotary_dim, *a, **k))  # noqa: E731
+        self.inv_freq = freqs(cfg.rope_theta, cfg.rope_type, cfg.rope_factors)
+        # LongRoPE: the long factors replace the short ones in a forward reaching past the original context
+        longrope = cfg.rope_type == "longrope"
+        self.long_inv_freq = freqs(cfg.rope_theta, cfg.rope_type, cfg.rope_factors, long=True) if longrope else None
+        self.rope_switch = int(dict(cfg.rope_factors)["original_max_position_embeddings"]) if longrope else None
+        self.rope_scale = rope_attention_factor(cfg.rope_type, cfg.rope_factors)
+        # per layer: which RoPE table (`rope_tables`' stack: global, local, NoPE as present) and which window
+        kinds = cfg.rope_kinds
+        self.rope_set = tuple(sorted(set(kinds)))
+        self.rope_index = tuple(self.rope_set.index(k) for k in kinds)
+        self.local_inv_freq = freqs(cfg.local_rope_theta) if 1 in kinds else None
+        windows = cfg.windows
+        self.window_set = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
+        self.window_index = tuple(self.window_set.index(w) for w in windows)
+        self.attn_scale, self.attn_softcap = cfg.attn_scale, cfg.attn_softcap
         self.attn_implementation = cfg.attn_implementation  # None: the best for the platform compiled for
         self.dtype = jnp.dtype(cfg.dtype)
         self.num_layers = cfg.num_layers
         self.scan_layers = cfg.scan_layers
         self.remat_policy = cfg.remat_policy
 
-    def _visible(self, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
-        """Sliding-window part of the mask: q_pos - k_pos < window (all True without a window)."""
-        return visible(q_pos, k_pos, self.sliding_window)
+    def rope_tables(self, positions: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+        """cos, sin [K, *positions.shape, R] float32: one table per RoPE kind the layers use (`rope_set`: global;
+        Gemma 3's local base; NoPE as cos 1, sin 0, which `apply_rope` passes through exactly).
+
+        LongRoPE (Phi-3): the long factors for rows `width` tokens wide (static: the padded row, prompt + completion
+        for the training forward and for every step of a rollout) past original_max_position_embeddings, else the
+        short ones: HF's rule for a forward over such rows (its positions arange(width)), so the log-probs of the
+        update equal TRL's. A rollout decides once (its prompt width + max_new_tokens), so its sampler and its
+        update use the same factors; HF's `generate` instead starts short and, once past, recomputes its cache with
+        the long factors."""
+        inv = self.inv_freq
+        if self.long_inv_freq is not None and width > self.rope_switch:
+            inv = self.long_inv_freq
+        cos, sin = rope_cos_sin(positions, np.asarray(inv, np.float32), self.rope_scale)
+        tables = []
+        for kind in self.rope_set:
+            if kind == 0:
+                tables.append((cos, sin))
+            elif kind == 1:
+                tables.append(rope_cos_sin(positions, np.asarray(self.local_inv_freq, np.float32)))
+            else:
+                tables.append((jnp.ones_like(cos), jnp.zeros_like(sin)))
+        return jnp.stack([c for c, _ in tables]), jnp.stack([s_ for _, s_ in tables])
+
+    def attention_fns(self, build: Callable[..., Callable], *args: Any) -> list[Callable]:
+        """`build(*args, window=w, ...)` (`attention.causal` / `attention.shared_prompt`) for each window the layers
+        use, in `window_set` order (`switch` picks a layer's)."""
+        return [build(*args, implementation=self.attn_implementation, window=w, dtype=self.dtype,
+                      scale=self.attn_scale, softcap=self.attn_softcap) for w in self.window_set]
 
     def run_layers(
         self,
@@ -425,7 +529,7 @@ class Transformer(nnx.Module):
         carry: Any = None,
         dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, Any, Any]:
-        """x [B, T, D] through the L blocks -> (x, carry, ys stacked on a leading [L] axis).
+        """x [B, T, D] through the L blocks -> (x, carry, ys stacked on a leading [L] axis); cos, sin: `rope_tables`.
 
         attention(q [B,T,H,Dh], k, v [B,T,K,Dh], layer, xs_l, carry) -> (o [B,T,H,Dh], carry, ys_l): the block's
         attention, given the layer index (traced under scan), this layer's slice of `xs` (e.g. its prompt KV
@@ -447,7 +551,8 @@ class Transformer(nnx.Module):
 
             h = checkpoint_name(constrain(h, ("batch", None, None)), "decoder_layer_input")
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
-            h, (c, ys_l) = nnx.merge(graphdef, layer_params)(h, cos, sin, fn, key)
+            cos_l, sin_l = pick(cos, self.rope_index, layer), pick(sin, self.rope_index, layer)
+            h, (c, ys_l) = nnx.merge(graphdef, layer_params)(h, cos_l, sin_l, fn, key)
             return (h, c), ys_l
 
         def block_fn(graphdef: nnx.GraphDef) -> Callable:
@@ -469,18 +574,18 @@ class Transformer(nnx.Module):
         return x, carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     def forward(
-        self, ids: jax.Array, mask: jax.Array, return_kv: bool = False
+        self, ids: jax.Array, mask: jax.Array, return_kv: bool = False, width: int | None = None
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """ids, mask [B, T] -> (hidden after final norm [B, T, D], with `return_kv` the post-RoPE keys and
-        values of every layer, kv-head-major [L, B, K, T, Dh] each, else None)."""
+        values of every layer, kv-head-major [L, B, K, T, Dh] each, else None). `width`: the rows' full width for
+        LongRoPE's choice (`rope_tables`; default T; a prefill passes T + the tokens it will decode)."""
         pos = positions_from_mask(mask)
-        attend_fn = attention.causal(mask, pos, implementation=self.attn_implementation, window=self.sliding_window,
-                                     dtype=self.dtype)
-        cos, sin = rope_cos_sin(pos, np.asarray(self.inv_freq, np.float32))
+        fns = self.attention_fns(attention.causal, mask, pos)
+        cos, sin = self.rope_tables(pos, ids.shape[1] if width is None else width)
 
         def attention_fn(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
             kv = (k.swapaxes(1, 2), v.swapaxes(1, 2)) if return_kv else None
-            return attend_fn(q, k, v), carry, kv
+            return switch(layer, self.window_index, fns, q, k, v), carry, kv
 
         x, _, kvs = self.run_layers(self.embed(ids), cos, sin, attention_fn)
         return self.final_norm(x), kvs
@@ -508,13 +613,11 @@ class Transformer(nnx.Module):
         pmask, cmask = prompt_mask.astype(jnp.int32), completion_mask.astype(jnp.int32)
         p_pos = positions_from_mask(pmask)  # [B, P]
         c_pos = jnp.repeat(pmask.sum(-1), g)[:, None] + jnp.cumsum(cmask, axis=-1) - 1  # [N, C]
-        attend_fn = attention.shared_prompt(pmask, p_pos, cmask, c_pos, implementation=self.attn_implementation,
-                                            window=self.sliding_window, dtype=self.dtype)
-        inv = np.asarray(self.inv_freq, np.float32)
+        fns = self.attention_fns(attention.shared_prompt, pmask, p_pos, cmask, c_pos)
         # Row b packs prompt b and its G completions, [B, P + G*C, D]: the position-wise layers (norms, q/k/v/o,
         # MLP) run as one matmul per weight over all tokens (one weight-gradient dot each, not a prompt one plus
         # a completion one and their sum); only attention splits the row.
-        cos, sin = rope_cos_sin(jnp.concatenate([p_pos, c_pos.reshape(b, g * c)], axis=1), inv)
+        cos, sin = self.rope_tables(jnp.concatenate([p_pos, c_pos.reshape(b, g * c)], axis=1), p + c)
         # two lookups, then concatenate: one gather over the packed ids trips XLA's SPMD partitioner (a slice
         # of the wrong shape) when the table is sharded over vocab x embed
         x = jnp.concatenate([self.embed(prompt_ids), self.embed(completion_ids).reshape(b, g * c, -1)], axis=1)
@@ -522,7 +625,8 @@ class Transformer(nnx.Module):
         def attention_fn(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
             # q [B, P + G*C, H, Dh], k/v [B, P + G*C, K, Dh]: the prompt part, and the completions' [N, C, ...]
             own = lambda x: x[:, p:].reshape(n, c, *x.shape[2:])  # noqa: E731
-            o_prompt, o_comp = attend_fn(q[:, :p], own(q), k[:, :p], v[:, :p], own(k), own(v))
+            o_prompt, o_comp = switch(layer, self.window_index, fns, q[:, :p], own(q), k[:, :p], v[:, :p], own(k),
+                                      own(v))
             return jnp.concatenate([o_prompt, o_comp.reshape(b, g * c, *q.shape[2:])], axis=1), carry, None
 
         x, _, _ = self.run_layers(x, cos, sin, attention_fn, dropout_key=dropout_key)
@@ -535,13 +639,15 @@ class Transformer(nnx.Module):
         b, bg = p.mask.shape[0], tokens.shape[0]
         g = bg // b
         pos = jnp.repeat(p.lengths, g) + step  # [B*G]
-        cos, sin = rope_cos_sin(pos[:, None], np.asarray(self.inv_freq, np.float32))
+        cos, sin = self.rope_tables(pos[:, None], p.mask.shape[1] + cache.k.shape[3])
         q_pos = pos.reshape(b, g)
         p_pos = positions_from_mask(p.mask)
-        p_allowed = (p.mask[:, None, :] > 0) & self._visible(q_pos[:, :, None], p_pos[:, None, :])  # [B, G, P]
         c = jnp.arange(cache.k.shape[3])
-        g_allowed = jnp.broadcast_to((c <= step) & self._visible(step, c), (b, g, 1, c.shape[0]))  # [B, G, 1, C]
-        p_allowed = p_allowed[:, :, None]  # [B, G, 1, P]
+        # per window the layers use: [W, B, G, 1, P] and [W, B, G, 1, C]
+        p_allowed = jnp.stack([(p.mask[:, None, :] > 0) & visible(q_pos[:, :, None], p_pos[:, None, :], w)
+                               for w in self.window_set])[:, :, :, None]
+        g_allowed = jnp.stack([jnp.broadcast_to((c <= step) & visible(step, c, w), (b, g, 1, c.shape[0]))
+                               for w in self.window_set])
 
         def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
             (pk, pv), (gk, gv) = xs_l, carry
@@ -557,10 +663,12 @@ class Transformer(nnx.Module):
                 q.reshape(b, g, 1, *q.shape[2:]),
                 pk,
                 pv,
-                p_allowed,
+                pick(p_allowed, self.window_index, layer),
                 gk[layer],
                 gv[layer],
-                g_allowed,
+                pick(g_allowed, self.window_index, layer),
+                scale=self.attn_scale,
+                softcap=self.attn_softcap,
             )
             return o.reshape(bg, 1, *q.shape[2:]), (gk, gv), None
 
@@ -615,7 +723,9 @@ class CausalLM(nnx.Module):
         return jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc[:, :-1]], axis=1)
 
     def unembed(self, h: jax.Array) -> jax.Array:
-        """h [..., D] -> logits [..., V] float32 (lm head, or the tied embedding transposed)."""
+        """h [..., D] -> logits [..., V] float32 (lm head, or the tied embedding transposed), soft-capped with
+        `final_softcap` (Gemma 2): every consumer of the logits (the sampler, log-probs, entropy) sees the capped
+        ones, as HF's `logits` are."""
         dt = jnp.dtype(self.config.dtype)
         flat = h.reshape(-1, h.shape[-1]).astype(dt)  # one token axis for the weight gradient, as in `Dense`
         if self.lm_head is None:
@@ -624,15 +734,21 @@ class CausalLM(nnx.Module):
         else:
             w = self.lm_head.kernel[...].astype(dt)
             logits = jnp.einsum("td,dv->tv", flat, w, preferred_element_type=jnp.float32)
+        logits = softcap(logits, self.config.final_softcap)
         return logits.reshape(*h.shape[:-1], logits.shape[-1])
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """input_ids, attention_mask [B, T] -> logits [B, T, V] float32."""
         return self.unembed(self.hidden_states(input_ids, attention_mask))
 
-    def prefill(self, prompt_ids: jax.Array, prompt_mask: jax.Array) -> tuple[jax.Array, PromptCache]:
-        """Run the prompts once: -> (logits at each prompt's last real token [B, V] f32, PromptCache)."""
-        h, (k, v) = self.model.forward(prompt_ids, prompt_mask, return_kv=True)
+    def prefill(
+        self, prompt_ids: jax.Array, prompt_mask: jax.Array, max_new_tokens: int = 0
+    ) -> tuple[jax.Array, PromptCache]:
+        """Run the prompts once: -> (logits at each prompt's last real token [B, V] f32, PromptCache).
+        `max_new_tokens`: the decode steps to follow (C of `init_decode_cache`), for LongRoPE's choice of factors
+        (`Transformer.rope_tables`: rows of P + C tokens)."""
+        h, (k, v) = self.model.forward(prompt_ids, prompt_mask, return_kv=True,
+                                       width=prompt_ids.shape[1] + max_new_tokens)
         last = last_token_index(prompt_mask)
         logits = self.unembed(h[jnp.arange(h.shape[0]), last])
         mask = prompt_mask.astype(jnp.int32)
