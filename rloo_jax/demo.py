@@ -72,12 +72,13 @@ MODEL_CONFIG: dict[str, Any] = {
 }
 
 
-def build_tokenizer() -> Any:
-    """A lowercasing character-level fast tokenizer: one id per character of `CHARACTERS`, pad 0, eos 1."""
+def build_tokenizer(characters: str = CHARACTERS) -> Any:
+    """A lowercasing character-level fast tokenizer: one id per character of `characters` after the special
+    tokens (pad 0, eos 1)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(characters))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")

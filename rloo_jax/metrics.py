@@ -92,6 +92,31 @@ def _encode_float(x: float) -> float | str:
     return x if math.isfinite(x) else repr(x)  # 'nan', 'inf', '-inf' (float() reads them back): not JSON numbers
 
 
+# Line separators JSON leaves unescaped (it escapes only U+0000-U+001F, '"' and '\\'): a reader that splits a JSONL
+# file with str.splitlines (or the Python 2 / JavaScript line rules) would cut a record in two at them.
+_UNESCAPED_SEPARATORS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def jsonl_line(record: dict[str, Any]) -> str:
+    """One JSONL line: the record as strict JSON (`json_safe`), non-ASCII text kept as UTF-8 except the three line
+    separators JSON would leave raw (U+0085, U+2028, U+2029), written as escapes; ends with "\\n", the only raw
+    line break in the line. {"t": "a\\u2028b"} -> '{"t": "a\\\\u2028b"}\\n' (the same string when read back)."""
+    text = json.dumps(json_safe(record), ensure_ascii=False)
+    for raw, escaped in _UNESCAPED_SEPARATORS.items():
+        text = text.replace(raw, escaped)  # outside strings JSON has no such characters: only string content changes
+    return text + "\n"
+
+
+def jsonl_lines(text: str, keepends: bool = False) -> list[str]:
+    """A JSONL file's lines: split on "\\n" only. Not `str.splitlines`, which also splits on \\r, \\v, \\f,
+    \\x1c-\\x1e, U+0085, U+2028 and U+2029; a record holding one of those raw (files written before `jsonl_line`
+    escaped them) would be cut in two and read as torn. "a\\u2028b\\nc" -> ["a\\u2028b", "c"]."""
+    lines = text.split("\n")
+    if keepends:
+        lines = [line + "\n" for line in lines[:-1]] + [lines[-1]]
+    return lines if lines[-1] else lines[:-1]
+
+
 class JsonlWriter:
     """Appends one JSON object per line, flushed after each write so a crash loses nothing written; `path` local or
     a URL (`rloo_jax.outputs.AppendFile`: there `sync()` uploads what was written, `close()` too)."""
@@ -102,7 +127,7 @@ class JsonlWriter:
 
     def write(self, records: dict[str, Any] | Iterable[dict[str, Any]]) -> None:
         records = [records] if isinstance(records, dict) else records
-        self._file.write("".join(json.dumps(json_safe(r), ensure_ascii=False) + "\n" for r in records))
+        self._file.write("".join(jsonl_line(r) for r in records))
 
     def sync(self) -> None:
         self._file.sync()
@@ -112,8 +137,8 @@ class JsonlWriter:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every record of a JSONL file (local or a URL)."""
-    return [json.loads(line) for line in outputs.read_text(path).splitlines() if line.strip()]
+    """Every record of a JSONL file (local or a URL), split on "\\n" alone (`jsonl_lines`)."""
+    return [json.loads(line) for line in jsonl_lines(outputs.read_text(path)) if line.strip()]
 
 
 def drop_records_after(path: str | os.PathLike, step: int) -> int:
@@ -122,7 +147,7 @@ def drop_records_after(path: str | os.PathLike, step: int) -> int:
     atomically (`outputs.write_text`), so a kill during this call leaves either the old or the new file."""
     if not outputs.exists(path):
         return 0
-    lines = [line for line in outputs.read_text(path).splitlines(keepends=True) if line.strip()]
+    lines = [line for line in jsonl_lines(outputs.read_text(path), keepends=True) if line.strip()]
     keep = []
     for line in lines:
         try:

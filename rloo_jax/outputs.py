@@ -63,7 +63,9 @@ def makedirs(path: str | os.PathLike) -> None:
 
 
 def read_text(path: str | os.PathLike) -> str:
-    return resolve(path).read_text(encoding="utf-8")
+    """The file's text, decoded as UTF-8 with its line endings as written (no newline translation: a JSONL
+    reader splits on "\\n" alone, never on the \\r, U+2028, ... that `str.splitlines` also splits on)."""
+    return resolve(path).read_bytes().decode("utf-8")
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
@@ -71,11 +73,11 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     upload: either way a reader (or a kill) sees the old or the new content, never a mix."""
     target = resolve(path)
     if is_remote(target):
-        target.write_text(text, encoding="utf-8")
+        target.write_bytes(text.encode("utf-8"))
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{target}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open(tmp, "w", encoding="utf-8", newline="") as f:  # written as given: no "\n" translation
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -158,7 +160,8 @@ class AppendFile:
         else:
             self._local = self.path
             os.makedirs(os.path.dirname(self._local), exist_ok=True)
-        self._file = open(self._local, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        # newline="": the text is written as given (no "\n" -> os.linesep translation)
+        self._file = open(self._local, "a", encoding="utf-8", newline="")  # noqa: SIM115 - closed by close()
         self._dirty = False
 
     def write(self, text: str) -> None:

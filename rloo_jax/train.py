@@ -531,6 +531,11 @@ def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
                        rollout_mesh=rollout_mesh)
     # with a mesh: placed on its shardings (FSDP / tensor parallel)
     state = step_fn.init_state(pol.params, pol.ref_params, pol.frozen)
+    base_key = jax.random.key(cfg.seed)
+    if place.mesh is None:
+        # committed to the device, like the arrays a checkpoint restores: jit lowers committed arguments with their
+        # sharding, so a resumed run would otherwise trace other programs and miss the compilation cache
+        state, base_key = jax.device_put((state, base_key), jax.devices()[0])
     eval_sampler = None
     if place.mesh is not None and run.eval_ds is not None:
         # evaluation samples on the sharded state through a rollout with the evaluation SamplingConfig (beta 0:
@@ -552,7 +557,7 @@ def setup(cfg: RLOOConfig, given: Given | None = None) -> Session:
         cfg=cfg, run=run, place=place, step_fn=step_fn, graphdef=graphdef, iterator=iterator, total_steps=total,
         lr_at=lr_at, weights=place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32)),
         names=[f.name for f in run.reward_funcs], eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
-        eval_sampler=eval_sampler, paths=paths, state=state, base_key=jax.random.key(cfg.seed),
+        eval_sampler=eval_sampler, paths=paths, state=state, base_key=base_key,
         trainer_state=TrainerState(
             max_steps=total, num_train_epochs=cfg.num_train_epochs, logging_steps=cfg.logging_steps,
             eval_steps=cfg.eval_steps, save_steps=cfg.save_steps, train_batch_size=cfg.per_device_train_batch_size,

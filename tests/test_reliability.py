@@ -61,9 +61,9 @@ def snapshot(directory):
 class Launch:
     """`python -m rloo_jax.train RUN --output_dir out` in a subprocess; stdout/stderr to files (no pipe stalls)."""
 
-    def __init__(self, out, cache, log, run=RUN):
+    def __init__(self, out, cache, log, run=RUN, **env):
         self.log = log
-        env = dict(os.environ, PYTHONUNBUFFERED="1")  # the suite's platform (conftest)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **env)  # the suite's platform (conftest)
         args = [*run, "--output_dir", str(out), "--compilation_cache_dir", str(cache)]
         self.stdout, self.stderr = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -196,6 +196,84 @@ def test_killed_runs_resume_bit_identical_to_an_uninterrupted_run(reference, cac
     train_rows = [r for r in got if "reward" in r]
     assert [r["num_tokens"] for r in train_rows] == sorted({r["num_tokens"] for r in train_rows})  # cumulative
     assert all(r["skipped_steps"] == 0 for r in train_rows)
+
+
+# ------------------------------------------------------------------------------------------------ line separators
+# every character str.splitlines splits on (tests/test_outputs.py checks the list is complete), and \r\n
+SEPARATORS = ["\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+SEPARATOR_CHARS = "".join(s for s in SEPARATORS if len(s) == 1)
+
+
+def separators_reward(completions, log_extra, log_metric, trainer_state, **kwargs):
+    """The fraction of `a` in each completion; logs an extra column and a metric whose names and text hold every
+    separator (completions hold them too: they are tokens of the policy's vocabulary). Steps 3 and 4 take 0.5 s
+    more, so a kill lands between step 3's records and the end of the run."""
+    if trainer_state.global_step >= 2:
+        time.sleep(0.5)
+    log_extra("extra\u2028column\r\n", [f"{c}|{'|'.join(SEPARATORS)}" for c in completions])
+    log_metric("metric\u2029\x85name", 0.5)
+    return [c.count("a") / max(len(c), 1) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def separators_run(tmp_path_factory):
+    """A tiny policy whose character vocabulary is `ab` and the separators (so random completions are full of
+    them), prompts that hold every separator, and the arguments of a 4-step run recording every completion."""
+    from rloo_jax.models import init_causal_lm, save_pretrained
+
+    d = tmp_path_factory.mktemp("separators")
+    chars = "ab" + SEPARATOR_CHARS
+    config = dict(demo.MODEL_CONFIG, vocab_size=len(demo.SPECIAL_TOKENS) + len(chars))
+    save_pretrained(init_causal_lm(config, seed=0), d / "model", tokenizer=demo.build_tokenizer(chars))
+    rows = [{"prompt": f"{i}{''.join(SEPARATORS)}:"} for i in "ab" * 8]
+    (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # ASCII escapes: one row a line
+    return [
+        "--model_name_or_path", str(d / "model"), "--dataset_name", str(d / "data.jsonl"), "--reward_funcs",
+        "tests.test_reliability:separators_reward", "--max_steps", "4", "--save_steps", "2", "--logging_steps",
+        "1", "--log_completions", "true", "--per_device_train_batch_size", "8", "--num_generations", "4",
+        "--max_completion_length", "8", "--max_prompt_length", "8", "--eval_steps", "None", "--full_determinism",
+        "true",
+    ]  # fmt: skip
+
+
+def test_records_holding_line_separators_survive_kill_and_resume(separators_run, cache, tmp_path):
+    """SIGKILL after the first checkpoint (step 2) once step 3 is logged, then resume: metrics.jsonl and
+    rollouts.jsonl hold every record once, rollouts.jsonl byte-identical to an uninterrupted run's, though
+    prompts, completions, extra columns and metric names hold every character str.splitlines splits on. The
+    resumed run reads every program from the compilation cache (it used to compile its first step again)."""
+    # JAX_EXPLAIN_CACHE_MISSES: JAX logs every program it compiles instead of reading it from the compilation cache
+    straight = Launch(tmp_path / "straight", cache, tmp_path / "straight", separators_run, JAX_EXPLAIN_CACHE_MISSES="1")
+    assert straight.wait() == 0, straight.output()[1][-3000:]
+    assert "PERSISTENT COMPILATION CACHE MISS for 'jit__update'" in straight.output()[1]  # compiled here first
+    out = tmp_path / "run"
+    launch = Launch(out, cache, tmp_path / "killed", separators_run)
+    try:
+        step_3_after_checkpoint_2 = lambda: "2" in checkpoint_names(out) and logged(out, 3)()  # orbax saves async
+        assert wait_for(launch.proc, step_3_after_checkpoint_2), "the run ended before its kill point"
+        launch.proc.send_signal(signal.SIGKILL)
+        assert launch.wait() == -signal.SIGKILL
+    finally:
+        launch.close()
+    assert checkpoint_names(out) == ["2"]
+    last = Launch(out, cache, tmp_path / "last", separators_run, JAX_EXPLAIN_CACHE_MISSES="1")
+    assert last.wait() == 0, last.output()[1][-3000:]
+    assert "Resuming from checkpoint" in last.output()[0] and "dropped" in last.output()[0]
+    # the resumed run compiled nothing: every program (sampler, reference pass, update) came from the cache the
+    # straight run filled (a restored state is committed to its device; so is a fresh one, or they lower apart)
+    assert "PERSISTENT COMPILATION CACHE MISS" not in last.output()[1], last.output()[1][-3000:]
+
+    rollouts = read_jsonl(out / "rollouts.jsonl")
+    assert [r["step"] for r in rollouts] == [s for s in (1, 2, 3, 4) for _ in range(8)]
+    assert (out / "rollouts.jsonl").read_bytes() == (tmp_path / "straight" / "rollouts.jsonl").read_bytes()
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4]
+    assert without_wall_time(metrics) == without_wall_time(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+    assert all(r["metric\u2029\x85name"] == 0.5 for r in metrics)
+    # the records hold every separator: in prompts, completions (sampled), the extra column's name and values
+    assert all(r["prompt"][1:-1] == "".join(SEPARATORS) for r in rollouts)
+    completions = "".join(r["completion"] for r in rollouts)
+    assert set(SEPARATOR_CHARS) <= set(completions), sorted(set(SEPARATOR_CHARS) - set(completions))
+    assert all(r["extra"]["extra\u2028column\r\n"].endswith("|".join(SEPARATORS)) for r in rollouts)
 
 
 # LoRA: adapters on every projection with dropout (its masks come from seed and step), the base as the reference
