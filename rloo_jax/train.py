@@ -893,7 +893,9 @@ def export(s: Session) -> None:
     if not s.place.is_main:
         return
     options = {"dtype": write.resolve_dtype(s.cfg.export_dtype, s.run.model.config.hf_config),
-               "max_shard_size": s.cfg.export_max_shard_size, "tokenizer": s.run.tokenizer}
+               "max_shard_size": s.cfg.export_max_shard_size, "tokenizer": s.run.tokenizer,
+               "generation": write.generation_config(s.run.eos_ids, s.run.tokenizer.pad_token_id, s.cfg.to_dict(),
+                                                     write.base_generation_config(s.run.model_dir))}
     write.write_policy(model, s.paths["final"], **options,
                        base_name=write.adapter_base_name(s.cfg.model_name_or_path, s.run.model_dir))
     if s.cfg.use_peft and s.cfg.merge_adapter_on_export:
