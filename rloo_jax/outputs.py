@@ -39,6 +39,26 @@ def is_remote(path: str | os.PathLike) -> bool:
     return bool(m) and m.group(1).lower() != "file"
 
 
+# a Hugging Face hub repo id: `name` or `namespace/name`, each part letters, digits, "-", "_", "." (starting and
+# ending with a letter or digit; the name at most 96 characters), with no "--" or ".." (huggingface_hub's rule)
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?/)?[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?$")
+
+
+def is_local_path(name: str) -> bool:
+    """Whether a model or dataset source `name` means a local path, not a hub repo id.
+
+    Local: it exists (file or folder, ~ expanded); or it cannot be a hub id (it starts with /, ./, ../, ~ or
+    ".", has two or more "/", a backslash, a space, "--" or "..", ...: `_HUB_ID`); or it is `first/rest` with
+    `first` an existing local folder (`outputs/run1` next to an `outputs/` folder). Anything else is a hub id.
+    A local path that does not exist is then an error naming it, never a hub download.
+    "Qwen/Qwen2.5-0.5B" -> False (unless ./Qwen/ exists); "./model", "~/m", "/data/x", "runs/a/b" -> True.
+    """
+    if os.path.exists(os.path.expanduser(name)) or not _HUB_ID.match(name) or "--" in name or ".." in name:
+        return True
+    first = name.split("/")[0]
+    return "/" in name and os.path.isdir(first)
+
+
 def resolve(path: str | os.PathLike) -> epath.Path:
     """The path as an `epath.Path`: a URL as given; a local path (or `file://` URL) made absolute with ~ expanded."""
     text = os.fspath(path)

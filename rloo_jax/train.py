@@ -39,10 +39,12 @@ from rich.table import Table
 
 from rloo_jax import aot, demo, numerics, outputs
 from rloo_jax import export as write
+from rloo_jax import resume as resumed
 from rloo_jax.build import (
     CACHE_ROOT,
     Given,
     Run,
+    absolute_paths,
     eos_token_ids,
     lr_schedule,
     make_optimizer,
@@ -51,6 +53,7 @@ from rloo_jax.build import (
     rollout_mesh_shape,
     sampling_config,
     step_config,
+    with_absolute_paths,
 )
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
 from rloo_jax.config import (
@@ -571,8 +574,14 @@ def resume(s: Session) -> None:
     outputs.makedirs(s.cfg.output_dir)
     s.ckpt = Checkpointer(s.paths["checkpoints"], max_to_keep=s.cfg.save_total_limit)  # every process: collective
     latest = s.ckpt.latest_step()
+    changed: list[str] = []
     if latest is not None:
-        check_layout(s.ckpt.read_meta(latest), layout(s), latest)
+        meta = s.ckpt.read_meta(latest)
+        check_layout(meta, layout(s), latest)
+        saved = resumed.saved_config(meta, s.cfg.output_dir)  # changed options: noted, or refused (ConfigError)
+        if saved is not None:
+            found = resumed.changes(saved, recorded_config(s), latest, meta.get("total_steps"), s.total_steps)
+            changed = resumed.describe(found, latest)
         # onto its shardings; a LoRA checkpoint holds the adapters and their optimizer state, not the frozen base
         restored, key, meta = s.ckpt.restore(latest, s.state.replace(frozen=None), s.place.replicate(s.base_key))
         s.state = restored.replace(frozen=s.state.frozen)
@@ -597,9 +606,11 @@ def resume(s: Session) -> None:
             f"Resuming from checkpoint {os.path.join(s.paths['checkpoints'], str(latest))} (step {s.step}"
             + (f"; dropped {dropped} records logged after it)" if dropped else ")")
         )
+        for line in changed:
+            print(line)
     elif dropped:
         print(f"No checkpoint in {s.paths['checkpoints']}: starting over (dropped {dropped} records of an earlier run)")
-    outputs.write_text(s.paths["config"], s.cfg.to_yaml())
+    outputs.write_text(s.paths["config"], with_absolute_paths(s.cfg).to_yaml())  # local paths absolute
     s.sinks = Sinks(outputs.join(s.cfg.output_dir), s.cfg.report_to, json_safe(s.cfg.to_dict()), s.cfg.run_name)
     s.rollouts = JsonlWriter(s.paths["rollouts"])
 
@@ -627,8 +638,15 @@ def check_layout(meta: dict[str, Any], current: dict[str, Any], step: int) -> No
                           "lora_target_modules, or start a new output_dir")
 
 
+def recorded_config(s: Session) -> dict[str, Any]:
+    """The run's options as its checkpoints record them (local paths absolute; JSON values)."""
+    return resumed.normalized(absolute_paths(s.cfg.to_dict()))
+
+
 def save(s: Session) -> None:
     meta = {
+        "config": recorded_config(s),  # what a resume compares its options with (rloo_jax.resume)
+        "total_steps": s.total_steps,
         "layout": layout(s),
         "data": s.iterator.state_dict(),
         "step": s.step,
