@@ -79,10 +79,12 @@ from rloo_jax.mesh import (
 from rloo_jax.metrics import (
     JsonlWriter,
     Sinks,
+    TokenRecords,
     WindowMean,
     console_line,
     drop_records_after,
     json_safe,
+    logprob_series,
     rename_reward_metrics,
     rollout_records,
     weighted_rewards,
@@ -857,8 +859,11 @@ def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
     scored = out.scored
     adv, _ = s.step_fn.score(out.rollout, out.rewards, s.weights)
     adv = s.place.gather(adv)
+    r = out.rollout  # its token ids and every model's per-token log-probs, recorded beside the text
+    tokens = TokenRecords(s.place.gather(r.completion_ids), s.place.gather(r.completion_mask), {
+        name: s.place.gather(x) for name, x in logprob_series(r.old_logps, r.ref_logps, r.sampler_logps).items()})
     if s.place.multi_process:  # every process takes part in the gathers; process 0 decodes
-        all_ids = s.place.gather(out.rollout.completion_ids)
+        all_ids = tokens.completion_ids
         all_rewards = s.place.gather(scored.rewards_per_func)
         if s.place.is_main:
             prompts = list(s.run.train_ds[out.idx]["prompt"])
@@ -867,7 +872,7 @@ def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
         records = rollout_records(
             s.step, scored.prompts, scored.completions, s.names, scored.rewards_per_func,
             weighted_rewards(scored.rewards_per_func, s.cfg.resolved_reward_weights),
-            adv, scored.lengths, scored.truncated, out.extra,
+            adv, scored.lengths, scored.truncated, out.extra, tokens,
         )  # fmt: skip
         s.rollouts.write(records)
         print_completions(progress.console, records, s.cfg.num_completions_to_print)

@@ -88,6 +88,32 @@ def test_jsonl_records_keep_every_line_separator(where, tmp_path, request):
     assert drop_records_after(legacy, 1) == len(SEPARATORS) and read_jsonl(legacy) == records[: len(SEPARATORS)]
 
 
+def test_rollout_records_carry_token_ids_and_log_probs():
+    """Ids and every series cut to the EOS-cut length; float32 values exactly; a completion the loss masked whole
+    (truncated, mask_truncated_completions) has no log-probs; `logprob_series` names who computed what."""
+    import numpy as np
+
+    from rloo_jax.metrics import TokenRecords, logprob_series, rollout_records
+
+    ids = np.array([[5, 6, 1, 0], [7, 8, 9, 9]])
+    mask = np.array([[1, 1, 1, 0], [0, 0, 0, 0]])
+    sampler = np.array([[-0.1, -0.2, -0.3, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
+    ref = np.float32(1 / 3) * sampler
+    series = logprob_series(sampler, ref, None)
+    assert list(series) == ["sampler", "reference"] and series["sampler"] is sampler
+    assert list(logprob_series(sampler, None, ref)) == ["sampler", "trainer"]  # recomputed: old is the trainer's
+    assert logprob_series(sampler, None, ref)["sampler"] is ref
+    records = rollout_records(3, ["p", "p"], ["ab", "cdee"], ["f"], np.zeros((2, 1)), np.zeros(2), np.zeros(2),
+                              np.array([3, 4]), np.array([False, True]), tokens=TokenRecords(ids, mask, series))
+    assert records[0]["completion_ids"] == [5, 6, 1] and records[1]["completion_ids"] == [7, 8, 9, 9]
+    assert records[0]["logprobs"] == {"sampler": [-0.1, -0.2, -0.3],
+                                      "reference": [-0.033333335, -0.06666667, -0.10000001]}
+    assert [np.float32(x) for x in records[0]["logprobs"]["reference"]] == list(ref[0, :3])  # float32-exact
+    assert records[1]["logprobs"] is None
+    assert "completion_ids" not in rollout_records(3, ["p"], ["ab"], ["f"], np.zeros((1, 1)), np.zeros(1),
+                                                   np.zeros(1), np.array([2]), np.array([False]))[0]
+
+
 def test_staged_dir_uploads_new_and_grown_files_only(gcs, monkeypatch):  # noqa: F811
     uploads = []
     upload = outputs.upload_file

@@ -118,7 +118,14 @@ def test_cli_default_run_writes_every_output(tmp_path):
     rollouts = read_jsonl(out / "rollouts.jsonl")
     assert len(rollouts) == 2 * 32 and {r["step"] for r in rollouts} == {2, 4}
     rec = rollouts[0]
-    assert set(rec) == {"step", "prompt", "completion", "rewards", "reward", "advantage", "length", "truncated"}
+    assert set(rec) == {"step", "prompt", "completion", "rewards", "reward", "advantage", "length", "truncated",
+                        "completion_ids", "logprobs"}
+    tok = demo.build_tokenizer()
+    for r in rollouts:  # the sampled tokens themselves (EOS-cut), and the sampler's and reference's log-probs
+        assert len(r["completion_ids"]) == r["length"] and set(r["logprobs"]) == {"sampler", "reference"}
+        assert tok.decode(r["completion_ids"], skip_special_tokens=True) == r["completion"]
+        assert all(len(v) == r["length"] and all(x <= 0 for x in v) for v in r["logprobs"].values())
+        assert r["truncated"] == (tok.eos_token_id not in r["completion_ids"])
     assert rec["reward"] == pytest.approx(demo.letters_reward([rec["completion"]], [rec["prompt"][:3]])[0])
     assert sorted(os.listdir(out / "checkpoints")) == ["2", "4"]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out / "final"))
