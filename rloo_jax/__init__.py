@@ -1,6 +1,9 @@
 """rloo_jax: REINFORCE Leave-One-Out (TRL's RLOOTrainer math) as pure, jittable JAX functions."""
 
-from rloo_jax import numerics
+from rloo_jax import (
+    _notices,  # noqa: F401 -- first: quiets notices of libraries imported below
+    numerics,
+)
 from rloo_jax.config import RLOOConfig
 from rloo_jax.errors import ConfigError, DataError, RewardError
 from rloo_jax.logprobs import (

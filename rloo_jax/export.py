@@ -338,8 +338,11 @@ def export(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done; 2 a bad checkpoint path, config.yaml, base model or option; 1 the hub upload failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    logging.basicConfig(format="%(message)s", level=logging.WARNING, force=True)  # absl set a default one first
     logging.getLogger("absl").setLevel(logging.ERROR)
+    from rloo_jax.train import skip_absent_tpu
+
+    skip_absent_tpu()  # no libtpu start-up errors on a machine without a TPU
     try:
         print(f"Exported {export(parse_args(argv))}")
     except ConfigError as e:

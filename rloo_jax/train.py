@@ -126,6 +126,32 @@ def cpu_compile_flags(environ: dict[str, str] = os.environ) -> None:
         environ["XLA_FLAGS"] = f"{flags} --xla_llvm_disable_expensive_passes=true".strip()
 
 
+def visible_accelerator() -> bool | None:
+    """Whether a TPU chip (on the PCI bus), an NVIDIA or an AMD GPU device is visible, by JAX's own hardware probe
+    (`jax._src.hardware_utils`, which JAX uses to skip absent GPUs); None when that probe is not there."""
+    try:
+        from jax._src import hardware_utils as hw
+
+        return bool(hw.num_available_tpu_chips_and_device_id()[0] > 0 or hw.has_visible_nvidia_gpu()
+                    or hw.num_available_amd_gpus(stop_at=1) > 0)
+    except Exception:  # noqa: BLE001 -- another JAX version: no opinion
+        return None
+
+
+def skip_absent_tpu(environ: dict[str, str] = os.environ) -> bool:
+    """With JAX_PLATFORMS unset on a machine with no accelerator visible (`visible_accelerator`), run on the CPU:
+    JAX would otherwise start every installed backend, and libtpu (the `tpu` or `test` extra) prints errors about
+    the TPU VM it is not on before JAX falls back to the CPU. A TPU VM (chips on the bus), a GPU host, JAX_PLATFORMS
+    set (even empty), JAX_FORCE_TPU_INIT, or no probe: left to JAX. Must run before the first JAX computation.
+    Returns whether it chose the CPU."""
+    if "JAX_PLATFORMS" in environ or "JAX_FORCE_TPU_INIT" in environ or jax.config.jax_platforms:
+        return False
+    if visible_accelerator() is not False:
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
 def compile_quietly(
     step_fn: RLOOStep, state: Any, prompt_shape: tuple[int, int], weights: jax.Array, width: int
 ) -> threading.Thread:
@@ -980,8 +1006,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         print(format_help())
         return 0
-    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    # force: absl (imported by orbax) has already given the root logger its default "LEVEL:name:" handler
+    logging.basicConfig(format="%(message)s", level=logging.WARNING, force=True)
     logging.getLogger("absl").setLevel(logging.ERROR)
+    skip_absent_tpu()
     cpu_compile_flags()
     datasets.disable_progress_bars()  # one clean console: our progress bar and lines only
     debug = any(a in ("--debug", "--debug=true", "--debug=1") for a in argv)

@@ -12,7 +12,7 @@ import pytest
 
 from rloo_jax import demo
 from rloo_jax.metrics import read_jsonl
-from rloo_jax.train import completion_lengths, crossed, eos_token_ids, lr_schedule, main
+from rloo_jax.train import completion_lengths, crossed, eos_token_ids, lr_schedule, main, visible_accelerator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the demo, shrunk: 8 prompts x G=4 per step, 8-token completions
@@ -76,10 +76,31 @@ def test_completion_lengths_crossed_and_eos_ids(tmp_path):
     assert eos_token_ids(str(tmp_path), tok) == (1, 7)
 
 
+def test_transformers_torch_notice_is_dropped_and_nothing_else(caplog):
+    import logging
+
+    import rloo_jax  # noqa: F401 -- installs the filter
+
+    log = logging.getLogger("transformers")
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        log.warning("PyTorch was not found. Models won't be available and only tokenizers, configuration and "
+                    "file/data utilities can be used.")
+        log.warning("something else")
+        log.error("PyTorch was not found: an error")  # errors are never dropped
+        logging.getLogger("transformers.models").warning("PyTorch was not found, said a submodule")
+    assert [r.getMessage() for r in caplog.records] == [
+        "something else", "PyTorch was not found: an error", "PyTorch was not found, said a submodule"]
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 def test_cli_default_run_writes_every_output(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ)  # the platform the suite runs on (conftest): the CPU, or the accelerator
+    # `make run` sets no JAX_PLATFORMS: on a machine without an accelerator the CLI itself picks the CPU
+    # (skip_absent_tpu), where libtpu (installed with the test extra) would print start-up errors
+    auto = env.get("JAX_PLATFORMS") == "cpu" and visible_accelerator() is False
+    if auto:
+        del env["JAX_PLATFORMS"]
     r = subprocess.run(
         [
             sys.executable,
@@ -107,6 +128,9 @@ def test_cli_default_run_writes_every_output(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "running the built-in demo" in r.stderr and f"Outputs in {out}" in r.stdout
+    if auto:  # nothing else: no libtpu start-up errors, no "PyTorch was not found", no log-level prefixes
+        assert r.stderr.splitlines() == [
+            "no --config and no --model_name_or_path: running the built-in demo (configs/default.yaml)"], r.stderr
     metrics = read_jsonl(out / "metrics.jsonl")
     train_rows = [m for m in metrics if "reward" in m]
     assert [m["step"] for m in train_rows] == [2, 4]
