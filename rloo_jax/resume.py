@@ -10,8 +10,9 @@ total step count) in every checkpoint's meta; checkpoints from before that fall 
 The rules, in short (`RULES` has the reason for each):
 - refused: what the checkpoint's arrays or its data position are made of: the model, the data (dataset, split,
   config, shuffling, seed), the stored dtypes (bf16, param_dtype, mu_dtype), the LoRA scale (lora_alpha,
-  use_rslora), the reward functions (their metrics are summed in the checkpointed logging window), beta to or from
-  0 (a reference model is held or not), max_grad_norm to or from 0 (the optimizer state's layout). scan_layers,
+  use_rslora), the number of reward functions (their metrics are summed in the checkpointed logging window; one
+  function in place of another is honoured), beta to or from 0 (a reference model is held or not), max_grad_norm
+  to or from 0 (the optimizer state's layout). scan_layers,
   use_peft, lora_r and lora_target_modules are the parameter layout, refused by the trainer's layout check.
 - the schedule: a changed total (max_steps, num_train_epochs, or a batch change under num_train_epochs) or
   learning-rate option recomputes the learning-rate schedule for the new total; the note gives the lr at the
@@ -61,11 +62,18 @@ RULES: dict[str, Rule] = {
     "mu_dtype": refuse("the checkpoint stores AdamW's first moment in it"),
     "lora_alpha": refuse("it scales what the adapters learned: another value is another model"),
     "use_rslora": refuse("it scales what the adapters learned: another value is another model"),
-    "reward_funcs": refuse("the checkpointed logging window sums metrics per reward function"),
-    "reward_model_name_or_path": refuse("the checkpointed logging window sums metrics per reward function"),
     "beta": refuse_across_zero("beta 0 loads no reference model: the checkpoint holds one, or has none to restore"),
     "max_grad_norm": refuse_across_zero("clipping on or off changes the layout of the optimizer state"),
 }
+REWARD_SOURCES = ("reward_model_name_or_path", "reward_funcs")
+REWARD_COUNT = "the checkpointed logging window sums metrics per reward function: their number cannot change"
+
+
+def reward_count(config: dict[str, Any]) -> int:
+    """How many reward functions a config names (reward models, then functions)."""
+    return sum(len(config.get(k) or []) for k in REWARD_SOURCES)
+
+
 SCHEDULE = ("learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps")
 # checked by the trainer's layout check (rloo_jax.train.check_layout), with its own message
 LAYOUT = ("scan_layers", "use_peft", "lora_r", "lora_target_modules")
@@ -131,6 +139,8 @@ def changes(saved: dict[str, Any], current: dict[str, Any], step: int, saved_tot
     saved, current = normalized(saved), normalized(current)
     differ = [k for k in current if k in saved and saved[k] != current[k] and k not in NOT_REPORTED + LAYOUT]
     refused = [(k, why) for k in differ if k in RULES and (why := RULES[k](saved[k], current[k])) is not None]
+    if reward_count(saved) != reward_count(current):  # another reward function in place of one is honoured
+        refused += [(k, REWARD_COUNT) for k in REWARD_SOURCES if k in differ]
     if refused:
         listed = "; ".join(f"{k} {_show(saved[k])} -> {_show(current[k])} ({why})" for k, why in refused)
         again = " ".join(f"--{k} {_cli(saved[k])}" for k, _ in refused)
@@ -155,6 +165,8 @@ def changes(saved: dict[str, Any], current: dict[str, Any], step: int, saved_tot
         elif k in BATCH:
             effect = "applies from this step: the data continues at the same prompt with the new batch shape " \
                 "(the programs compile again)"
+        elif k in REWARD_SOURCES:
+            effect = "the reward changes from this step (logged rewards before and after measure different things)"
         elif k in EXECUTION:
             effect = "execution only, from this step (the same numbers up to float rounding)"
         else:

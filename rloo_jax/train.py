@@ -196,7 +196,7 @@ def build_config(argv: Sequence[str], device_count: int = 1, process_count: int 
     config_path, overrides = parse_argv(argv)
     if config_path is None and "model_name_or_path" not in overrides:
         if process_count == 1 or jax.process_index() == 0:
-            logger.warning("no --config and no --model_name_or_path: running the built-in demo (configs/default.yaml)")
+            print("No --config and no --model_name_or_path: running the built-in demo (configs/default.yaml)")
         return load_config(argv, demo.DEFAULT_CONFIG, device_count, process_count)
     return load_config(argv, None, device_count, process_count)
 
