@@ -5,7 +5,7 @@ Face folder, so the usual `load_causal_lm` path loads it) and a synthetic prompt
 three letters of `POOL` in order (e.g. `ace:`), and the answer is those letters, then EOS (`ace`). The reward
 (`echo_reward`) credits the answer's correct leading characters and the stop right after it. A random model scores
 ~0.01; in 300 steps (~30 s on 2 CPU cores) RLOO takes it to ~0.95, where almost every completion is its prompt's
-answer (BENCHMARKS.md has the measured run).
+answer (measured: 253 of the last step's 256; `tests/test_train.py` checks it).
 
 `letters_reward` (the fraction of completion characters among the prompt's letters) is the earlier demo reward,
 kept for tests and examples: its best answer is any one allowed letter, and the policy learned exactly that (one
