@@ -37,6 +37,8 @@ RUN = [
     "--max_completion_length", "6", "--max_prompt_length", "5", "--log_completions", "true",
     "--sync_ref_model", "true", "--ref_model_sync_steps", "4", "--ref_model_mixup_alpha", "0.5",
     "--full_determinism", "true",  # bit-exact on GPU too (XLA's deterministic ops; CPU programs are anyway)
+    # a dense reward (the default demo's echo_reward is 0 for nearly every completion of a random policy: no gradient)
+    "--reward_funcs", "rloo_jax.demo:letters_reward",
 ]  # fmt: skip
 
 
@@ -315,6 +317,7 @@ def extreme_reward(completions, **kwargs):
 SMALL = [
     "--per_device_train_batch_size", "16", "--num_generations", "4", "--max_completion_length", "4",
     "--eval_steps", "None", "--compilation_cache", "false", "--logging_steps", "1",
+    "--reward_funcs", "rloo_jax.demo:letters_reward",  # a dense reward: updates that move the policy
 ]  # fmt: skip
 
 

@@ -27,6 +27,9 @@ SMALL = [
     "None",
     "--compilation_cache",
     "false",
+    # a dense reward: the default demo's echo_reward is 0 for nearly every completion of a random policy
+    "--reward_funcs",
+    "rloo_jax.demo:letters_reward",
 ]
 REQUIRED = [
     "step",
