@@ -4,7 +4,7 @@ A character-level tokenizer built in code, a tiny random-init Qwen2-shaped polic
 Face folder, so the usual `load_causal_lm` path loads it) and a synthetic prompt set. The task: each prompt names
 three letters of `POOL` in order (e.g. `ace:`), and the answer is those letters, then EOS (`ace`). The reward
 (`echo_reward`) credits the answer's correct leading characters and the stop right after it. A random model scores
-~0.01; in 300 steps (~30 s on 2 CPU cores) RLOO takes it to ~0.95, where almost every completion is its prompt's
+~0.01; in 300 steps (~40 s on 2 CPU cores) RLOO takes it to ~0.95, where almost every completion is its prompt's
 answer (measured: 253 of the last step's 256; `tests/test_train.py` checks it).
 
 `letters_reward` (the fraction of completion characters among the prompt's letters) is the earlier demo reward,
