@@ -348,7 +348,7 @@ def test_shipped_configs_run_two_steps_on_tiny_local_stand_ins(name, tiny_assets
 
 
 # ------------------------------------------------------------------------------------------------ learning
-@pytest.mark.slow  # the default run itself: 300 steps of 256 completions (~70 s in-process on the loaded 2-core machine)
+@pytest.mark.slow  # the default run itself: 300 steps of 256 completions (~70 s on the loaded 2-core machine)
 def test_default_demo_learns_the_answers(tmp_path):
     """`make run` as it is: the reward climbs from ~0.01 to >= 0.9 and the last step's completions are their
     prompts' answers (measured on this CPU: 253 of 256 exact, every prompt's majority answer right)."""
