@@ -1,7 +1,10 @@
 """rloo_jax: TRL's RLOO and GRPO trainers (REINFORCE Leave-One-Out, Group Relative Policy Optimization) as pure,
 jittable JAX functions on one algorithm-generic step."""
 
-from rloo_jax import numerics
+from rloo_jax import (
+    _notices,  # noqa: F401 -- first: quiets notices of libraries imported below
+    numerics,
+)
 from rloo_jax.algorithms import GRPO, RLOO, Algorithm, LossInputs, ScoreInputs
 from rloo_jax.algorithms.common import (
     combine_rewards,

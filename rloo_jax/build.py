@@ -21,10 +21,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from rloo_jax import demo
-from rloo_jax.config import TrainConfig
-from rloo_jax.data import PromptEncoder, load_prompt_dataset
-from rloo_jax.errors import ConfigError
+from rloo_jax import demo, outputs
+from rloo_jax.config import TrainConfig, replace
+from rloo_jax.data import FILE_BUILDERS, PromptEncoder, load_prompt_dataset
+from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.lora import quantize_base, split_adapters, with_adapters
 from rloo_jax.mesh import _resolve_mesh_shape, host_memory, rollout_shape
 from rloo_jax.metrics import check_report_to
@@ -313,9 +313,10 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
             eval_ds = dict(given.eval_dataset) if isinstance(given.eval_dataset, dict) else {"": given.eval_dataset}
         where = {"config": cfg.dataset_config, "tfds_data_dir": cfg.tfds_data_dir}
         if train_ds is None:
+            dataset = local_dataset(dataset)
             train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, **where)
         if cfg.eval_steps and not eval_ds:
-            eval_ds = {"": load_prompt_dataset(dataset, cfg.dataset_test_split, **where)}
+            eval_ds = {"": load_prompt_dataset(local_dataset(dataset), cfg.dataset_test_split, **where)}
         encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
     builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
     reward_tokenizers = {s: t for s, t in zip(sources, given.reward_tokenizers or [], strict=False)
@@ -337,6 +338,58 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     if not eos:
         raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
     return Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, eos, reward_models, model_dir)
+
+
+def local_dataset(name: str) -> str:
+    """A dataset source as `load_prompt_dataset` takes it: a local path (`rloo_jax.outputs.is_local_path`) with ~
+    expanded, DataError when it does not exist (never a hub download); a hub id or `tfds:` name as given."""
+    if name.startswith("tfds:") or not outputs.is_local_path(name):
+        return name
+    path = os.path.expanduser(name)
+    if not os.path.exists(path):
+        raise DataError(f"dataset {name}: no such file or folder ({os.path.abspath(path)}; a hub dataset id is "
+                        "`name` or `namespace/name`)")
+    return path
+
+
+PATH_OPTIONS = ("model_name_or_path", "reward_model_name_or_path", "dataset_name", "dataset_train_split",
+                "dataset_test_split", "tfds_data_dir", "output_dir")
+
+
+def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """A config dict (`TrainConfig.to_dict()`, or a config.yaml's) with every local path it names absolute (~
+    expanded), as config.yaml and checkpoints record them, so a resume or `python -m rloo_jax.export` from another
+    folder finds them: model_name_or_path, reward_model_name_or_path, dataset_name, dataset_train_split /
+    dataset_test_split when they are data files, tfds_data_dir and a local output_dir (`PATH_OPTIONS`). "demo", hub
+    ids, `tfds:` names, URLs and paths that do not exist (the run fails on them first) stay as given.
+    E.g. {"model_name_or_path": "./m"} run from /home/u -> {"model_name_or_path": "/home/u/m"}."""
+
+    def absolute(name: Any, local: Callable[[str], bool] = outputs.is_local_path) -> Any:
+        if not isinstance(name, str) or not name or name == "demo" or name.startswith("tfds:") or \
+                outputs.is_remote(name) or not local(name):
+            return name
+        path = os.path.expanduser(name)
+        return os.path.abspath(path) if os.path.exists(path) else name
+
+    def data_file(name: str) -> bool:
+        return os.path.splitext(name)[1] in FILE_BUILDERS
+
+    out = dict(values)
+    for key in ("model_name_or_path", "dataset_name"):
+        out[key] = absolute(values.get(key))
+    if isinstance(values.get("reward_model_name_or_path"), list):
+        out["reward_model_name_or_path"] = [absolute(m) for m in values["reward_model_name_or_path"]]
+    for key in ("dataset_train_split", "dataset_test_split"):
+        out[key] = absolute(values.get(key), data_file)
+    for key in ("tfds_data_dir", "output_dir"):
+        out[key] = absolute(values.get(key), lambda _: True)
+    return {k: v for k, v in out.items() if k in values}
+
+
+def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its local paths absolute (`absolute_paths`)."""
+    paths = absolute_paths(cfg.to_dict())
+    return replace(cfg, **{k: paths[k] for k in PATH_OPTIONS})
 
 
 def given_tokenizer(tokenizer: Any) -> Any:

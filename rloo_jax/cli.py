@@ -54,6 +54,30 @@ def cpu_compile_flags(environ: dict[str, str] = os.environ) -> None:
         environ["XLA_FLAGS"] = f"{flags} --xla_llvm_disable_expensive_passes=true".strip()
 
 
+def visible_accelerator() -> bool | None:
+    """Whether a TPU chip (on the PCI bus), an NVIDIA or an AMD GPU device is visible, by JAX's own hardware probe
+    (`jax._src.hardware_utils`, which JAX uses to skip absent GPUs); None when that probe is not there."""
+    try:
+        from jax._src import hardware_utils as hw
+
+        return bool(hw.num_available_tpu_chips_and_device_id()[0] > 0 or hw.has_visible_nvidia_gpu()
+                    or hw.num_available_amd_gpus(stop_at=1) > 0)
+    except Exception:  # noqa: BLE001 -- another JAX version: no opinion
+        return None
+
+
+def skip_absent_tpu(environ: dict[str, str] = os.environ) -> bool:
+    """With JAX_PLATFORMS unset on a machine with no accelerator visible (`visible_accelerator`), run on the CPU:
+    JAX would otherwise start every installed backend, and libtpu (the `tpu` or `test` extra) prints errors about
+    the TPU VM it is not on before JAX falls back to the CPU. A TPU VM (chips on the bus), a GPU host, JAX_PLATFORMS
+    set (even empty), JAX_FORCE_TPU_INIT, or no probe: left to JAX. Must run before the first JAX computation.
+    Returns whether it chose the CPU."""
+    if "JAX_PLATFORMS" in environ or "JAX_FORCE_TPU_INIT" in environ or jax.config.jax_platforms:
+        return False
+    if visible_accelerator() is not False:
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
 
 
 def build_config(argv: Sequence[str], device_count: int = 1, process_count: int = 1) -> TrainConfig:
@@ -63,11 +87,9 @@ def build_config(argv: Sequence[str], device_count: int = 1, process_count: int 
     config_path, overrides = parse_argv(rest, cls)
     if config_path is None and "model_name_or_path" not in overrides:
         if process_count == 1 or jax.process_index() == 0:
-            logger.warning("no --config and no --model_name_or_path: running the built-in demo (configs/default.yaml)")
+            print("No --config and no --model_name_or_path: running the built-in demo (configs/default.yaml)")
         return load_config(argv, demo.default_config(cls.ALGORITHM), device_count, process_count)
     return load_config(argv, None, device_count, process_count)
-
-
 
 
 def compile_only(argv: Sequence[str], topology: str) -> int:
@@ -101,8 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
-    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    # force: absl (imported by orbax) has already given the root logger its default "LEVEL:name:" handler
+    logging.basicConfig(format="%(message)s", level=logging.WARNING, force=True)
     logging.getLogger("absl").setLevel(logging.ERROR)
+    skip_absent_tpu()
     cpu_compile_flags()
     datasets.disable_progress_bars()  # one clean console: our progress bar and lines only
     debug = any(a in ("--debug", "--debug=true", "--debug=1") for a in argv)

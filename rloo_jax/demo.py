@@ -1,10 +1,15 @@
 """The built-in default task: what `python -m rloo_jax.train` runs with no arguments, with no network.
 
 A character-level tokenizer built in code, a tiny random-init Qwen2-shaped policy (saved as a normal Hugging
-Face folder, so the usual `load_causal_lm` path loads it) and a synthetic prompt set. The task: each prompt
-names three letters from `POOL` (e.g. `ace:`), and the reward is the fraction of completion characters that
-are among them. A random model scores ~0.1; in 300 steps (~30 s on 2 CPU cores) RLOO takes it to ~0.99 (it
-learns to answer with one of the prompt's letters, then EOS).
+Face folder, so the usual `load_causal_lm` path loads it) and a synthetic prompt set. The task: each prompt names
+three letters of `POOL` in order (e.g. `ace:`), and the answer is those letters, then EOS (`ace`). The reward
+(`echo_reward`) credits the answer's correct leading characters and the stop right after it. A random model scores
+~0.01; in 300 steps (~40 s on 2 CPU cores) RLOO takes it to ~0.95, where almost every completion is its prompt's
+answer (measured: 253 of the last step's 256; `tests/test_train.py` checks it).
+
+`letters_reward` (the fraction of completion characters among the prompt's letters) is the earlier demo reward,
+kept for tests and examples: its best answer is any one allowed letter, and the policy learned exactly that (one
+or two letters for every prompt), which is why the default task is `echo_reward`'s.
 """
 
 import json
@@ -22,22 +27,24 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
-# The default run (configs/default.yaml holds the same values; a test keeps them equal).
+# The default run (configs/default.yaml holds the same values; a test keeps them equal). 32 prompts x 8 completions
+# per step: with 8 prompts a step (64 completions) the policy settled on partial answers for some prompts before it
+# found the rest (measured: 32/128 exact answers at step 300, against 253/256 with 32 prompts).
 DEFAULT_CONFIG: dict[str, Any] = {
     "model_name_or_path": "demo",
     "dataset_name": "demo",
-    "reward_funcs": ["rloo_jax.demo:letters_reward"],
+    "reward_funcs": ["rloo_jax.demo:echo_reward"],
     "output_dir": "outputs/demo",
     "seed": 0,
     "max_steps": 300,
     "learning_rate": 1e-3,
     "lr_scheduler_type": "constant",
     "max_grad_norm": 1.0,
-    "per_device_train_batch_size": 64,
+    "per_device_train_batch_size": 256,
     "num_generations": 8,
     "max_prompt_length": 16,
     "prompt_bucket": 8,
-    "max_completion_length": 12,
+    "max_completion_length": 6,
     "temperature": 1.0,
     "beta": 0.02,
     "logging_steps": 10,
@@ -82,12 +89,13 @@ MODEL_CONFIG: dict[str, Any] = {
 }
 
 
-def build_tokenizer() -> Any:
-    """A lowercasing character-level fast tokenizer: one id per character of `CHARACTERS`, pad 0, eos 1."""
+def build_tokenizer(characters: str = CHARACTERS) -> Any:
+    """A lowercasing character-level fast tokenizer: one id per character of `characters` after the special
+    tokens (pad 0, eos 1)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(characters))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -163,4 +171,24 @@ def letters_reward(completions: list[Any], letters: list[str], **kwargs: Any) ->
     for completion, allowed in zip(completions, letters, strict=True):
         text = completion if isinstance(completion, str) else completion[0]["content"]
         out.append(sum(ch in allowed for ch in text) / len(text) if text else 0.0)
+    return out
+
+
+def echo_reward(completions: list[Any], letters: list[str], **kwargs: Any) -> list[float]:
+    """(k + stop) / (len(letters) + 1): k = how many leading characters of the completion are the prompt's letters
+    in order, stop = 1 when the completion is exactly those letters (it ended with EOS right after them).
+
+    letters "ace": "ace" -> 1.0, "acex" -> 0.75, "ac" -> 0.5, "a" -> 0.25, "xce" -> 0.0, "" -> 0.0.
+
+    Credit for a correct prefix gives the policy a way to learn the answer left to right; the stop is only worth
+    something after the whole answer. (A reward that divided by the completion's length paid a lone correct first
+    letter as much as the stop: the policy learned to stop early and never found the rest.)
+    """
+    out = []
+    for completion, answer in zip(completions, letters, strict=True):
+        text = completion if isinstance(completion, str) else completion[0]["content"]
+        k = 0
+        while k < min(len(text), len(answer)) and text[k] == answer[k]:
+            k += 1
+        out.append((k + (text == answer)) / (len(answer) + 1))
     return out

@@ -9,7 +9,9 @@ the trained parameters are read from the checkpoint (no optimizer state). The fo
 or past `--max_shard_size` (transformers 5's 50GB by default) shards with `model.safetensors.index.json`, and the
 tokenizer. LoRA runs give a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) or with
 `--merged` the base with the adapters folded in (a QLoRA run's base quantized as in training, then dequantized:
-the weights the policy used). `--push_to_hub REPO` uploads OUT_DIR afterwards (needs a network).
+the weights the policy used). Every folder also gets `generation_config.json`: the EOS ids the run stopped
+completions at, its pad id and its sampling options (`generation_config`), so transformers' `generate()` samples as
+training did. `--push_to_hub REPO` uploads OUT_DIR afterwards (needs a network).
 
 The trainer's own `final/` and `final_merged/` go through `write_policy` here too (`RLOOConfig.export_dtype`,
 `export_max_shard_size`). Exit codes: 0 done; 2 a wrong CHECKPOINT, a missing config.yaml or base model, a bad
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -57,13 +60,60 @@ def adapter_base_name(model_name_or_path: str, model_dir: str) -> str:
     return os.path.abspath(model_dir) if local or model_name_or_path == "demo" else model_name_or_path
 
 
+GENERATION_CONFIG = "generation_config.json"
+# the run's sampling options (config.yaml names) that generation_config.json carries
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_completion_length")
+
+
+def generation_config(
+    eos_token_ids: Sequence[int], pad_token_id: int | None, sampling: dict[str, Any], base: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`generation_config.json` for a trained policy: what transformers' `generate()` defaults to when it loads the
+    folder, set to what the run sampled with. `base`: the base model's file, whose other fields (bos_token_id, ...)
+    are kept; its sampling fields are replaced.
+
+    eos_token_id is the list of every id that ended a completion in training (the tokenizer's EOS and the base's
+    generation_config ones, `rloo_jax.build.eos_token_ids`); pad_token_id the id completions were padded with;
+    max_new_tokens = max_completion_length. temperature 0 (greedy) -> do_sample false and no sampling fields;
+    else do_sample true, temperature, top_k (0: off, in transformers too), top_p, repetition_penalty, and min_p when
+    set. E.g. eos [1, 7], pad 0, temperature 0.7 (other options off) -> {"eos_token_id": [1, 7], "pad_token_id": 0,
+    "do_sample": true, "temperature": 0.7, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
+    "max_new_tokens": ...}.
+    """
+    out = {k: v for k, v in (base or {}).items() if k not in ("transformers_version", "min_p", "max_length")}
+    out.update(eos_token_id=[int(i) for i in eos_token_ids], pad_token_id=None if pad_token_id is None
+               else int(pad_token_id), max_new_tokens=int(sampling["max_completion_length"]))
+    temperature = float(sampling["temperature"])
+    if temperature == 0.0:  # greedy (rloo_jax.sampling): transformers' default decoding, no sampling knobs
+        for key in ("temperature", "top_k", "top_p", "typical_p"):
+            out.pop(key, None)
+        out.update(do_sample=False, repetition_penalty=float(sampling["repetition_penalty"]))
+        return out
+    out.update(do_sample=True, temperature=temperature, top_k=int(sampling["top_k"] or 0),
+               top_p=float(sampling["top_p"]), repetition_penalty=float(sampling["repetition_penalty"]))
+    if sampling.get("min_p"):
+        out["min_p"] = float(sampling["min_p"])
+    return out
+
+
+def base_generation_config(model_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The base model folder's generation_config.json as a dict (None when it has none)."""
+    path = os.path.join(model_dir, GENERATION_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def write_policy(
     model: Any, out_dir: str, *, dtype: str, max_shard_size: int | str, tokenizer: Any = None,
     base_name: str | None = None, merged: bool = False, push_to_hub: str | None = None,
+    generation: dict[str, Any] | None = None,
 ) -> None:
     """`model` as a Hugging Face folder at `out_dir` (local or a URL): a full model with `save_pretrained`; a model
     with adapters as a PEFT adapter folder naming `base_name` as its base, or with `merged` the base with the
-    adapters folded in. `push_to_hub`: then upload the folder to that hub repo (`HubError` if that fails)."""
+    adapters folded in. `generation`: written as generation_config.json (`generation_config`). `push_to_hub`:
+    then upload the folder to that hub repo (`HubError` if that fails)."""
     from rloo_jax.lora import merge_adapters
     from rloo_jax.models import save_adapter, save_pretrained
 
@@ -73,6 +123,8 @@ def write_policy(
                             max_shard_size=max_shard_size)
         else:
             save_adapter(model, local, base_name, tokenizer=tokenizer, dtype=dtype)
+        if generation is not None:
+            (local / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
         if push_to_hub:
             upload_to_hub(local, push_to_hub)
 
@@ -99,7 +151,7 @@ def upload_to_hub(folder: str | os.PathLike, repo_id: str) -> None:
 # ------------------------------------------------------------------------------------------------ a checkpoint
 RUN_FIELDS = ("model_name_or_path", "seed", "bf16", "param_dtype", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
               "lora_target_modules", "use_rslora", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type",
-              "use_bnb_nested_quant")
+              "use_bnb_nested_quant", *SAMPLING_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +160,7 @@ class Saved:
 
     output_dir: str
     step: int
-    run: dict[str, Any]  # RUN_FIELDS, typed as RLOOConfig types them
+    run: dict[str, Any]  # RUN_FIELDS (the model's shape and the run's sampling), typed as RLOOConfig types them
     meta: dict[str, Any]  # the checkpoint's JSON meta (its parameter layout)
 
 
@@ -142,7 +194,7 @@ def _manager(directory: str) -> Any:
 
 
 def read_run(output_dir: str) -> dict[str, Any]:
-    """RUN_FIELDS from `<output_dir>/config.yaml`, typed (the rest of the run's options do not shape the model)."""
+    """RUN_FIELDS from `<output_dir>/config.yaml`, typed (the rest of the run's options do not shape the export)."""
     from rloo_jax.config import RLOOConfig, coerce
 
     path = outputs.join(output_dir, "config.yaml")
@@ -272,6 +324,7 @@ def parse_size(size: str) -> int:
 
 def export(args: argparse.Namespace) -> str:
     """Run the export of `parse_args`' arguments; returns what was written, in words."""
+    from rloo_jax.build import eos_token_ids
     from rloo_jax.models import ModelLoadError, load_tokenizer
 
     max_shard = parse_size(args.max_shard_size)
@@ -283,10 +336,12 @@ def export(args: argparse.Namespace) -> str:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):  # host memory, never an accelerator's
             model, model_dir = load_policy(saved, with_base=args.merged or not saved.run["use_peft"])
             dtype = resolve_dtype(args.dtype, model.config.hf_config)
-            write_policy(model, args.out_dir, dtype=dtype, max_shard_size=max_shard,
-                         tokenizer=load_tokenizer(model_dir, padding_side="left"),
+            tokenizer = load_tokenizer(model_dir, padding_side="left")
+            generation = generation_config(eos_token_ids(model_dir, tokenizer), tokenizer.pad_token_id, saved.run,
+                                           base_generation_config(model_dir))
+            write_policy(model, args.out_dir, dtype=dtype, max_shard_size=max_shard, tokenizer=tokenizer,
                          base_name=adapter_base_name(saved.run["model_name_or_path"], model_dir),
-                         merged=args.merged, push_to_hub=args.push_to_hub)
+                         merged=args.merged, push_to_hub=args.push_to_hub, generation=generation)
     except ModelLoadError as e:
         raise ConfigError(f"the base model of {saved.output_dir}: {e}; pass --model_name_or_path where it is "
                           "now") from None
@@ -298,8 +353,11 @@ def export(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done; 2 a bad checkpoint path, config.yaml, base model or option; 1 the hub upload failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    logging.basicConfig(format="%(message)s", level=logging.WARNING, force=True)  # absl set a default one first
     logging.getLogger("absl").setLevel(logging.ERROR)
+    from rloo_jax.cli import skip_absent_tpu
+
+    skip_absent_tpu()  # no libtpu start-up errors on a machine without a TPU
     try:
         print(f"Exported {export(parse_args(argv))}")
     except ConfigError as e:

@@ -5,6 +5,7 @@ Outputs other tools rely on: `metrics.jsonl` (one object per logged step: `step`
 `step_time`, `learning_rate`) and `rollouts.jsonl` (one object per completion of a recorded step).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -13,8 +14,6 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rloo_jax import outputs
@@ -45,51 +44,29 @@ def rename_reward_metrics(metrics: dict[str, Any], names: Sequence[str], prefix:
     return out
 
 
-@jax.jit
-def _add_f32(total: dict[str, jax.Array], metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return {k: total[k] + jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+# Line separators JSON leaves unescaped (it escapes only U+0000-U+001F, '"' and '\\'): a reader that splits a JSONL
+# file with str.splitlines (or the Python 2 / JavaScript line rules) would cut a record in two at them.
+_UNESCAPED_SEPARATORS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 
 
-class WindowMean:
-    """Sums step metrics on the device (no host sync) and reads the window mean in one transfer (TRL logs
-    the mean over the logging window). Adding is one jitted call, the same one from the first step on (host
-    zeros start the sum): per-metric eager adds cost more host time than a whole tiny-model step."""
-
-    def __init__(self) -> None:
-        self.total: dict[str, jax.Array] | None = None
-        self.count = 0
-
-    def add(self, metrics: dict[str, jax.Array]) -> None:
-        start = {k: np.float32(0.0) for k in metrics} if self.total is None else self.total
-        self.total = _add_f32(start, metrics)
-        self.count += 1
-
-    def read(self) -> dict[str, float]:
-        """The mean of every metric since the last read (one device -> host transfer); resets the window."""
-        if self.total is None:
-            return {}
-        host = jax.device_get(self.total)
-        out = {k: float(v) / self.count for k, v in host.items()}
-        self.total, self.count = None, 0
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """The unread window as JSON-ready values (float32 sums as exact Python floats; NaN/inf as strings), so a
-        checkpoint taken between two logging steps resumes to the same logged means."""
-        total = None if self.total is None else jax.device_get(self.total)
-        return {
-            "count": self.count,
-            "total": None if total is None else {k: _encode_float(float(v)) for k, v in total.items()},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        total = state.get("total")
-        self.count = int(state.get("count", 0))
-        self.total = None if total is None else {k: jnp.asarray(float(v), jnp.float32) for k, v in total.items()}
+def jsonl_line(record: dict[str, Any]) -> str:
+    """One JSONL line: the record as strict JSON (`json_safe`), non-ASCII text kept as UTF-8 except the three line
+    separators JSON would leave raw (U+0085, U+2028, U+2029), written as escapes; ends with "\\n", the only raw
+    line break in the line. {"t": "a\\u2028b"} -> '{"t": "a\\\\u2028b"}\\n' (the same string when read back)."""
+    text = json.dumps(json_safe(record), ensure_ascii=False)
+    for raw, escaped in _UNESCAPED_SEPARATORS.items():
+        text = text.replace(raw, escaped)  # outside strings JSON has no such characters: only string content changes
+    return text + "\n"
 
 
-def _encode_float(x: float) -> float | str:
-    return x if math.isfinite(x) else repr(x)  # 'nan', 'inf', '-inf' (float() reads them back): not JSON numbers
+def jsonl_lines(text: str, keepends: bool = False) -> list[str]:
+    """A JSONL file's lines: split on "\\n" only. Not `str.splitlines`, which also splits on \\r, \\v, \\f,
+    \\x1c-\\x1e, U+0085, U+2028 and U+2029; a record holding one of those raw (files written before `jsonl_line`
+    escaped them) would be cut in two and read as torn. "a\\u2028b\\nc" -> ["a\\u2028b", "c"]."""
+    lines = text.split("\n")
+    if keepends:
+        lines = [line + "\n" for line in lines[:-1]] + [lines[-1]]
+    return lines if lines[-1] else lines[:-1]
 
 
 class JsonlWriter:
@@ -102,7 +79,7 @@ class JsonlWriter:
 
     def write(self, records: dict[str, Any] | Iterable[dict[str, Any]]) -> None:
         records = [records] if isinstance(records, dict) else records
-        self._file.write("".join(json.dumps(json_safe(r), ensure_ascii=False) + "\n" for r in records))
+        self._file.write("".join(jsonl_line(r) for r in records))
 
     def sync(self) -> None:
         self._file.sync()
@@ -112,8 +89,8 @@ class JsonlWriter:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every record of a JSONL file (local or a URL)."""
-    return [json.loads(line) for line in outputs.read_text(path).splitlines() if line.strip()]
+    """Every record of a JSONL file (local or a URL), split on "\\n" alone (`jsonl_lines`)."""
+    return [json.loads(line) for line in jsonl_lines(outputs.read_text(path)) if line.strip()]
 
 
 def drop_records_after(path: str | os.PathLike, step: int) -> int:
@@ -122,7 +99,7 @@ def drop_records_after(path: str | os.PathLike, step: int) -> int:
     atomically (`outputs.write_text`), so a kill during this call leaves either the old or the new file."""
     if not outputs.exists(path):
         return 0
-    lines = [line for line in outputs.read_text(path).splitlines(keepends=True) if line.strip()]
+    lines = [line for line in jsonl_lines(outputs.read_text(path), keepends=True) if line.strip()]
     keep = []
     for line in lines:
         try:
@@ -215,6 +192,35 @@ class Sinks:
 
 
 # ------------------------------------------------------------------------------------------------ records
+@dataclasses.dataclass(frozen=True)
+class TokenRecords:
+    """The token-level view of a recorded step (host arrays): what the completions were made of and what every
+    model said about each sampled token."""
+
+    completion_ids: np.ndarray  # [N, C] int, right-padded
+    mask: np.ndarray  # [N, C] the loss mask (all zero for a truncated completion when mask_truncated_completions)
+    logps: dict[str, np.ndarray]  # name -> [N, C] float32 per-token log-probs (`logprob_series`), 0 off the mask
+
+
+def logprob_series(old_logps: Any, ref_logps: Any, sampler_logps: Any) -> dict[str, Any]:
+    """A rollout's per-token log-probs by who computed them: `sampler` (the sampling pass, always), `trainer` (a
+    training forward at the sampling parameters: only when the run recomputed the old log-probs, then
+    `old_logps`), `reference` (beta != 0). `old_logps` is the sampler's unless `sampler_logps` is set
+    (`rloo_jax.step.Rollout`)."""
+    series = {"sampler": old_logps if sampler_logps is None else sampler_logps}
+    if sampler_logps is not None:
+        series["trainer"] = old_logps
+    if ref_logps is not None:
+        series["reference"] = ref_logps
+    return series
+
+
+def _float32_list(values: np.ndarray) -> list[float]:
+    """float32 values as the shortest decimals that read back to the same float32 (`str(np.float32)`: ~10 bytes
+    a value in JSON instead of the ~19 of the float64 repr)."""
+    return [float(str(v)) for v in np.asarray(values, np.float32)]
+
+
 def rollout_records(
     step: int,
     prompts: Sequence[Any],
@@ -226,9 +232,17 @@ def rollout_records(
     lengths: np.ndarray,
     truncated: np.ndarray,
     extra: dict[str, Sequence[Any]] | None = None,
+    tokens: TokenRecords | None = None,
 ) -> list[dict[str, Any]]:
     """One `rollouts.jsonl` object per completion (NaN rewards become null); `extra`: columns the reward functions
-    logged with TRL's log_extra (one value per completion), under "extra" when there are any."""
+    logged with TRL's log_extra (one value per completion), under "extra" when there are any.
+
+    `tokens`: adds `completion_ids` (the sampled ids up to and including the first EOS: `length` of them) and
+    `logprobs` ({"sampler": [...], "trainer": [...], "reference": [...]}, each `length` values; null for a
+    completion the loss masked whole). A record grows by 2 bytes plus the id's digits per token for the ids and
+    ~12 bytes per token per log-prob series: measured on the demo (8-token completions, sampler and reference
+    series), 177 -> 438 bytes a record; a 256-token completion of a 150k vocabulary with three series, ~11 KB.
+    """
     records = [
         {
             "step": step,
@@ -244,6 +258,12 @@ def rollout_records(
     ]
     for i, record in enumerate(records if extra else []):
         record["extra"] = {column: values[i] if i < len(values) else None for column, values in extra.items()}
+    for i, record in enumerate(records if tokens is not None else []):
+        n = int(lengths[i])
+        record["completion_ids"] = [int(t) for t in tokens.completion_ids[i, :n]]
+        masked = not tokens.mask[i, :n].any()
+        record["logprobs"] = None if masked and n else {
+            name: _float32_list(values[i, :n]) for name, values in tokens.logps.items()}
     return records
 
 

@@ -39,6 +39,26 @@ def is_remote(path: str | os.PathLike) -> bool:
     return bool(m) and m.group(1).lower() != "file"
 
 
+# a Hugging Face hub repo id: `name` or `namespace/name`, each part letters, digits, "-", "_", "." (starting and
+# ending with a letter or digit; the name at most 96 characters), with no "--" or ".." (huggingface_hub's rule)
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?/)?[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?$")
+
+
+def is_local_path(name: str) -> bool:
+    """Whether a model or dataset source `name` means a local path, not a hub repo id.
+
+    Local: it exists (file or folder, ~ expanded); or it cannot be a hub id (it starts with /, ./, ../, ~ or
+    ".", has two or more "/", a backslash, a space, "--" or "..", ...: `_HUB_ID`); or it is `first/rest` with
+    `first` an existing local folder (`outputs/run1` next to an `outputs/` folder). Anything else is a hub id.
+    A local path that does not exist is then an error naming it, never a hub download.
+    "Qwen/Qwen2.5-0.5B" -> False (unless ./Qwen/ exists); "./model", "~/m", "/data/x", "runs/a/b" -> True.
+    """
+    if os.path.exists(os.path.expanduser(name)) or not _HUB_ID.match(name) or "--" in name or ".." in name:
+        return True
+    first = name.split("/")[0]
+    return "/" in name and os.path.isdir(first)
+
+
 def resolve(path: str | os.PathLike) -> epath.Path:
     """The path as an `epath.Path`: a URL as given; a local path (or `file://` URL) made absolute with ~ expanded."""
     text = os.fspath(path)
@@ -63,7 +83,9 @@ def makedirs(path: str | os.PathLike) -> None:
 
 
 def read_text(path: str | os.PathLike) -> str:
-    return resolve(path).read_text(encoding="utf-8")
+    """The file's text, decoded as UTF-8 with its line endings as written (no newline translation: a JSONL
+    reader splits on "\\n" alone, never on the \\r, U+2028, ... that `str.splitlines` also splits on)."""
+    return resolve(path).read_bytes().decode("utf-8")
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
@@ -71,11 +93,11 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     upload: either way a reader (or a kill) sees the old or the new content, never a mix."""
     target = resolve(path)
     if is_remote(target):
-        target.write_text(text, encoding="utf-8")
+        target.write_bytes(text.encode("utf-8"))
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{target}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open(tmp, "w", encoding="utf-8", newline="") as f:  # written as given: no "\n" translation
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -158,7 +180,8 @@ class AppendFile:
         else:
             self._local = self.path
             os.makedirs(os.path.dirname(self._local), exist_ok=True)
-        self._file = open(self._local, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        # newline="": the text is written as given (no "\n" -> os.linesep translation)
+        self._file = open(self._local, "a", encoding="utf-8", newline="")  # noqa: SIM115 - closed by close()
         self._dirty = False
 
     def write(self, text: str) -> None:

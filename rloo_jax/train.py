@@ -36,10 +36,12 @@ from rich.table import Table
 
 from rloo_jax import export as write
 from rloo_jax import logwindow, numerics, outputs
+from rloo_jax import resume as resumed
 from rloo_jax.build import (
     CACHE_ROOT,
     Given,
     Run,
+    absolute_paths,
     eos_token_ids,
     lr_schedule,
     make_optimizer,
@@ -48,6 +50,7 @@ from rloo_jax.build import (
     rollout_mesh_shape,
     sampling_config,
     step_config,
+    with_absolute_paths,
 )
 from rloo_jax.callbacks import CallbackHandler
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
@@ -71,9 +74,11 @@ from rloo_jax.mesh import (
 from rloo_jax.metrics import (
     JsonlWriter,
     Sinks,
+    TokenRecords,
     console_line,
     drop_records_after,
     json_safe,
+    logprob_series,
     rename_reward_metrics,
     rollout_records,
     weighted_rewards,
@@ -501,6 +506,11 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
                         rollout_mesh=rollout_mesh)
     # with a mesh: placed on its shardings (FSDP / tensor parallel)
     state = programs.init_state(pol.params, pol.ref_params, pol.frozen)
+    base_key = jax.random.key(cfg.seed)
+    if place.mesh is None:
+        # committed to the device, like the arrays a checkpoint restores: jit lowers committed arguments with their
+        # sharding, so a resumed run would otherwise trace other programs and miss the compilation cache
+        state, base_key = jax.device_put((state, base_key), jax.devices()[0])
     out = cfg.output_dir  # a local folder or a URL (gs://...): every output goes through rloo_jax.outputs
     paths = {
         "metrics": outputs.join(out, "metrics.jsonl"),
@@ -514,7 +524,7 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
         cfg=cfg, run=run, place=place, programs=programs, graphdef=graphdef, iterator=iterator, total_steps=total,
         lr_at=lr_at, weights=place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32)),
         names=[f.name for f in run.reward_funcs], eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
-        paths=paths, state=state, base_key=jax.random.key(cfg.seed),
+        paths=paths, state=state, base_key=base_key,
         callbacks=CallbackHandler(None if given is None else given.callbacks),
         trainer_state=TrainerState(
             max_steps=total, num_train_epochs=cfg.num_train_epochs, logging_steps=cfg.logging_steps,
@@ -529,8 +539,14 @@ def resume(s: Session) -> None:
     outputs.makedirs(s.cfg.output_dir)
     s.ckpt = Checkpointer(s.paths["checkpoints"], max_to_keep=s.cfg.save_total_limit)  # every process: collective
     latest = s.ckpt.latest_step()
+    changed: list[str] = []
     if latest is not None:
-        check_layout(s.ckpt.read_meta(latest), layout(s), latest)
+        meta = s.ckpt.read_meta(latest)
+        check_layout(meta, layout(s), latest)
+        saved = resumed.saved_config(meta, s.cfg.output_dir)  # changed options: noted, or refused (ConfigError)
+        if saved is not None:
+            found = resumed.changes(saved, recorded_config(s), latest, meta.get("total_steps"), s.total_steps)
+            changed = resumed.describe(found, latest)
         # onto its shardings; a LoRA checkpoint holds the adapters and their optimizer state, not the frozen base
         restored, key, meta = s.ckpt.restore(latest, s.state.replace(frozen=None), s.place.replicate(s.base_key))
         s.state = restored.replace(frozen=s.state.frozen)
@@ -552,9 +568,11 @@ def resume(s: Session) -> None:
             f"Resuming from checkpoint {os.path.join(s.paths['checkpoints'], str(latest))} (step {s.step}"
             + (f"; dropped {dropped} records logged after it)" if dropped else ")")
         )
+        for line in changed:
+            print(line)
     elif dropped:
         print(f"No checkpoint in {s.paths['checkpoints']}: starting over (dropped {dropped} records of an earlier run)")
-    outputs.write_text(s.paths["config"], s.cfg.to_yaml())
+    outputs.write_text(s.paths["config"], with_absolute_paths(s.cfg).to_yaml())  # local paths absolute
     s.sinks = Sinks(outputs.join(s.cfg.output_dir), s.cfg.report_to, json_safe(s.cfg.to_dict()), s.cfg.run_name)
     s.rollouts = JsonlWriter(s.paths["rollouts"])
 
@@ -589,8 +607,15 @@ def check_layout(meta: dict[str, Any], current: dict[str, Any], step: int) -> No
                           "lora_target_modules, or start a new output_dir")
 
 
+def recorded_config(s: Session) -> dict[str, Any]:
+    """The run's options as its checkpoints record them (local paths absolute; JSON values)."""
+    return resumed.normalized(absolute_paths(s.cfg.to_dict()))
+
+
 def save(s: Session) -> None:
     meta = {
+        "config": recorded_config(s),  # what a resume compares its options with (rloo_jax.resume)
+        "total_steps": s.total_steps,
         "layout": layout(s),
         "data": s.iterator.state_dict(),
         "step": s.step,
@@ -816,8 +841,11 @@ def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
     scored = out.scored
     targets, _ = s.programs.score(out.rollout, out.rewards, s.weights)
     adv = s.place.gather(targets["advantages"])
+    r = out.rollout  # its token ids and every model's per-token log-probs, recorded beside the text
+    tokens = TokenRecords(s.place.gather(r.completion_ids), s.place.gather(r.completion_mask), {
+        name: s.place.gather(x) for name, x in logprob_series(r.old_logps, r.ref_logps, r.sampler_logps).items()})
     if s.place.multi_process:  # every process takes part in the gathers; process 0 decodes
-        all_ids = s.place.gather(out.rollout.completion_ids)
+        all_ids = tokens.completion_ids
         all_rewards = s.place.gather(scored.rewards_per_func)
         if s.place.is_main:
             prompts = list(s.run.train_ds[out.idx]["prompt"])
@@ -826,7 +854,7 @@ def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
         records = rollout_records(
             s.step, scored.prompts, scored.completions, s.names, scored.rewards_per_func,
             weighted_rewards(scored.rewards_per_func, s.cfg.resolved_reward_weights),
-            adv, scored.lengths, scored.truncated, out.extra,
+            adv, scored.lengths, scored.truncated, out.extra, tokens,
         )  # fmt: skip
         s.rollouts.write(records)
         print_completions(progress.console, records, s.cfg.num_completions_to_print)
@@ -870,7 +898,9 @@ def export(s: Session) -> None:
     if not s.place.is_main:
         return
     options = {"dtype": write.resolve_dtype(s.cfg.export_dtype, s.run.model.config.hf_config),
-               "max_shard_size": s.cfg.export_max_shard_size, "tokenizer": s.run.tokenizer}
+               "max_shard_size": s.cfg.export_max_shard_size, "tokenizer": s.run.tokenizer,
+               "generation": write.generation_config(s.run.eos_ids, s.run.tokenizer.pad_token_id, s.cfg.to_dict(),
+                                                     write.base_generation_config(s.run.model_dir))}
     write.write_policy(model, s.paths["final"], **options,
                        base_name=write.adapter_base_name(s.cfg.model_name_or_path, s.run.model_dir))
     if s.cfg.use_peft and s.cfg.merge_adapter_on_export:

@@ -31,6 +31,7 @@ COMMON = [
     "--num_generations", "4", "--max_steps", "2", "--max_completion_length", "6", "--logging_steps", "1",
     "--save_steps", "100", "--eval_steps", "2", "--num_generations_eval", "4", "--log_completions", "true",
     "--compilation_cache", "false",
+    "--reward_funcs", "rloo_jax.demo:letters_reward",  # dense: the default echo_reward is ~0 for a random policy
 ]  # fmt: skip
 MESH = ["--data_parallel", "2", "--fsdp", "2", "--tensor_parallel", "2"]
 # the same global batches: 16 completions per device on 1 device = 4 per device x 4 data shards (2 data x 2 fsdp)

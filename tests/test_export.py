@@ -28,6 +28,11 @@ RUN = ["--dataset_name", "demo", "--reward_funcs", "rloo_jax.demo:letters_reward
        "false"]  # fmt: skip
 
 
+X = len(demo.SPECIAL_TOKENS) + demo.CHARACTERS.index("x")  # the id of "x" in the demo tokenizer
+BASE_GENERATION = {"bos_token_id": 3, "eos_token_id": [1, X], "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                   "transformers_version": "4.51.0"}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A full fine-tune of a bfloat16 base (the demo policy saved by transformers in bfloat16) and a LoRA run on
@@ -36,6 +41,8 @@ def runs(tmp_path_factory):
     f32 = demo.prepare_model(d / "demo", seed=0)
     transformers.AutoModelForCausalLM.from_pretrained(f32).to(torch.bfloat16).save_pretrained(d / "bf16")
     demo.build_tokenizer().save_pretrained(d / "bf16")
+    # a second EOS (the token of "x") and the base's own sampling defaults, which the exports must replace
+    (d / "bf16" / "generation_config.json").write_text(json.dumps(BASE_GENERATION))
     assert json.loads((d / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     assert main([*RUN, "--model_name_or_path", str(d / "bf16"), "--output_dir", str(d / "full")]) == 0
     assert main([*RUN, "--model_name_or_path", f32, "--output_dir", str(d / "lora"), "--use_peft",
@@ -208,3 +215,50 @@ def test_push_to_hub_without_a_network_is_one_clear_error(runs, tmp_path, capsys
     assert len(err) == 1 and err[0].startswith("error: --push_to_hub someone/model: the upload failed (")
     assert "the export itself is complete" in err[0]
     assert (tmp_path / "o" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ generation_config
+def test_generation_config_goldens():
+    from rloo_jax.export import generation_config
+
+    sampling = {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0,
+                "max_completion_length": 8}
+    assert generation_config([1], 0, sampling) == {
+        "eos_token_id": [1], "pad_token_id": 0, "max_new_tokens": 8, "do_sample": True, "temperature": 0.7,
+        "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+    # the base's other fields kept, its sampling defaults replaced; min_p written when set
+    got = generation_config([1, 7], 0, {**sampling, "top_k": 5, "min_p": 0.1}, BASE_GENERATION)
+    assert got == {"bos_token_id": 3, "eos_token_id": [1, 7], "pad_token_id": 0, "max_new_tokens": 8,
+                   "do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 1.0, "repetition_penalty": 1.0,
+                   "min_p": 0.1}
+    # greedy (temperature 0): no sampling fields at all, the base's removed too
+    assert generation_config([1, 7], 0, {**sampling, "temperature": 0.0}, BASE_GENERATION) == {
+        "bos_token_id": 3, "eos_token_id": [1, 7], "pad_token_id": 0, "max_new_tokens": 8, "do_sample": False,
+        "repetition_penalty": 1.0}
+
+
+def test_every_export_has_generation_config_and_tokenizer(runs, tmp_path):
+    """final/, final_merged/ and every `python -m rloo_jax.export` folder (full, PEFT adapter, merged) carry the
+    run's EOS ids (the tokenizer's and the base's extra one), pad id and sampling options in a
+    generation_config.json that transformers reads, and the tokenizer."""
+    full = str(runs / "full" / "checkpoints" / "1")
+    lora = str(runs / "lora" / "checkpoints" / "1")
+    assert export_main([full, str(tmp_path / "full")]) == 0
+    assert export_main([lora, str(tmp_path / "adapter")]) == 0
+    assert export_main([lora, str(tmp_path / "merged"), "--merged"]) == 0
+    run = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0,
+           "max_new_tokens": 8, "pad_token_id": 0}  # the demo config's sampling, max_completion_length 8 (RUN)
+    folders = {runs / "full" / "final": [1, X], tmp_path / "full": [1, X], runs / "lora" / "final": [1],
+               runs / "lora" / "final_merged": [1], tmp_path / "adapter": [1], tmp_path / "merged": [1]}
+    for folder, eos in folders.items():
+        written = json.loads((folder / "generation_config.json").read_text())
+        assert written == {**run, "eos_token_id": eos, **({"bos_token_id": 3} if len(eos) == 2 else {})}, folder
+        loaded = transformers.GenerationConfig.from_pretrained(folder)
+        assert (loaded.eos_token_id, loaded.pad_token_id, loaded.do_sample, loaded.temperature, loaded.top_k,
+                loaded.top_p, loaded.max_new_tokens) == (eos, 0, True, 1.0, 0, 1.0, 8), folder
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        assert tokenizer("ace", add_special_tokens=False)["input_ids"] == demo.build_tokenizer()(
+            "ace", add_special_tokens=False)["input_ids"], folder
+    # what generate() does with it: the policy stops at the base's extra EOS too
+    hf = hf_load(runs / "full" / "final")
+    assert hf.generation_config.eos_token_id == [1, X] and hf.generation_config.top_k == 0

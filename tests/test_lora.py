@@ -253,7 +253,8 @@ ARGS = ["--use_peft", "--lora_target_modules", "all-linear", "--eval_steps", "No
 def test_cli_use_peft_writes_a_peft_adapter_and_a_merged_model(tmp_path):
     out = tmp_path / "run"
     args = ["--output_dir", str(out), "--max_steps", "3", "--logging_steps", "1", "--save_steps", "2",
-            "--merge_adapter_on_export", "--lora_r", "4", *ARGS]
+            "--merge_adapter_on_export", "--lora_r", "4", *ARGS,
+            "--reward_funcs", "rloo_jax.demo:letters_reward"]  # dense: adapters that move from zero
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)

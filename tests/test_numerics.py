@@ -146,7 +146,8 @@ def test_full_determinism_is_read_before_the_config(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ the CLI
 SMALL = ["--per_device_train_batch_size", "16", "--num_generations", "4", "--max_completion_length", "8",
-         "--eval_steps", "None", "--compilation_cache", "false", "--logging_steps", "1", "--save_steps", "100"]
+         "--eval_steps", "None", "--compilation_cache", "false", "--logging_steps", "1", "--save_steps", "100",
+         "--reward_funcs", "rloo_jax.demo:letters_reward"]  # dense: the default echo_reward is ~0 at first
 
 
 def test_cli_float32_gap_and_precision_and_determinism_options(tmp_path, capsys):

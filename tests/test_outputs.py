@@ -1,6 +1,7 @@
 """Outputs on cloud storage: `rloo_jax.outputs` on gs:// paths of a local GCS fake (tests/gcs.py), and a training
 run on gs:// killed with SIGKILL and resumed, equal to the same run on a local disk."""
 
+import json
 import os
 import signal
 import subprocess
@@ -49,6 +50,68 @@ def test_drop_records_after_on_gcs(gcs):  # noqa: F811
     assert drop_records_after(path, 2) == 3  # steps 3 and 4, and the torn last line
     assert read_jsonl(path) == [{"step": 1}, {"step": 2}]
     assert drop_records_after(f"{URL}/unit/missing.jsonl", 2) == 0
+
+
+# every character str.splitlines splits on, and \r\n; JSON escapes the ASCII ones, not U+0085, U+2028, U+2029
+SEPARATORS = ["\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+def test_splitlines_splits_on_exactly_these_characters():
+    """The list above is complete: str.splitlines splits on these and on no other character (all of Unicode)."""
+    splitters = {chr(c) for c in range(0x110000) if 0xD800 > c or c > 0xDFFF if len(f"a{chr(c)}b".splitlines()) == 2}
+    assert splitters == {s for s in SEPARATORS if len(s) == 1}
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_jsonl_records_keep_every_line_separator(where, tmp_path, request):
+    """Records whose text (values and keys) holds each separator are written as one line each, read back equal,
+    and survive drop_records_after; a file written with those characters raw (before `jsonl_line` escaped the
+    non-ASCII ones) reads back whole as well."""
+    base = f"{URL}/unit/sep" if where == "gcs" else str(tmp_path)
+    if where == "gcs":
+        request.getfixturevalue("gcs")
+    text = "x".join(SEPARATORS)
+    records = [{"step": s, "prompt": f"{sep}p{s}", "completion": text, f"k{sep}": [sep, {"in": sep}]}
+               for s in (1, 2) for sep in SEPARATORS]
+    path = f"{base}/rollouts.jsonl"
+    w = JsonlWriter(path)
+    w.write(records)
+    w.close()
+    raw = outputs.read_text(path)
+    assert raw.count("\n") == len(records) and not set(raw) & {s for s in SEPARATORS if s != "\n"}
+    assert read_jsonl(path) == records
+    assert drop_records_after(path, 1) == len(SEPARATORS) and read_jsonl(path) == records[: len(SEPARATORS)]
+    # the raw characters (json.dumps ensure_ascii=False writes U+0085, U+2028, U+2029 as they are)
+    legacy = f"{base}/legacy.jsonl"
+    outputs.write_text(legacy, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    assert "\u2028" in outputs.read_text(legacy) and read_jsonl(legacy) == records
+    assert drop_records_after(legacy, 1) == len(SEPARATORS) and read_jsonl(legacy) == records[: len(SEPARATORS)]
+
+
+def test_rollout_records_carry_token_ids_and_log_probs():
+    """Ids and every series cut to the EOS-cut length; float32 values exactly; a completion the loss masked whole
+    (truncated, mask_truncated_completions) has no log-probs; `logprob_series` names who computed what."""
+    import numpy as np
+
+    from rloo_jax.metrics import TokenRecords, logprob_series, rollout_records
+
+    ids = np.array([[5, 6, 1, 0], [7, 8, 9, 9]])
+    mask = np.array([[1, 1, 1, 0], [0, 0, 0, 0]])
+    sampler = np.array([[-0.1, -0.2, -0.3, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
+    ref = np.float32(1 / 3) * sampler
+    series = logprob_series(sampler, ref, None)
+    assert list(series) == ["sampler", "reference"] and series["sampler"] is sampler
+    assert list(logprob_series(sampler, None, ref)) == ["sampler", "trainer"]  # recomputed: old is the trainer's
+    assert logprob_series(sampler, None, ref)["sampler"] is ref
+    records = rollout_records(3, ["p", "p"], ["ab", "cdee"], ["f"], np.zeros((2, 1)), np.zeros(2), np.zeros(2),
+                              np.array([3, 4]), np.array([False, True]), tokens=TokenRecords(ids, mask, series))
+    assert records[0]["completion_ids"] == [5, 6, 1] and records[1]["completion_ids"] == [7, 8, 9, 9]
+    assert records[0]["logprobs"] == {"sampler": [-0.1, -0.2, -0.3],
+                                      "reference": [-0.033333335, -0.06666667, -0.10000001]}
+    assert [np.float32(x) for x in records[0]["logprobs"]["reference"]] == list(ref[0, :3])  # float32-exact
+    assert records[1]["logprobs"] is None
+    assert "completion_ids" not in rollout_records(3, ["p"], ["ab"], ["f"], np.zeros((1, 1)), np.zeros(1),
+                                                   np.zeros(1), np.array([2]), np.array([False]))[0]
 
 
 def test_staged_dir_uploads_new_and_grown_files_only(gcs, monkeypatch):  # noqa: F811

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,8 @@ from rloo_jax.build import model_options
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
 from rloo_jax.cli import main
 from rloo_jax.config import load_config
-from rloo_jax.metrics import WindowMean, drop_records_after, read_jsonl
+from rloo_jax.logwindow import LogWindow, steps
+from rloo_jax.metrics import drop_records_after, read_jsonl
 from rloo_jax.models import load_causal_lm
 from rloo_jax.step import TrainState
 from rloo_jax.train import make_optimizer, skipped_updates
@@ -38,6 +40,8 @@ RUN = [
     "--max_completion_length", "6", "--max_prompt_length", "5", "--log_completions", "true",
     "--sync_ref_model", "true", "--ref_model_sync_steps", "4", "--ref_model_mixup_alpha", "0.5",
     "--full_determinism", "true",  # bit-exact on GPU too (XLA's deterministic ops; CPU programs are anyway)
+    # a dense reward (the default demo's echo_reward is 0 for nearly every completion of a random policy: no gradient)
+    "--reward_funcs", "rloo_jax.demo:letters_reward",
 ]  # fmt: skip
 
 
@@ -62,9 +66,9 @@ def snapshot(directory):
 class Launch:
     """`python -m rloo_jax.train RUN --output_dir out` in a subprocess; stdout/stderr to files (no pipe stalls)."""
 
-    def __init__(self, out, cache, log, run=RUN):
+    def __init__(self, out, cache, log, run=RUN, **env):
         self.log = log
-        env = dict(os.environ, PYTHONUNBUFFERED="1")  # the suite's platform (conftest)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **env)  # the suite's platform (conftest)
         args = [*run, "--output_dir", str(out), "--compilation_cache_dir", str(cache)]
         self.stdout, self.stderr = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -199,6 +203,84 @@ def test_killed_runs_resume_bit_identical_to_an_uninterrupted_run(reference, cac
     assert all(r["skipped_steps"] == 0 for r in train_rows)
 
 
+# ------------------------------------------------------------------------------------------------ line separators
+# every character str.splitlines splits on (tests/test_outputs.py checks the list is complete), and \r\n
+SEPARATORS = ["\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+SEPARATOR_CHARS = "".join(s for s in SEPARATORS if len(s) == 1)
+
+
+def separators_reward(completions, log_extra, log_metric, trainer_state, **kwargs):
+    """The fraction of `a` in each completion; logs an extra column and a metric whose names and text hold every
+    separator (completions hold them too: they are tokens of the policy's vocabulary). Steps 3 and 4 take 0.5 s
+    more, so a kill lands between step 3's records and the end of the run."""
+    if trainer_state.global_step >= 2:
+        time.sleep(0.5)
+    log_extra("extra\u2028column\r\n", [f"{c}|{'|'.join(SEPARATORS)}" for c in completions])
+    log_metric("metric\u2029\x85name", 0.5)
+    return [c.count("a") / max(len(c), 1) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def separators_run(tmp_path_factory):
+    """A tiny policy whose character vocabulary is `ab` and the separators (so random completions are full of
+    them), prompts that hold every separator, and the arguments of a 4-step run recording every completion."""
+    from rloo_jax.models import init_causal_lm, save_pretrained
+
+    d = tmp_path_factory.mktemp("separators")
+    chars = "ab" + SEPARATOR_CHARS
+    config = dict(demo.MODEL_CONFIG, vocab_size=len(demo.SPECIAL_TOKENS) + len(chars))
+    save_pretrained(init_causal_lm(config, seed=0), d / "model", tokenizer=demo.build_tokenizer(chars))
+    rows = [{"prompt": f"{i}{''.join(SEPARATORS)}:"} for i in "ab" * 8]
+    (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # ASCII escapes: one row a line
+    return [
+        "--model_name_or_path", str(d / "model"), "--dataset_name", str(d / "data.jsonl"), "--reward_funcs",
+        "tests.test_reliability:separators_reward", "--max_steps", "4", "--save_steps", "2", "--logging_steps",
+        "1", "--log_completions", "true", "--per_device_train_batch_size", "8", "--num_generations", "4",
+        "--max_completion_length", "8", "--max_prompt_length", "8", "--eval_steps", "None", "--full_determinism",
+        "true",
+    ]  # fmt: skip
+
+
+def test_records_holding_line_separators_survive_kill_and_resume(separators_run, cache, tmp_path):
+    """SIGKILL after the first checkpoint (step 2) once step 3 is logged, then resume: metrics.jsonl and
+    rollouts.jsonl hold every record once, rollouts.jsonl byte-identical to an uninterrupted run's, though
+    prompts, completions, extra columns and metric names hold every character str.splitlines splits on. The
+    resumed run reads every program from the compilation cache (it used to compile its first step again)."""
+    # JAX_EXPLAIN_CACHE_MISSES: JAX logs every program it compiles instead of reading it from the compilation cache
+    straight = Launch(tmp_path / "straight", cache, tmp_path / "straight", separators_run, JAX_EXPLAIN_CACHE_MISSES="1")
+    assert straight.wait() == 0, straight.output()[1][-3000:]
+    assert "PERSISTENT COMPILATION CACHE MISS for 'jit_update'" in straight.output()[1]  # compiled here first
+    out = tmp_path / "run"
+    launch = Launch(out, cache, tmp_path / "killed", separators_run)
+    try:
+        step_3_after_checkpoint_2 = lambda: "2" in checkpoint_names(out) and logged(out, 3)()  # orbax saves async
+        assert wait_for(launch.proc, step_3_after_checkpoint_2), "the run ended before its kill point"
+        launch.proc.send_signal(signal.SIGKILL)
+        assert launch.wait() == -signal.SIGKILL
+    finally:
+        launch.close()
+    assert checkpoint_names(out) == ["2"]
+    last = Launch(out, cache, tmp_path / "last", separators_run, JAX_EXPLAIN_CACHE_MISSES="1")
+    assert last.wait() == 0, last.output()[1][-3000:]
+    assert "Resuming from checkpoint" in last.output()[0] and "dropped" in last.output()[0]
+    # the resumed run compiled nothing: every program (sampler, reference pass, update) came from the cache the
+    # straight run filled (a restored state is committed to its device; so is a fresh one, or they lower apart)
+    assert "PERSISTENT COMPILATION CACHE MISS" not in last.output()[1], last.output()[1][-3000:]
+
+    rollouts = read_jsonl(out / "rollouts.jsonl")
+    assert [r["step"] for r in rollouts] == [s for s in (1, 2, 3, 4) for _ in range(8)]
+    assert (out / "rollouts.jsonl").read_bytes() == (tmp_path / "straight" / "rollouts.jsonl").read_bytes()
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4]
+    assert without_wall_time(metrics) == without_wall_time(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+    assert all(r["metric\u2029\x85name"] == 0.5 for r in metrics)
+    # the records hold every separator: in prompts, completions (sampled), the extra column's name and values
+    assert all(r["prompt"][1:-1] == "".join(SEPARATORS) for r in rollouts)
+    completions = "".join(r["completion"] for r in rollouts)
+    assert set(SEPARATOR_CHARS) <= set(completions), sorted(set(SEPARATOR_CHARS) - set(completions))
+    assert all(r["extra"]["extra\u2028column\r\n"].endswith("|".join(SEPARATORS)) for r in rollouts)
+
+
 # LoRA: adapters on every projection with dropout (its masks come from seed and step), the base as the reference
 LORA_RUN = [*RUN[: RUN.index("--sync_ref_model")], "--use_peft", "--lora_target_modules", "all-linear",
             "--lora_dropout", "0.1", "--lora_r", "4", "--full_determinism", "true"]
@@ -238,6 +320,7 @@ def extreme_reward(completions, **kwargs):
 SMALL = [
     "--per_device_train_batch_size", "16", "--num_generations", "4", "--max_completion_length", "4",
     "--eval_steps", "None", "--compilation_cache", "false", "--logging_steps", "1",
+    "--reward_funcs", "rloo_jax.demo:letters_reward",  # a dense reward: updates that move the policy
 ]  # fmt: skip
 
 
@@ -347,20 +430,31 @@ def test_drop_records_after_drops_later_steps_and_a_torn_last_line(tmp_path):
     assert drop_records_after(p, 0) == 2 and p.read_text() == ""
 
 
-def test_window_mean_state_round_trip_is_exact():
-    w = WindowMean()
-    w.add({"a": jnp.float32(0.1), "b": jnp.float32(jnp.nan)})
-    w.add({"a": jnp.float32(1 / 3), "b": jnp.float32(1.0)})
-    state = json.loads(json.dumps(w.state_dict()))  # it travels as JSON in the checkpoint's meta
-    again = WindowMean()
+def test_log_window_state_round_trip_is_exact():
+    """The unread window travels as JSON in the checkpoint's meta: a resumed window logs the same means, NaN kept
+    out of them, grad_norm the last value."""
+    w = LogWindow()
+    w.add({"a": [0.1, float("nan")], "b": [float("nan")], "grad_norm": [2.0]})
+    w.add({"a": [1 / 3], "b": [float("inf")], "grad_norm": [5.0]})
+    state = json.loads(json.dumps(w.state_dict()))
+    again = LogWindow()
     again.load_state_dict(state)
-    again.add({"a": jnp.float32(7.0), "b": jnp.float32(2.0)})
-    w.add({"a": jnp.float32(7.0), "b": jnp.float32(2.0)})
+    for x in (w, again):
+        x.add({"a": [7.0], "grad_norm": [3.0]})
     got, want = again.read(), w.read()
-    assert got["a"] == want["a"] and np.isnan(got["b"]) and np.isnan(want["b"])
-    empty = WindowMean()
-    empty.load_state_dict(WindowMean().state_dict())
-    assert empty.read() == {} and empty.count == 0
+    assert got == want == {"a": (0.1 + 1 / 3 + 7.0) / 3, "b": float("inf"), "grad_norm": 3.0}
+    assert w.read() == {} and LogWindow().state_dict() == {"values": {}}
+
+
+def test_log_window_steps_split_a_generation_batch_as_trl_logs_it():
+    """Generation metrics once (with the first optimizer step), micro-batch values per step, update values per step."""
+    metrics = {"generation": {"reward": np.float32(1.0)}, "micro": {"kl": np.array([[1.0, 2.0], [3.0, 4.0]])},
+               "update": {"loss": np.array([5.0, 6.0])}}
+    assert list(steps(metrics)) == [{"reward": [1.0], "kl": [1.0, 2.0], "loss": [5.0]},
+                                    {"kl": [3.0, 4.0], "loss": [6.0]}]
+    w = LogWindow()
+    w.add({"kl": [1.0, float("nan"), 3.0], "grad_norm": [2.0, 5.0], "clip": [float("nan")]})
+    assert w.read() == {"kl": 2.0, "grad_norm": 5.0, "clip": None}
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -387,6 +481,10 @@ def bad_inputs(tmp_path_factory):
     tc["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
     (d / "custom" / "tokenizer_config.json").write_text(json.dumps(tc))
     (d / "custom" / "evil.py").write_text(f"open({str(d / 'SENTINEL')!r}, 'w').close()\n")
+    shutil.copytree(d / "custom", d / "custom_rm")  # the same tokenizer on a reward model's config
+    rm = json.loads((d / "custom_rm" / "config.json").read_text())
+    (d / "custom_rm" / "config.json").write_text(json.dumps({**rm, "architectures": ["Qwen2ForSequenceClassification"],
+                                                             "num_labels": 1}))
     return d
 
 
@@ -418,7 +516,8 @@ BAD = [
         ["--model_name_or_path", "{d}/custom", "--trust_remote_code", "true", *MODEL_ARGS],
         "needs code shipped with the model .*never runs such code",
     ),
-    (["--reward_model_name_or_path", "{d}/custom"], r"the tokenizer in .*custom needs code shipped with the model"),
+    (["--reward_model_name_or_path", "{d}/custom_rm"], r"the tokenizer in .*custom_rm needs code shipped with"),
+    (["--reward_model_name_or_path", "{d}/custom"], r"custom holds Qwen2ForCausalLM, not a reward model"),
 ]
 
 

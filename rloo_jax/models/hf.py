@@ -224,15 +224,20 @@ def architecture_name(cfg: ModelConfig, task: str) -> str:
 # ----------------------------------------------------------------------------------------------- reading
 def resolve_checkpoint(path_or_hub_id: str | Path, weights: bool = True) -> Path:
     """A local checkpoint directory, or a hub snapshot (config, safetensors, tokenizer files only; without the
-    safetensors when `weights` is False)."""
+    safetensors when `weights` is False). A name that means a local path (`rloo_jax.outputs.is_local_path`: it
+    starts with /, ./, ../ or ~, cannot be a hub id, or starts with an existing local folder) but does not exist is
+    a ModelLoadError naming it, never a hub download."""
+    from rloo_jax.outputs import is_local_path
+
     p = Path(path_or_hub_id).expanduser()
     if p.is_dir():
         return p
     if p.exists():
         raise ModelLoadError(f"{p} is a file; expected a checkpoint directory")
     s = str(path_or_hub_id)
-    if s.startswith(("/", ".", "~")) or s.count("/") > 1 or not s:
-        raise ModelLoadError(f"checkpoint path does not exist: {s}")
+    if not s or is_local_path(s):
+        raise ModelLoadError(f"checkpoint path does not exist: {s} (no folder {p.absolute()}; a hub id is `name` or "
+                             "`namespace/name`)")
     try:
         from huggingface_hub import snapshot_download
 
