@@ -63,6 +63,14 @@ def test_positions_lengths_and_masks():
     pm, pm1 = ppo.padding_masks(lengths, 4)
     np.testing.assert_array_equal(pm, [[F, F, T, T], [F, F, F, F], [T, T, T, T]])
     np.testing.assert_array_equal(pm1, [[F, F, F, T], [F, F, F, F], [F, T, T, T]])
+    pm, pm1 = ppo.padding_masks(jnp.array([2, 0]), 4, 3)  # TRL's tensors 3 wide: column 3 does not exist there
+    np.testing.assert_array_equal(pm, [[F, F, F, T], [F, T, T, T]])
+    np.testing.assert_array_equal(pm1, [[F, F, F, T], [F, F, T, T]])
+    np.testing.assert_array_equal(ppo.score_positions(jnp.array([2, 0]), 3), [2, 1])  # as wide as W: its last token
+    r = jnp.array([[5, 2, 0, 0], [2, 0, 0, 0], [5, 5, 2, 9]])
+    assert int(ppo.generated_width(r[:2], 2)) == 2 and int(ppo.generated_width(r, 2)) == 3
+    assert int(ppo.generated_width(jnp.array([[5, 5, 5, 5], [2, 0, 0, 0]]), 2)) == 4
+    assert int(ppo.generated_width(r, None)) == 4
     logits = jnp.arange(2 * 5 * 1, dtype=jnp.float32).reshape(2, 5, 1)
     np.testing.assert_array_equal(ppo.gather_scores(logits, jnp.array([4, 0])), [4.0, 5.0])
     np.testing.assert_array_equal(ppo.response_slice(logits, 3), [[2, 3], [7, 8]])
@@ -92,6 +100,8 @@ def test_token_kl_and_rewards():
     rewards, nsr = ppo.token_rewards(kl, jnp.array([1.0, 2.0]), jnp.array([1, 3]), 0.5)
     np.testing.assert_allclose(nsr, [[-0.05, -0.1, 0, 0], [-0.05] * 4], atol=1e-7)
     np.testing.assert_allclose(rewards, [[-0.05, -0.1, 1, 0], [-0.05, -0.05, -0.05, 1.95]], atol=1e-7)
+    rewards, _ = ppo.token_rewards(kl, jnp.array([1.0, 2.0]), jnp.array([1, 1]), 0.5, response_width=2)
+    np.testing.assert_allclose(rewards, [[-0.05, 0.9, 0, 0], [-0.05, 1.95, -0.05, -0.05]], atol=1e-7)
     scores, has_eos = ppo.apply_missing_eos_penalty(jnp.array([1.0, 1.0]), jnp.array([[4, 1], [4, 5]]), 1, 2.0)
     np.testing.assert_allclose(scores, [1.0, -1.0])
     np.testing.assert_array_equal(has_eos, [T, F])
@@ -136,6 +146,7 @@ def test_ppo_loss_golden_and_gradients():
         values=jnp.array([[0.5, 0.2, 0.0]]), scores=jnp.zeros(1), kl=jnp.zeros((1, 3)),
         non_score_reward=jnp.zeros((1, 3)), rewards=jnp.zeros((1, 3)),
         advantages=jnp.array([[1.0, -1.0, 0.0]]), returns=jnp.array([[1.0, 0.0, 0.3]]),
+        response_width=jnp.array([3]),
     )
     opts = ppo.PPOOptions(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
     new = jnp.log(jnp.array([[0.75, 0.45, 0.01]]))  # the padded token's value is replaced by INVALID_LOGPROB
@@ -151,6 +162,14 @@ def test_ppo_loss_golden_and_gradients():
     assert float(st["ratio"]) == pytest.approx((1.5 + 0.9 + 1.0) / 3, abs=1e-6)
     assert float(st["entropy"]) == pytest.approx(2.0)
     assert "entropy" not in ppo.ppo_loss(new, vpred, batch, opts)[1]
+    # the same row one column wider, with TRL's width 3: the all-position means keep their denominators
+    wide = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 1)], constant_values=1) if x.ndim == 2 else x, batch)
+    wide = wide.replace(padding_mask=jnp.array([[F, F, T, T]]), padding_mask_p1=jnp.array([[F, F, F, T]]))
+    loss_w, st_w = ppo.ppo_loss(jnp.pad(new, [(0, 0), (0, 1)]), jnp.pad(vpred, [(0, 0), (0, 1)]), wide, opts,
+                                entropy=jnp.array([[1.0, 2.0, 3.0, 50.0]]))
+    assert float(loss_w) == pytest.approx(float(loss), abs=1e-7)
+    for name in ppo.STAT_NAMES:
+        assert float(st_w[name]) == pytest.approx(float(st[name]), abs=1e-7), name
     # gradients: none through the clipped token or the padding; the value loss only where unclipped
     g_new, g_v = jax.grad(lambda a, b: ppo.ppo_loss(a, b, batch, opts)[0], argnums=(0, 1))(new, vpred)
     np.testing.assert_allclose(g_new, [[0.0, 0.9 / 2, 0.0]], atol=1e-6)  # d(-A r)/d logp = -A r = 0.9, mean of 2
@@ -276,7 +295,7 @@ def test_stats_table_and_update_metrics_golden():
         logprobs=jnp.array([[-1.0, 1.0, 1.0], [-2.0, -3.0, -4.0]]), ref_logprobs=jnp.zeros((2, 3)),
         values=jnp.zeros((2, 3)), scores=jnp.array([1.0, 2.0]), kl=jnp.array([[0.5, 0, 0], [0.1, 0.2, 0.3]]),
         non_score_reward=jnp.array([[-0.1, 0, 0], [-0.2, 0, 0]]), rewards=jnp.zeros((2, 3)),
-        advantages=jnp.zeros((2, 3)), returns=jnp.zeros((2, 3)),
+        advantages=jnp.zeros((2, 3)), returns=jnp.zeros((2, 3)), response_width=jnp.array([3, 3]),
     )
     m = ppo.update_metrics(roll, tables, eos_token_id=1, lr=0.5, episode=16)
     assert float(m["objective/kl"]) == pytest.approx((0.5 + 0.6) / 2)
@@ -299,8 +318,12 @@ N_PROMPTS = 16
 SEED = 1234  # np.random.seed before train(): TRL's permutations
 
 
-def _completions(case_seed: int, rows: int) -> np.ndarray:
-    """[2 updates, rows, L] fixed completions covering every response shape TRL handles differently."""
+def _completions(case_seed: int, rows: int, short_update: int | None = None) -> np.ndarray:
+    """[2 updates, rows, L] fixed completions covering every response shape TRL handles differently.
+
+    ``short_update``: in that update every row stops (EOS) by position 3, one exactly there, as generation that
+    stops early returns them: TRL's tensors are then 4 wide, not L.
+    """
     rng = np.random.default_rng(case_seed)
     c = rng.integers(8, 48, size=(2, rows, L))  # word tokens other than STOP
     shapes = [
@@ -323,6 +346,11 @@ def _completions(case_seed: int, rows: int) -> np.ndarray:
             for t, tok in enumerate(shapes[order[r % len(shapes)]]):
                 if tok is not None:
                     c[u, r, t] = tok
+    if short_update is not None:
+        ends = [3] + [int(e) for e in rng.integers(0, 4, size=rows - 1)]
+        for r, e in enumerate(ends):
+            c[short_update, r, e] = EOS
+            c[short_update, r, e + 1 :] = PAD
     return c
 
 
@@ -344,6 +372,7 @@ CASES = {
                  num_ppo_epochs=2, stop_token="eos", missing_eos_penalty=0.5, cliprange=0.15, cliprange_value=0.1,
                  gamma=0.9, lam=0.8),
         completions_seed=2,
+        short_update=1,  # generation "stopped early": TRL's tensors are 4 wide in update 1
     ),
 }
 COMMON = dict(local_rollout_forward_batch_size=3, response_length=L, temperature=0.7, kl_coef=0.2,
@@ -438,7 +467,7 @@ def _trl112_case(case: str, spec: dict, out_dir: str, tokenizer: object, prompts
                      num_sample_generations=0, save_strategy="no", logging_steps=1, disable_tqdm=True, **COMMON,
                      **spec["cfg"])
     completions = _completions(spec["completions_seed"], args.per_device_train_batch_size
-                               * args.gradient_accumulation_steps)
+                               * args.gradient_accumulation_steps, spec.get("short_update"))
     arrays[f"{case}/completions"] = completions
     policy, ref = qwen2(Qwen2ForCausalLM, 0), qwen2(Qwen2ForCausalLM, 0)
     with torch.no_grad():  # the reference: the policy, perturbed (so the KL is non-zero from the first update)
@@ -477,7 +506,12 @@ def _trl112_case(case: str, spec: dict, out_dir: str, tokenizer: object, prompts
 
     def fake_batch_generation(model, queries, batch_size, pad_token_id, generation_config):
         u = rec["update"]
-        query_responses = torch.cat([queries, torch.as_tensor(completions[u], dtype=queries.dtype)], 1)
+        responses = completions[u]
+        if trainer.stop_token_id is not None:  # generate() stops once every row has produced the stop token
+            stops = [list(row).index(trainer.stop_token_id) + 1 if trainer.stop_token_id in row else L
+                     for row in responses]
+            responses = responses[:, : max(stops)]
+        query_responses = torch.cat([queries, torch.as_tensor(responses, dtype=queries.dtype)], 1)
         raw = orig_forward(model, query_responses, pad_token_id).logits[:, queries.shape[1] - 1 : -1]
         put(f"u{u}/gen_raw_logits", raw)
         # what generate() returns as scores: the logits after its temperature warper (temperature + 1e-7)
@@ -593,17 +627,24 @@ def _close(ours, theirs, name, atol=1e-5, rtol=1e-4):
                                err_msg=name)
 
 
+def _widen(x: np.ndarray, extra: int, value: int | float = 0) -> jnp.ndarray:
+    """Pad axis 1 at the end: TRL's W-wide tensors to our fixed L."""
+    return jnp.asarray(np.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value))
+
+
 @functools.partial(jax.jit, static_argnames=("ctx", "stop_token_id", "options"))
 def _rollout_from_outputs(responses, reward_logits, value_logits, gen_raw_logits, ref_logits, *, ctx, stop_token_id,
                           options):
-    """Our rollout from TRL's raw model outputs: generation logits, reference logits, value and reward heads."""
+    """Our rollout (L wide) from TRL's raw model outputs: generation logits, reference logits, value and reward
+    heads, and the width TRL's generation had."""
+    width = ppo.generated_width(responses, stop_token_id)
     post = ppo.truncate_response(responses, stop_token_id, PAD)
     scores = ppo.gather_scores(reward_logits, ppo.reward_positions(post, PAD, ctx))
     values = ppo.response_slice(value_logits, ctx)
     logprobs, _ = ppo.policy_logprobs(gen_raw_logits, responses, COMMON["temperature"])
     ref_logprobs, _ = ppo.policy_logprobs(ppo.response_slice(ref_logits, ctx), responses, COMMON["temperature"])
     roll = ppo.ppo_rollout(responses, post, logprobs, ref_logprobs, values, scores, eos_token_id=EOS,
-                           pad_token_id=PAD, options=options)
+                           pad_token_id=PAD, options=options, response_width=width)
     return roll, scores, values
 
 
@@ -614,9 +655,10 @@ def _our_rollout(z: dict, case: str, u: int, ctx: int) -> tuple[ppo.PPORollout, 
     if (id(z), case, u) not in _ROLLOUTS:
         cfg = CASES[case]["cfg"]
         k = f"{case}/u{u}"
+        extra = L - z[f"{k}/responses"].shape[1]
         roll, scores, values = _rollout_from_outputs(
-            *(jnp.asarray(z[f"{k}/{n}"]) for n in ("responses", "reward_logits", "value_logits", "gen_raw_logits",
-                                                     "ref_logits")),
+            _widen(z[f"{k}/responses"], extra, PAD),
+            *(_widen(z[f"{k}/{n}"], extra) for n in ("reward_logits", "value_logits", "gen_raw_logits", "ref_logits")),
             ctx=ctx, stop_token_id=_stop_token_id(cfg), options=_options(cfg),
         )
         _ROLLOUTS[id(z), case, u] = roll, dict(raw_scores=scores, raw_values=values)
@@ -631,16 +673,23 @@ def test_rollout_matches_trl112(case, trl_run):
     ctx = meta["cases"][case]["context_length"]
     for u in range(2):
         k = f"{case}/u{u}"
-        np.testing.assert_array_equal(z[f"{k}/responses"], z[f"{case}/completions"][u])
+        w = z[f"{k}/responses"].shape[1]  # TRL's width: < L where every row stopped early
+        np.testing.assert_array_equal(z[f"{k}/responses"], z[f"{case}/completions"][u][:, :w])
         roll, raw = _our_rollout(z, case, u, ctx)
+        assert (roll.response_width == w).all()
         _close(raw["raw_scores"], z[f"{k}/reward_score"], "reward score at reward_positions")
-        _close(raw["raw_values"], z[f"{k}/value_logits"][:, ctx - 1 : -1, 0], "values")
-        for name in ("postprocessed_responses", "sequence_lengths", "contain_eos_token", "padding_mask",
-                     "padding_mask_p1"):
+        _close(raw["raw_values"][:, :w], z[f"{k}/value_logits"][:, ctx - 1 : -1, 0], "values")
+        for name in ("sequence_lengths", "contain_eos_token"):
             np.testing.assert_array_equal(getattr(roll, name), z[f"{k}/{name}"], err_msg=name)
-        for name in ("logprobs", "ref_logprobs", "values", "scores", "kl", "non_score_reward", "rewards", "returns",
+        for name in ("postprocessed_responses", "padding_mask", "padding_mask_p1"):
+            np.testing.assert_array_equal(getattr(roll, name)[:, :w], z[f"{k}/{name}"], err_msg=name)
+        assert roll.padding_mask[:, w:].all() and roll.padding_mask_p1[:, w:].all()
+        _close(roll.scores, z[f"{k}/scores"], f"{k}/scores")
+        for name in ("logprobs", "ref_logprobs", "values", "kl", "non_score_reward", "rewards", "returns",
                      "advantages"):
-            _close(getattr(roll, name), z[f"{k}/{name}"], f"{k}/{name}")
+            _close(getattr(roll, name)[:, :w], z[f"{k}/{name}"], f"{k}/{name}")
+            if name not in ("logprobs", "ref_logprobs"):  # beyond W: nothing (log-probs hold INVALID_LOGPROB)
+                assert not np.asarray(getattr(roll, name))[:, w:].any(), name
 
 
 @pytest.mark.parity
@@ -649,6 +698,8 @@ def test_cases_exercise_every_branch(trl_run):
     z, _ = trl_run
     for case in ("k3_whiten_stop_penalty", "k1_stop_eos_ragged"):
         for u in range(2):
+            if u == CASES[case].get("short_update"):
+                continue
             k = f"{case}/u{u}"
             assert (z[f"{k}/postprocessed_responses"] != z[f"{k}/responses"]).any(axis=1).sum() >= 2, k
             assert (~z[f"{k}/contain_eos_token"]).sum() >= 2, k
@@ -656,10 +707,14 @@ def test_cases_exercise_every_branch(trl_run):
             _close(z[f"{k}/scores"], z[f"{k}/reward_score"] - penalty * ~z[f"{k}/contain_eos_token"], k)
     lengths = np.concatenate([z[f"{c}/u{u}/sequence_lengths"] for c in CASES for u in range(2)])
     assert {-1, 0, L - 1} <= set(lengths.tolist())
+    # the early-stopped update: TRL's tensors 4 wide, one row as wide (its score on its last token, not one past)
+    k = "k1_stop_eos_ragged/u1"
+    assert z[f"{k}/responses"].shape[1] == 4 and (z[f"{k}/sequence_lengths"] == 3).any()
 
 
 @functools.partial(jax.jit, static_argnames=("ctx", "options"))
 def _micro_loss(logits, vpred_temp, batch, *, ctx, options):
+    """TRL's W-wide training-forward outputs, padded to L (the extra columns are what a fixed-width model sees)."""
     new_logprobs, entropy = ppo.policy_logprobs(ppo.response_slice(logits, ctx), batch.responses,
                                                 COMMON["temperature"])
     return ppo.ppo_loss(new_logprobs, ppo.response_slice(vpred_temp, ctx), batch, options, entropy)
@@ -674,8 +729,9 @@ def _micro_batches(z: dict, meta: dict, case: str, u: int):
     for j, m in enumerate(micro):
         k = f"{case}/u{u}/mb{j}"
         batch = jax.tree.map(lambda x: x[np.asarray(m["rows"])], roll)  # noqa: B023
-        loss, stats = _micro_loss(jnp.asarray(z[f"{k}/logits"]), jnp.asarray(z[f"{k}/vpred_temp"]), batch, ctx=ctx,
-                                  options=_options(cfg))
+        extra = ctx + L - z[f"{k}/logits"].shape[1]
+        loss, stats = _micro_loss(_widen(z[f"{k}/logits"], extra), _widen(z[f"{k}/vpred_temp"], extra), batch,
+                                  ctx=ctx, options=_options(cfg))
         yield k, m, loss, stats, roll
 
 

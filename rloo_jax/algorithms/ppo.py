@@ -15,6 +15,12 @@ Everything between "the completions are generated" and "the optimizer steps" in
 
 Shapes: B rows (``local_batch_size``), P query length (``context_length``), L response length
 (``response_length``), V vocabulary, E ``num_ppo_epochs``, M ``num_mini_batches``, A ``gradient_accumulation_steps``.
+
+TRL's response width is data-dependent: generation stops once every row of a chunk has produced the stop token, so
+TRL's tensors are ``W = generated_width(...) <= L`` wide. W changes where a full-width response's score lands and the
+denominators of the all-position statistics. Fixed-shape callers keep L columns and pass ``response_width=W``:
+everything at ``t >= W`` is then masked as TRL's missing columns (tests/test_ppo_math.py checks this against a TRL
+run whose generation stopped early).
 docs/ppo_trl112_notes.md describes TRL's code path, line by line, and its quirks.
 """
 
@@ -86,6 +92,7 @@ class PPORollout:
     rewards: Array  # [B, L] float32, non_score_reward + score at score_positions (whitened if whiten_rewards)
     advantages: Array  # [B, L] float32, GAE, whitened over ~padding_mask, 0 at padding
     returns: Array  # [B, L] float32, GAE advantages (before whitening) + values
+    response_width: Array  # [B] int32, TRL's tensor width W (the same in every row; L unless generation stopped early)
 
 
 # ----------------------------------------------------------------------------------------------- tokens and masks
@@ -165,14 +172,36 @@ def sequence_lengths(postprocessed_responses: Array, pad_token_id: int) -> Array
     return first_true_indices(postprocessed_responses == pad_token_id) - 1
 
 
-def padding_masks(seq_lengths: Array, response_length: int) -> tuple[Array, Array]:
-    """``(padding_mask, padding_mask_p1)``: ``t > len`` and ``t > len + 1`` (``[B, L]`` bool).
+def padding_masks(
+    seq_lengths: Array, response_length: int, response_width: Array | int | None = None
+) -> tuple[Array, Array]:
+    """``(padding_mask, padding_mask_p1)``: ``t > len`` and ``t > len + 1`` (``[B, L]`` bool), both also True at
+    ``t >= response_width`` (columns TRL's narrower tensors do not have) when that is given.
 
     ``padding_mask`` masks log-probs, KL and the policy loss; ``padding_mask_p1`` keeps one more position (where the
-    score lands) for values, returns and the value loss. ``len 1, L 4`` -> ``[F, F, T, T]`` and ``[F, F, F, T]``.
+    score lands) for values, returns and the value loss. ``len 1, L 4`` -> ``[F, F, T, T]`` and ``[F, F, F, T]``;
+    ``len 2, L 4, width 3`` -> ``[F, F, F, T]`` and ``[F, F, F, T]``.
     """
     idx = jnp.arange(response_length)[None, :]
-    return idx > seq_lengths[:, None], idx > seq_lengths[:, None] + 1
+    pm, pm1 = idx > seq_lengths[:, None], idx > seq_lengths[:, None] + 1
+    if response_width is not None:
+        beyond = idx >= jnp.reshape(jnp.asarray(response_width), (-1, 1))
+        pm, pm1 = pm | beyond, pm1 | beyond
+    return pm, pm1
+
+
+def generated_width(responses: Array, stop_token_id: int | None) -> Array:
+    """TRL's response width W: ``max_b min(first stop index + 1, L)``; L when ``stop_token_id`` is None.
+
+    TRL sets the policy's ``generation_config.eos_token_id = stop_token_id``, so ``generate`` stops a chunk once all its
+    rows produced it, and ``batch_generation`` right-pads the chunks to the widest: W is the longest response up to
+    and including its first stop token. From fixed-width tokens (anything after a row's stop token is ignored):
+    ``[[5, 2, 0, 0], [2, 0, 0, 0]]`` with stop 2 -> ``2``. Returns a scalar int32.
+    """
+    length = responses.shape[1]
+    if stop_token_id is None:
+        return jnp.asarray(length, jnp.int32)
+    return jnp.max(jnp.minimum(first_true_indices(responses == stop_token_id) + 1, length)).astype(jnp.int32)
 
 
 def policy_logprobs(logits: Array, responses: Array, temperature: float) -> tuple[Array, Array]:
@@ -227,22 +256,25 @@ def apply_missing_eos_penalty(
     return scores, contain_eos
 
 
-def score_positions(seq_lengths: Array, response_length: int) -> Array:
-    """Where TRL adds the score: ``len + 1`` (the first position after the response) if ``< L``, else ``len``.
+def score_positions(seq_lengths: Array, response_width: Array | int) -> Array:
+    """Where TRL adds the score: ``len + 1`` (the first position after the response) if ``< W``, else ``len``.
 
-    So a response that ended before L gets its score one step *after* its last token (a pad position kept by
-    ``padding_mask_p1``, whose value is the value model's output at the last token); a full-length one at its last
-    token. ``len [1, 3, -1], L 4 -> [2, 3, 0]``.
+    So a response that ended before TRL's width W gets its score one step *after* its last token (a pad position kept
+    by ``padding_mask_p1``, whose value is the value model's output at the last token); one as wide as W at its last
+    token. ``len [1, 3, -1], W 4 -> [2, 3, 0]``.
     """
     p1 = seq_lengths + 1
-    return jnp.where(p1 < response_length, p1, seq_lengths)
+    return jnp.where(p1 < response_width, p1, seq_lengths)
 
 
-def token_rewards(kl: Array, scores: Array, seq_lengths: Array, kl_coef: float) -> tuple[Array, Array]:
+def token_rewards(
+    kl: Array, scores: Array, seq_lengths: Array, kl_coef: float, response_width: Array | int | None = None
+) -> tuple[Array, Array]:
     """``(rewards, non_score_reward)``: ``non_score_reward = -kl_coef * kl``; ``rewards`` adds each row's score at
-    ``score_positions``. kl ``[[0.1, 0.2, 0, 0]]``, score 1, len 1, coef 0.5 -> ``[[-0.05, -0.1, 1, 0]]``."""
+    ``score_positions`` (W defaults to L). kl ``[[0.1, 0.2, 0, 0]]``, score 1, len 1, coef 0.5 ->
+    ``[[-0.05, -0.1, 1, 0]]``."""
     non_score_reward = -kl_coef * kl
-    end = score_positions(seq_lengths, kl.shape[1])
+    end = score_positions(seq_lengths, kl.shape[1] if response_width is None else response_width)
     rewards = non_score_reward.at[jnp.arange(kl.shape[0]), end].add(scores)
     return rewards, non_score_reward
 
@@ -321,6 +353,7 @@ def ppo_rollout(
     eos_token_id: int,
     pad_token_id: int,
     options: PPOOptions = PPOOptions(),
+    response_width: Array | int | None = None,
 ) -> PPORollout:
     """TRL's rollout processing (``ppo_trainer.py`` 755-798), in its order.
 
@@ -337,18 +370,20 @@ def ppo_rollout(
       ref_logprobs: ``[B, L]`` reference log-probs of ``responses``.
       values: ``[B, L]`` value-head outputs at the response positions, from ``query + responses``.
       scores: ``[B]`` reward-model scores of ``query + postprocessed_responses`` (before the EOS penalty).
+      response_width: TRL's width W (``generated_width``) when the arrays are wider; None: W = L.
     """
     scores, contain_eos = apply_missing_eos_penalty(
         scores.astype(jnp.float32), postprocessed_responses, eos_token_id, options.missing_eos_penalty
     )
     seq_lengths = sequence_lengths(postprocessed_responses, pad_token_id)
-    padding_mask, padding_mask_p1 = padding_masks(seq_lengths, responses.shape[1])
+    width = jnp.asarray(responses.shape[1] if response_width is None else response_width, jnp.int32)
+    padding_mask, padding_mask_p1 = padding_masks(seq_lengths, responses.shape[1], width)
     logprobs = jnp.where(padding_mask, INVALID_LOGPROB, logprobs)
     ref_logprobs = jnp.where(padding_mask, INVALID_LOGPROB, ref_logprobs)
     values = jnp.where(padding_mask_p1, 0.0, values.astype(jnp.float32))
 
     kl = token_kl(logprobs, ref_logprobs, options.kl_estimator)
-    rewards, non_score_reward = token_rewards(kl, scores, seq_lengths, options.kl_coef)
+    rewards, non_score_reward = token_rewards(kl, scores, seq_lengths, options.kl_coef, width)
     if options.whiten_rewards:
         rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False)
         rewards = jnp.where(padding_mask_p1, 0.0, rewards)
@@ -361,6 +396,7 @@ def ppo_rollout(
         contain_eos_token=contain_eos, padding_mask=padding_mask, padding_mask_p1=padding_mask_p1,
         logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
         non_score_reward=non_score_reward, rewards=rewards, advantages=advantages, returns=returns,
+        response_width=jnp.full(responses.shape[:1], width, jnp.int32),
     )
 
 
@@ -383,8 +419,8 @@ def ppo_loss(
     - ``loss = pg_loss + vf_coef * vf_loss`` (TRL's backward then divides by ``gradient_accumulation_steps``).
 
     Statistics (no gradient): ``pg_clipfrac`` and ``vf_clipfrac`` (masked means of "the clipped term is larger"),
-    and, over *all* B x L positions with padding included: ``approxkl = 0.5 * mean((new - old)^2)``,
-    ``ratio = mean(ratio)``, ``entropy = mean(entropy)`` (when given).
+    and, over *all* b x W positions with padding included (TRL's tensors are W wide): ``approxkl =
+    0.5 * mean((new - old)^2)``, ``ratio = mean(ratio)`` (1 at padding), ``entropy = mean(entropy)`` (when given).
 
     Args:
       new_logprobs: ``[b, L]`` current-policy log-probs of ``batch.responses`` (``policy_logprobs``), unmasked.
@@ -413,16 +449,17 @@ def ppo_loss(
     pg_loss = masked_mean(jnp.maximum(pg_losses, pg_losses2), ~pm)
     loss = pg_loss + options.vf_coef * vf_loss
 
+    within = jnp.arange(pm.shape[1])[None, :] < batch.response_width[:, None]  # TRL's W columns
     stats = {
-        "approxkl": 0.5 * jnp.mean(sg(logprobs_diff) ** 2),
+        "approxkl": 0.5 * masked_mean(sg(logprobs_diff) ** 2, within),
         "pg_clipfrac": masked_mean(sg(pg_losses2 > pg_losses), ~pm),
         "pg_loss": sg(pg_loss),
         "vf_loss": sg(vf_loss),
         "vf_clipfrac": masked_mean(sg(vf_losses2 > vf_losses1), ~pm1),
-        "ratio": jnp.mean(sg(ratio)),
+        "ratio": masked_mean(sg(ratio), within),
     }
     if entropy is not None:
-        stats["entropy"] = jnp.mean(sg(entropy))
+        stats["entropy"] = masked_mean(sg(entropy), within)
     return loss, stats
 
 
