@@ -4,8 +4,8 @@ Everything between "the completions are generated" and "the optimizer steps" in
 ``trl/experimental/ppo/ppo_trainer.py`` (TRL 1.12.0, the last release with PPO), in TRL's order:
 
 1. ``truncate_response``: cut each response after the first ``stop_token_id`` (TRL's ``postprocessed_response``).
-2. The reward model scores ``query + postprocessed_response`` at ``reward_positions`` (the last non-pad token); the
-   value model runs on the *un*-truncated ``query + response`` and is read at ``response_slice``.
+2. The reward model scores ``query + postprocessed_response`` at ``reward_positions`` (the token before its first
+   pad); the value model runs on the *un*-truncated ``query + response`` and is read at ``response_slice``.
 3. ``ppo_rollout``: sequence lengths, ``padding_mask`` / ``padding_mask_p1``, ``INVALID_LOGPROB`` fills,
    ``missing_eos_penalty``, per-token KL (k1/k3), the score added at ``score_positions``, optional reward whitening,
    GAE (``gae``, a reverse ``lax.scan``), returns, advantage whitening.
