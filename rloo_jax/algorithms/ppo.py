@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from rloo_jax.algorithms.common import LossInputs, ScoreInputs, combine_rewards
 from rloo_jax.errors import ConfigError
 from rloo_jax.logprobs import entropy_from_logits, per_token_logps
 
@@ -637,25 +638,140 @@ def update_metrics(
     With several processes TRL averages each scalar over processes (``gather_for_metrics(x).mean()``) and takes the
     tables' mean/var over all processes' entries; this is the one-process case.
     """
+    return {
+        **rollout_metrics(rollout, eos_token_id),
+        **table_metrics(stats),
+        "lr": jnp.asarray(lr, jnp.float32),
+        "episode": jnp.asarray(episode, jnp.int32),
+    }
+
+
+TABLE_METRICS = {"approxkl": "policy/approxkl_avg", "pg_clipfrac": "policy/clipfrac_avg", "pg_loss": "loss/policy_avg",
+                 "vf_loss": "loss/value_avg", "vf_clipfrac": "val/clipfrac_avg", "entropy": "policy/entropy_avg",
+                 "ratio": "val/ratio"}
+"""TRL's logged name of the mean of each statistics table (``STAT_NAMES``)."""
+
+
+def rollout_metrics(rollout: PPORollout, eos_token_id: int) -> dict[str, Array]:
+    """The generation half of TRL's logged dict (``update_metrics``): ``objective/*`` and ``val/num_eos_tokens``."""
     not_pad = (~rollout.padding_mask).astype(jnp.float32)
     mean_non_score = jnp.mean(jnp.sum(rollout.non_score_reward, axis=1))
     mean_score = jnp.mean(rollout.scores)
-    ratio = stats["ratio"].ravel()
     return {
         "objective/kl": jnp.mean(jnp.sum(rollout.kl, axis=1)),
         "objective/entropy": jnp.mean(jnp.sum(-rollout.logprobs * not_pad, axis=1)),
         "objective/non_score_reward": mean_non_score,
         "objective/rlhf_reward": mean_non_score + mean_score,
         "objective/scores": mean_score,
-        "policy/approxkl_avg": jnp.mean(stats["approxkl"]),
-        "policy/clipfrac_avg": jnp.mean(stats["pg_clipfrac"]),
-        "loss/policy_avg": jnp.mean(stats["pg_loss"]),
-        "loss/value_avg": jnp.mean(stats["vf_loss"]),
-        "val/clipfrac_avg": jnp.mean(stats["vf_clipfrac"]),
-        "policy/entropy_avg": jnp.mean(stats["entropy"]),
-        "val/ratio": jnp.mean(ratio),
-        "val/ratio_var": jnp.var(ratio, ddof=1),
         "val/num_eos_tokens": jnp.sum(rollout.responses == eos_token_id),
-        "lr": jnp.asarray(lr, jnp.float32),
-        "episode": jnp.asarray(episode, jnp.int32),
     }
+
+
+def table_metrics(stats: dict[str, Array]) -> dict[str, Array]:
+    """The update half of TRL's logged dict (``update_metrics``): the mean of each statistics table (any shape,
+    unwritten zeros included) under its ``TABLE_METRICS`` name, and ``val/ratio_var``, the ratio table's unbiased
+    variance. Tables ``[[1, 3], [0, 0]]`` -> mean 1.0; as ratio: var 2.0."""
+    out = {TABLE_METRICS[name]: jnp.mean(stats[name]) for name in STAT_NAMES if name in stats}
+    out["val/ratio_var"] = jnp.var(stats["ratio"].ravel(), ddof=1)
+    return out
+
+
+def zero_filled_tables(micro: dict[str, Array], num_ppo_epochs: int, num_mini_batches: int,
+                       gradient_accumulation_steps: int) -> dict[str, Array]:
+    """Each statistic's per-micro-batch values (any shape, K in all) as TRL's ``[E, M, A]`` table holds them for
+    its mean and variance: the K values and ``E * M * A - K`` zeros, flat (the positions do not matter to a mean
+    or a variance; ``micro_stats_table`` places them). ``[0.5, 1.5]`` with E, M, A = 1, 2, 2 -> ``[0.5, 1.5, 0, 0]``.
+    """
+    cells = num_ppo_epochs * num_mini_batches * gradient_accumulation_steps
+    out = {}
+    for name, values in micro.items():
+        flat = jnp.ravel(values).astype(jnp.float32)
+        if flat.shape[0] > cells:
+            raise ValueError(f"{flat.shape[0]} micro-batch values do not fit a {cells}-cell statistics table")
+        out[name] = jnp.concatenate([flat, jnp.zeros(cells - flat.shape[0], jnp.float32)])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the algorithm
+
+
+@dataclasses.dataclass(frozen=True)
+class PPO(PPOOptions):
+    """TRL 1.12's PPO as the value the step composes (``rloo_jax.algorithms``): ``PPOOptions``' knobs, the sizes of
+    TRL's statistics tables and the tokenizer's pad and EOS ids. Frozen and hashable (static for ``jax.jit``).
+
+    - ``score`` (once per generation batch): ``ppo_rollout`` on the rollout's tokens, log-probs, reference
+      log-probs and values, with the reward (the reward model's score and any reward functions', weighted) as
+      TRL's score, and TRL's response width W (the longest completion, its stop token included) -> per-token
+      advantages, returns, the rollout values and the two padding masks as the update's targets; TRL's
+      ``objective/*`` and ``val/num_eos_tokens`` as metrics.
+    - ``loss`` (one micro-batch): ``ppo_loss`` with the current log-probs, entropies and values; its statistics
+      per micro-batch under TRL's logged names.
+    - ``summarize`` (once per update): those statistics as TRL logs them (``table_metrics`` of the zero-filled
+      ``[E, M, A]`` tables).
+
+    The completion mask of the rollout is TRL's: the step's sampler stops at the stop token (or never, without
+    one), so ``mask`` marks the response up to and including it, and the postprocessed response is the
+    completion with pad after it.
+    """
+
+    num_ppo_epochs: int = 4
+    num_mini_batches: int = 1
+    gradient_accumulation_steps: int = 1
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+
+    needs_values = True  # a value model: its per-token estimates at generation time and, trained, in the loss
+    entropy_grad = False
+    mask_truncated_completions = False
+    step_unit = "generation"  # a step (the learning rate's, the log's) is one update over a generation batch
+
+    @property
+    def needs_reference(self) -> bool:
+        return True  # TRL's KL penalty and objective/kl (kl_coef 0 still logs the KL)
+
+    def rollout(self, batch: ScoreInputs) -> PPORollout:
+        """``ppo_rollout`` of a generation batch (``[N, C]`` arrays; C may exceed TRL's width W, which is then
+        passed as ``response_width``)."""
+        mask = batch.mask > 0
+        responses = batch.completion_ids
+        post = jnp.where(mask, responses, jnp.asarray(self.pad_token_id, responses.dtype))
+        scores = jnp.nan_to_num(combine_rewards(batch.rewards_per_func, batch.reward_weights), nan=0.0)
+        width = jnp.max(jnp.sum(mask, axis=1)).astype(jnp.int32)
+        return ppo_rollout(responses, post, batch.old_logps, batch.ref_logps, batch.values, scores,
+                           eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, options=self,
+                           response_width=width)
+
+    def score(self, batch: ScoreInputs) -> tuple[dict[str, Array], dict[str, Array]]:
+        r = self.rollout(batch)
+        targets = {"advantages": r.advantages, "returns": r.returns, "old_values": r.values,
+                   "padding_mask": r.padding_mask, "padding_mask_p1": r.padding_mask_p1,
+                   "response_width": r.response_width}
+        return targets, rollout_metrics(r, self.eos_token_id)
+
+    def loss(self, batch: LossInputs) -> tuple[Array, dict[str, Array], dict[str, Array]]:
+        t = batch.targets
+        pm = t["padding_mask"]
+        rows = PPORollout(
+            responses=None, postprocessed_responses=None, sequence_lengths=None, contain_eos_token=None,
+            padding_mask=pm, padding_mask_p1=t["padding_mask_p1"],
+            logprobs=jnp.where(pm, INVALID_LOGPROB, batch.old_logps), ref_logprobs=None, values=t["old_values"],
+            scores=None, kl=None, non_score_reward=None, rewards=None, advantages=batch.advantages,
+            returns=t["returns"], response_width=t["response_width"],
+        )
+        loss, stats = ppo_loss(batch.logps, batch.values, rows, self, entropy=batch.entropy)
+        return loss, {TABLE_METRICS[name]: value for name, value in stats.items()}, {}
+
+    def init_state(self) -> None:
+        return None
+
+    def next_state(self, state: None, stats: dict[str, Array]) -> tuple[None, dict[str, Array]]:
+        return state, {}
+
+    def summarize(self, metrics: dict[str, dict[str, Array]]) -> dict[str, dict[str, Array]]:
+        """The update's record as TRL logs it: the generation metrics and ``table_metrics`` of the micro-batch
+        statistics (``[U, M]`` each, K values) in their zero-filled ``[E, M, A]`` tables, into ``generation``."""
+        names = {v: k for k, v in TABLE_METRICS.items()}
+        micro = {names[n]: v for n, v in metrics["micro"].items() if n in names}
+        tables = zero_filled_tables(micro, self.num_ppo_epochs, self.num_mini_batches, self.gradient_accumulation_steps)
+        return dict(metrics, generation={**metrics["generation"], **table_metrics(tables)})

@@ -11,6 +11,7 @@ from rloo_jax.models.config import (
 )
 from rloo_jax.models.hf import (
     abstract_model,
+    abstract_value_model,
     adapter_table,
     export_tensors,
     init_causal_lm,
@@ -19,6 +20,7 @@ from rloo_jax.models.hf import (
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
+    load_value_model,
     save_adapter,
     save_pretrained,
     weight_table,
@@ -44,6 +46,7 @@ __all__ = [
     "PromptCache",
     "RewardModel",
     "abstract_model",
+    "abstract_value_model",
     "adapter_table",
     "config_from_hf",
     "config_to_hf",
@@ -55,6 +58,7 @@ __all__ = [
     "load_causal_lm",
     "load_reward_model",
     "load_tokenizer",
+    "load_value_model",
     "logical_axes",
     "lora_spec",
     "positions_from_mask",
