@@ -983,7 +983,7 @@ class TrainConfig:
         named by reward_model_name_or_path and reward_funcs. The CLI checks this when it reads its config;
         `RLOOTrainer` once its arguments are in."""
         _require(
-            self.model_name_or_path,
+            self.policy_path,
             "model_name_or_path is required: pass --model_name_or_path "
             "PATH_OR_HUB_ID (or run with no arguments for the built-in demo)",
         )
@@ -1484,8 +1484,10 @@ class PPOConfig(TrainConfig):
     def step_options(self) -> dict[str, Any]:
         from rloo_jax.algorithms.ppo import TEMPERATURE_EPS
 
-        # TRL scales every log-prob's logits by 1 / (temperature + 1e-7); micro-batches are shuffled rows
-        return {"logprob_temperature": (self.temperature or 1.0) + TEMPERATURE_EPS, "row_order": True}
+        # TRL scales every log-prob's logits by 1 / (temperature + 1e-7); micro-batches are shuffled rows; every pad
+        # id is padding (TRL's attention_mask = ids != pad)
+        return {"logprob_temperature": (self.temperature or 1.0) + TEMPERATURE_EPS, "row_order": True,
+                "pad_is_padding": True}
 
     def resolved_stop_token_id(self, tokenizer: Any) -> int | None:
         """The id generation stops at: the tokenizer's EOS for stop_token `eos`, else stop_token_id (TRL)."""
@@ -1557,6 +1559,7 @@ class PPOConfig(TrainConfig):
             cliprange_value=self.cliprange_value, vf_coef=self.vf_coef, num_ppo_epochs=self.num_ppo_epochs,
             num_mini_batches=self.num_mini_batches, gradient_accumulation_steps=self.gradient_accumulation_steps,
             pad_token_id=int(tokenizer.pad_token_id), eos_token_id=int(tokenizer.eos_token_id),
+            stop_token_id=self.resolved_stop_token_id(tokenizer),
         )
 
 

@@ -113,6 +113,9 @@ class StepConfig:
     logprob_temperature: float | None = None
     """The temperature of every log-prob (training, old, reference); None: the sampler's (1 when greedy). TRL
     1.12's PPO divides by temperature + 1e-7."""
+    pad_is_padding: bool = False
+    """Every sampled pad token is padding too (out of the completion mask, out of attention), as TRL 1.12's PPO
+    treats every pad id (``attention_mask = ids != pad``); else only what follows the EOS is."""
     row_order: bool = False
     """The update takes each micro-batch's rows as an input (``order [updates x gradient_accumulation_steps, rows]``
     int32, drawn on the host: PPO's per-epoch shuffles) instead of cutting the generation batch in order."""
@@ -217,10 +220,12 @@ def head_scores(
 
 
 def last_scores(heads: Array, completion_mask: Array) -> Array:
-    """``head_scores`` read where a reward model scores a row: after its n real completion tokens (entry n; the
-    prompt's last token for n = 0). ``[N, C + 1], [N, C] -> [N, 1]``. Heads ``[[1, 2, 3]]``, mask ``[[1, 0]]`` ->
-    ``[[2]]``."""
-    n = jnp.sum(completion_mask > 0, axis=1)
+    """``head_scores`` read where a reward model scores a row: after its first n completion tokens, n the index of
+    its first masked position (C when none; TRL's ``first_true_indices(response == pad)``): entry n, the prompt's
+    last token for n = 0. ``[N, C + 1], [N, C] -> [N, 1]``. Heads ``[[1, 2, 3]]``, mask ``[[1, 0]]`` -> ``[[2]]``;
+    mask ``[[0, 1]]`` -> ``[[1]]``."""
+    c = completion_mask.shape[1]
+    n = jnp.min(jnp.where(completion_mask > 0, c, jnp.arange(c)[None, :]), axis=1)
     return jnp.take_along_axis(heads, n[:, None], axis=1)
 
 
@@ -371,6 +376,8 @@ class Step:
         prompt_ids, prompt_mask = _left_align(prompt_ids, prompt_mask)
         # TRL's mask/truncation rule (a pad id as last token counts as terminated)
         mask, truncated = completion_mask(gen.completion_ids, sc.eos_token_ids or (-1,), sc.pad_token_id)
+        if self.cfg.pad_is_padding:
+            mask = mask * (gen.completion_ids != sc.pad_token_id).astype(mask.dtype)
         if self.algorithm.mask_truncated_completions:
             mask = mask * (~truncated)[:, None].astype(mask.dtype)
         return Rollout(

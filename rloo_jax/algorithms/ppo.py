@@ -710,9 +710,10 @@ class PPO(PPOOptions):
     - ``summarize`` (once per update): those statistics as TRL logs them (``table_metrics`` of the zero-filled
       ``[E, M, A]`` tables).
 
-    The completion mask of the rollout is TRL's: the step's sampler stops at the stop token (or never, without
-    one), so ``mask`` marks the response up to and including it, and the postprocessed response is the
-    completion with pad after it.
+    The completion mask of the rollout is TRL's attention mask over the response: the step's sampler stops at the
+    stop token (or never, without one) and pads after it, and every pad id counts as padding (``StepConfig.
+    pad_is_padding``, TRL's ``ids != pad``), so the postprocessed response is the completion with pad outside the
+    mask, cut at its first pad as TRL's ``sequence_lengths``.
     """
 
     num_ppo_epochs: int = 4
@@ -720,6 +721,8 @@ class PPO(PPOOptions):
     gradient_accumulation_steps: int = 1
     pad_token_id: int = 0
     eos_token_id: int = 1
+    stop_token_id: int | None = None
+    """Where generation stopped (TRL's width W, ``generated_width``); None: never (every response full length)."""
 
     needs_values = True  # a value model: its per-token estimates at generation time and, trained, in the loss
     entropy_grad = False
@@ -737,7 +740,7 @@ class PPO(PPOOptions):
         responses = batch.completion_ids
         post = jnp.where(mask, responses, jnp.asarray(self.pad_token_id, responses.dtype))
         scores = jnp.nan_to_num(combine_rewards(batch.rewards_per_func, batch.reward_weights), nan=0.0)
-        width = jnp.max(jnp.sum(mask, axis=1)).astype(jnp.int32)
+        width = generated_width(responses, self.stop_token_id)
         return ppo_rollout(responses, post, batch.old_logps, batch.ref_logps, batch.values, scores,
                            eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, options=self,
                            response_width=width)
