@@ -66,7 +66,7 @@ def run(parts):
     (graphdef, params), (vg, vp), (rg, rp) = parts
     programs = Programs(graphdef, optax.sgd(LR), _cfg(), value_graphdef=vg, reward_graphdef=rg)
     ref = jax.tree.map(lambda x: x + 0.02, _copy(params))  # reference != policy: the KL is not 0
-    state = programs.init_state(_copy(params), ref, value_params=_copy(vp), reward_params=_copy(rp))
+    state = programs.init_state(_copy(params), _copy(ref), value_params=_copy(vp), reward_params=_copy(rp))
     ids, mask = _prompts()
     ro = programs.rollout(state, ids, mask, jax.random.key(3))
     host = jnp.asarray((np.asarray(ro.completion_ids) % 2 == 0).mean(1, keepdims=True).astype(np.float32))
@@ -79,21 +79,25 @@ def run(parts):
 
 def test_value_and_reward_heads_equal_a_full_forward(parts, run):
     """finish's per-token values and reward scores (the shared-prompt forward) == the head over one forward of
-    [prompt; completion] (left-padded prompt, right-padded completion), read at TRL's positions."""
+    [prompt; completion] (left-padded prompt, right-padded completion), read at TRL's positions: values before
+    each token up to the first masked one (TRL's padding_mask_p1), the score at the last token before it."""
     (graphdef, params), (vg, vp), (rg, rp) = parts
     ro = run["ro"]
     full_ids = jnp.concatenate([ro.prompt_ids, ro.completion_ids], 1)
     full_mask = jnp.concatenate([ro.prompt_mask, ro.completion_mask], 1)
     p = ro.prompt_ids.shape[1]
-    for graphdef_, params_, got in ((vg, vp, ro.values), (rg, rp, None)):
-        model = nnx.merge(graphdef_, params_)
-        heads = model.head(model.model.forward(full_ids, full_mask)[0])  # [N, P + C]
-        m = np.asarray(ro.completion_mask) > 0
-        if got is not None:  # values[t]: the state before token t (TRL's [P - 1 : -1]), at every real token
-            np.testing.assert_allclose(np.asarray(got)[m], np.asarray(heads[:, p - 1: -1])[m], atol=1e-5)
-        else:  # the reward model at the last real token == RewardModel.__call__ (its own pooling)
-            np.testing.assert_allclose(ro.scores[:, 0], model(full_ids, full_mask), atol=1e-5)
-    assert (np.asarray(ro.completion_mask).sum(1) < C).any() and (np.asarray(ro.completion_mask).sum(1) == C).any()
+    cm = np.asarray(ro.completion_mask) > 0
+    first = np.where(cm.all(1), C, np.argmin(cm, axis=1))  # the first masked position (a sampled pad, EOS's next)
+    used = np.arange(C)[None, :] <= first[:, None]
+    value = nnx.merge(vg, vp)
+    heads = np.asarray(value.head(value.model.forward(full_ids, full_mask)[0]))  # [N, P + C]
+    np.testing.assert_allclose(np.asarray(ro.values)[used], heads[:, p - 1: -1][used], atol=1e-5)
+    reward = nnx.merge(rg, rp)
+    heads = np.asarray(reward.head(reward.model.forward(full_ids, full_mask)[0]))
+    np.testing.assert_allclose(ro.scores[:, 0], heads[np.arange(len(first)), p - 1 + first], atol=1e-5)
+    prefix = cm.sum(1) == first  # rows without a sampled pad: RewardModel's own pooling at the last real token
+    np.testing.assert_allclose(ro.scores[prefix, 0], np.asarray(reward(full_ids, full_mask))[prefix], atol=1e-5)
+    assert (first < C).any() and (first == C).any()
 
 
 def test_last_scores_golden():
@@ -162,7 +166,7 @@ def test_state_trains_policy_and_value_with_one_optimizer(parts, run):
     state = programs.init_state(_copy(params), _copy(params), value_params=_copy(vp), reward_params=_copy(rp))
     mu = state.opt_state[0].mu
     assert jax.tree.structure(mu) == jax.tree.structure((state.params, state.value_params))
-    new, _ = programs.update(state, run["ro"], run["host"], run["weights"], run["order"])
+    new = run["new"]  # the shared run's update (SGD)
     for a, b in zip(jax.tree.leaves(new.reward_params), jax.tree.leaves(rp), strict=True):
         np.testing.assert_array_equal(a, b)
     moved = [float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(new.value_params), jax.tree.leaves(vp),
