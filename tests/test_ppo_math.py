@@ -405,6 +405,7 @@ def _trl112_fields() -> dict:
     import re
 
     import trl.experimental.ppo.ppo_trainer as P
+    from trl import ModelConfig, ScriptArguments
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.trainer.base_config import _BaseConfig
 
@@ -415,7 +416,9 @@ def _trl112_fields() -> dict:
     params = [[p.name, _type_str(p.annotation), "<required>" if p.default is p.empty else repr(p.default)]
               for p in inspect.signature(PPOTrainer.__init__).parameters.values() if p.name != "self"]
     reads = sorted(set(re.findall(r"\bargs\.(\w+)", inspect.getsource(P))))
-    return dict(ppo_config=own(PPOConfig), base_config=own(_BaseConfig), trainer_init=params, args_read=reads)
+    return dict(ppo_config=own(PPOConfig), base_config=own(_BaseConfig), trainer_init=params, args_read=reads,
+                model_config=[f.name for f in dataclasses.fields(ModelConfig)],
+                script_arguments=[f.name for f in dataclasses.fields(ScriptArguments)])
 
 
 def _trl112_driver(out_dir: str) -> None:
@@ -826,6 +829,8 @@ def test_vendored_trl112_fields_match_the_release(trl_run):
     assert {r[0]: tuple(r) for r in fields["base_config"]} == {r[0]: r for r in vendored.BASE_CONFIG_FIELDS}
     assert [tuple(r) for r in fields["trainer_init"]] == list(vendored.PPO_TRAINER_INIT)
     assert tuple(fields["args_read"]) == vendored.ARGS_READ
+    assert tuple(fields["model_config"]) == vendored.MODEL_CONFIG_FIELDS
+    assert tuple(fields["script_arguments"]) == vendored.SCRIPT_ARGUMENTS_FIELDS
     # every PPO knob of our options is a TRL field with the same default
     defaults = {name: default for name, _, default in vendored.PPO_CONFIG_FIELDS}
     for f in dataclasses.fields(ppo.PPOOptions):

@@ -3,7 +3,9 @@
 Each field row is ``(name, type, repr(default))`` as ``dataclasses.fields`` gives them (``"<required>"``: no
 default). ``PPO_CONFIG_FIELDS`` are the fields ``PPOConfig`` declares itself (``trl/experimental/ppo/ppo_config.py``),
 ``BASE_CONFIG_FIELDS`` those TRL's ``_BaseConfig`` overrides on ``transformers.TrainingArguments``
-(``trl/trainer/base_config.py``); every other ``TrainingArguments`` field is inherited from the installed transformers.
+(``trl/trainer/base_config.py``); every other ``TrainingArguments`` field is inherited from the installed transformers
+(5.24.0 in the parity runs). ``MODEL_CONFIG_FIELDS`` / ``SCRIPT_ARGUMENTS_FIELDS`` are the names of TRL 1.12's
+``ModelConfig`` and ``ScriptArguments``, which its ``examples/scripts/ppo/ppo_tldr.py`` parses beside ``PPOConfig``.
 ``PPO_TRAINER_INIT`` is ``PPOTrainer.__init__``'s signature, ``ARGS_READ`` every ``args.<name>`` the trainer module
 reads (a regex over ``ppo_trainer.py``; the ``transformers.Trainer`` methods it calls read more: the optimizer's
 ``learning_rate``, ``weight_decay``, ``optim``, ``adam_*``, the schedule's ``lr_scheduler_type``, ``warmup_steps``,
@@ -60,6 +62,18 @@ BASE_CONFIG_FIELDS: tuple[tuple[str, str, str], ...] = (
     ('use_liger_kernel', 'bool', 'False'),
     ('torch_empty_cache_steps', 'int | None', 'None'),
     ('logging_steps', 'float', '10'),
+)
+
+MODEL_CONFIG_FIELDS: tuple[str, ...] = (
+    'model_name_or_path', 'model_revision', 'dtype', 'attn_implementation', 'use_peft', 'lora_r', 'lora_alpha',
+    'lora_dropout', 'lora_target_modules', 'lora_target_parameters', 'lora_modules_to_save', 'lora_task_type',
+    'use_rslora', 'use_dora', 'load_in_8bit', 'load_in_4bit', 'bnb_4bit_quant_type', 'use_bnb_nested_quant',
+    'bnb_4bit_quant_storage',
+)
+
+SCRIPT_ARGUMENTS_FIELDS: tuple[str, ...] = (
+    'dataset_name', 'dataset_config', 'dataset_train_split', 'dataset_test_split', 'dataset_streaming',
+    'ignore_bias_buffers',
 )
 
 PPO_TRAINER_INIT: tuple[tuple[str, str, str], ...] = (
