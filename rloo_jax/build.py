@@ -381,7 +381,6 @@ def value_and_reward_models(run: Run, device_paths: list[str], options: dict[str
     for path in device_paths:
         folder = str(resolve_checkpoint(path, weights=not abstract))
         check_same_tokenizer(run, folder, "reward model")
-        run.reward_models.append(folder)
         run.device_reward_names.append(os.path.basename(os.path.normpath(str(path))) or "reward_model")
         if abstract:
             run.device_reward_model = abstract_model(folder, "reward", param_dtype=options["dtype"], **kinds)

@@ -839,7 +839,7 @@ def test_vendored_trl112_fields_match_the_release(trl_run):
 
 @pytest.mark.parity
 def test_trl112_setup_facts(trl_run):
-    """Facts docs/ppo_trl112_notes.md states about TRL 1.12's setup, as observed in the run."""
+    """Facts docs/ppo.md states about TRL 1.12's setup, as observed in the run."""
     _, meta = trl_run
     for info in meta["cases"].values():
         opt = info["optimizer"]

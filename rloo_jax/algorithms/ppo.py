@@ -21,7 +21,7 @@ TRL's tensors are ``W = generated_width(...) <= L`` wide. W changes where a full
 denominators of the all-position statistics. Fixed-shape callers keep L columns and pass ``response_width=W``:
 everything at ``t >= W`` is then masked as TRL's missing columns (tests/test_ppo_math.py checks this against a TRL
 run whose generation stopped early).
-docs/ppo_trl112_notes.md describes TRL's code path, line by line, and its quirks.
+docs/ppo.md describes TRL's code path, line by line, and its quirks.
 """
 
 from __future__ import annotations
