@@ -24,6 +24,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps --upgrade --target .venv-trl112 "trl==1.12.0"  # TRL's last PPOTrainer, for parity tests in a subprocess
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed

@@ -12,8 +12,10 @@ prompt 256, completion 1024, beta 0.04, bf16 compute, fsdp over all chips.
         [--args "--remat_policy minimal"] [--layers 8 16 32] [--json out.json]
 
 `--algorithm grpo` compiles GRPO's programs (TRL's GRPO defaults: loss_type dapo; pass --args "--beta 0" for its
-default of no reference model). Every row also gives the estimated tokens per second per chip (prompt + completion
-tokens of a step at the compiled lengths / estimated step time / chips: NeMo-RL's measure).
+default of no reference model). `--algorithm ppo` compiles PPO's (`PPO_SETTINGS`: four models on the chips: policy,
+reference, a reward model of the policy's config, and a value model started from it). Every row also gives the
+estimated tokens per second per chip (prompt + completion tokens of a step at the compiled lengths / estimated step
+time / chips: NeMo-RL's measure).
 
 `--layers` truncates each model to that many blocks (compile time against depth: README's "flat in depth").
 """
@@ -36,13 +38,22 @@ from fit_models import MODELS, write_model  # noqa: E402
 SETTINGS = ["--num_generations", "8", "--per_device_train_batch_size", "8", "--steps_per_generation", "4",
             "--max_prompt_length", "256", "--prompt_bucket", "64", "--max_completion_length", "1024",
             "--beta", "0.04", "--bf16", "true", "--reward_funcs", "format"]
+# PPO (TRL 1.12's defaults: 4 PPO epochs, 1 mini-batch): the same 8 x 4 micro-batches of completions per device and
+# lengths, one completion per prompt; the policy's config as the reward model, which also starts the value model
+PPO_SETTINGS = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4", "--num_ppo_epochs", "4",
+                "--max_prompt_length", "256", "--prompt_bucket", "64", "--response_length", "1024",
+                "--bf16", "true", "--pad_token", "<pad>"]
 
 
 def run(model_dir: Path, data: Path, slice_name: str, out: Path, extra: list[str], algorithm: str = "rloo"
         ) -> tuple[dict, float, int]:
+    settings = SETTINGS
+    if algorithm == "ppo":
+        reward = fit_models.write_reward_model(model_dir.parent, model_dir.name)
+        settings = [*PPO_SETTINGS, "--reward_model_path", str(reward)]
     cmd = [sys.executable, "-m", "rloo_jax.train", algorithm, "--compile_only", "--topology", slice_name,
            "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--output_dir", str(out),
-           *SETTINGS, *extra]
+           *settings, *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=HERE.parent, capture_output=True, text=True,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
@@ -81,7 +92,7 @@ def row(model: str, slice_name: str, report: dict, extra: list[str]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--algorithm", default="rloo", choices=["rloo", "grpo"])
+    ap.add_argument("--algorithm", default="rloo", choices=["rloo", "grpo", "ppo"])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--slices", nargs="+", default=["v5e-8", "v5p-8", "v6e-8"])
     ap.add_argument("--args", default="", help="extra trainer options, e.g. '--remat_policy minimal'")

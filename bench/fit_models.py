@@ -22,6 +22,11 @@ MODELS: dict[str, dict] = {
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "Qwen2.5-7B": dict(_QWEN, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Pythia-1B": dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", hidden_act="gelu",
+                      hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=8,
+                      vocab_size=50304, rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True,
+                      layer_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=False,
+                      attention_bias=True, bos_token_id=0, eos_token_id=0),
     "Llama-3.1-8B": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
                          hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
@@ -60,10 +65,24 @@ def write_model(root: Path, name: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     eos = cfg["eos_token_id"][0] if isinstance(cfg["eos_token_id"], list) else cfg["eos_token_id"]
-    vocab = {f"w{i}": i for i in range(64)} | {"<eos>": eos}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    vocab = {f"w{i}": i for i in range(64) if i != eos} | {"<eos>": eos}  # (Pythia's EOS is id 0)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0" if eos != 0 else "w1"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>").save_pretrained(out)
+    return out
+
+
+def write_reward_model(root: Path, name: str) -> Path:
+    """DIR/<name>-rm/: `name`'s config as a one-label `*ForSequenceClassification` (a reward or value model of its
+    tokenizer), with the same tokenizer files."""
+    import shutil
+
+    folder = write_model(root, name)
+    out = root / f"{name}-rm"
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    cfg = dict(MODELS[name], num_labels=1)
+    cfg["architectures"] = [cfg["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")]
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
 
 

@@ -1,11 +1,11 @@
-"""rloo_jax: TRL's RLOO and GRPO trainers (REINFORCE Leave-One-Out, Group Relative Policy Optimization) as pure,
-jittable JAX functions on one algorithm-generic step."""
+"""rloo_jax: TRL's RLOO, GRPO and PPO trainers (REINFORCE Leave-One-Out, Group Relative Policy Optimization, PPO
+with a value model) as pure, jittable JAX functions on one algorithm-generic step."""
 
 from rloo_jax import (
     _notices,  # noqa: F401 -- first: quiets notices of libraries imported below
     numerics,
 )
-from rloo_jax.algorithms import GRPO, RLOO, Algorithm, LossInputs, ScoreInputs
+from rloo_jax.algorithms import GRPO, PPO, RLOO, Algorithm, LossInputs, ScoreInputs
 from rloo_jax.algorithms.common import (
     combine_rewards,
     importance_sampling_weights,
@@ -63,19 +63,22 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     """`rloo_jax.RLOOTrainer`, imported on first use: it imports the training loop (`rloo_jax.train`), which
     `python -m rloo_jax.train` must find not yet imported."""
-    if name in ("RLOOTrainer", "GRPOTrainer"):
+    if name in ("RLOOTrainer", "GRPOTrainer", "PPOTrainer"):
         from rloo_jax import trainer
 
         return getattr(trainer, name)
-    if name == "GRPOConfig":
-        from rloo_jax.config import GRPOConfig
+    if name in ("GRPOConfig", "PPOConfig"):
+        from rloo_jax import config
 
-        return GRPOConfig
+        return getattr(config, name)
     raise AttributeError(f"module 'rloo_jax' has no attribute {name!r}")
 
 
 __all__ = [
     "GRPO",
+    "PPO",
+    "PPOConfig",
+    "PPOTrainer",
     "RLOO",
     "Algorithm",
     "GRPOConfig",

@@ -412,7 +412,7 @@ def advice(cfg: Any, program: str) -> list[str]:
         tips.append("--mu_dtype bfloat16")
     if cfg.param_dtype != "bfloat16":
         tips.append("--param_dtype bfloat16 (master weights)")
-    if cfg.beta > 0:
+    if cfg.beta > 0 and not cfg.uses_value_model:  # (PPO always keeps its reference)
         tips.append("--beta 0 (no reference model)")
     tips.append("a shorter --max_completion_length, or a slice with more chips (--fsdp -1 shards over all)")
     return tips
@@ -464,6 +464,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
 
 def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     import jax
+    from flax import nnx
 
     from rloo_jax.build import (
         make_optimizer,
@@ -490,12 +491,14 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     pol = policy(cfg, run.model)
     layout = rollout_mesh_shape(cfg, run, slc.chip.hbm_bytes)  # the sampler's mesh, as training resolves it
     rollout_mesh = reshaped(mesh, layout)
+    value = nnx.split(run.value_model) if run.value_model is not None else (None, None)
+    reward = nnx.split(run.device_reward_model) if run.device_reward_model is not None else (None, None)
     step = Programs(pol.graphdef, optimizer, scfg, mesh=mesh, ref_graphdef=pol.ref_graphdef,
-                    rollout_mesh=rollout_mesh)
-    state = step.abstract_state(pol.params, pol.ref_params, pol.frozen)
+                    rollout_mesh=rollout_mesh, value_graphdef=value[0], reward_graphdef=reward[0])
+    state = step.abstract_state(pol.params, pol.ref_params, pol.frozen, value[1], reward[1])
     b, p = cfg.prompts_per_generation, prompt_length(cfg)
     n = b * cfg.num_generations
-    num_rewards = len(cfg.resolved_reward_weights)
+    num_rewards = len(cfg.resolved_reward_weights) - len(cfg.device_reward_paths)  # the host's functions
     hbm = slc.chip.hbm_bytes
     options = model_options(cfg, "tpu")
     width = -(-(p + cfg.max_completion_length) // cfg.prompt_bucket) * cfg.prompt_bucket  # prompt + completion
@@ -527,18 +530,26 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
         return weights + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
 
     g = cfg.num_generations
-    # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed)
+    # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed); a value
+    # model's and a device reward model's forwards (PPO)
     passes = scfg.algorithm.needs_reference + scfg.recompute
-    rollout_flops = model.sampling(b, p, g, c) + passes * model.batch_forward(b, p, g, c)
+    heads = [dataclasses.replace(Transformer.of(m.config), unembed_params=m.config.hidden_size)  # D x 1 head
+             for m in (run.value_model, run.device_reward_model) if m is not None]
+    rollout_flops = model.sampling(b, p, g, c) + passes * model.batch_forward(b, p, g, c) + sum(
+        h.batch_forward(b, p, g, c) for h in heads)
     add("rollout", step.rollout_program(b, p).lower, state_bytes + batch, rollout_flops / chips,
         decode_floor(b, g))
     # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
     # gradients (2 forwards) and the adapters, trained matrices of their own, 6 FLOPs per parameter and token
     adapter_params = sum(x.size for x in jax.tree.leaves(pol.params)) if cfg.use_peft else 0
 
+    critic = heads[0] if run.value_model is not None else None
+
     def update_flops(width: int) -> float:
         base = (2 if cfg.use_peft else 3) * model.batch_forward(b, p, g, width)
-        return cfg.num_iterations * (base + 6.0 * adapter_params * model.tokens(b, p, g, width)) / chips
+        if critic is not None:  # the value model: forward + backward, trained whole
+            base += 3 * critic.batch_forward(b, p, g, width)
+        return cfg.resolved_num_iterations * (base + 6.0 * adapter_params * model.tokens(b, p, g, width)) / chips
 
     add("update", step.update_program(b, p, c, num_rewards).lower, state_bytes + batch, update_flops(c))
     # the update at each narrower completion width the trainer runs when a generation batch ends early
@@ -565,8 +576,13 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "num_iterations": cfg.num_iterations, "algorithm": cfg.ALGORITHM,
+        "num_iterations": cfg.resolved_num_iterations, "algorithm": cfg.ALGORITHM,
     }
+    if cfg.uses_value_model:  # PPO: its batching and the other models it holds
+        settings.update(num_ppo_epochs=cfg.num_ppo_epochs, num_mini_batches=cfg.num_mini_batches,
+                        value_model=cfg.resolved_value_model_path, reward_model=cfg.reward_model_path,
+                        value_model_bytes_per_chip=per_chip_bytes(state.value_params),
+                        reward_model_bytes_per_chip_on_device=per_chip_bytes(state.reward_params))
     if cfg.ALGORITHM == "grpo":
         settings["loss_type"] = cfg.loss_type
     if reward_models:  # their weights per chip, resident in every program's figure

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -89,15 +90,19 @@ def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
 
 
 def make_optimizer(
-    cfg: TrainConfig, total_steps: int, platform: str | None = None
+    cfg: TrainConfig, total_steps: int, platform: str | None = None, updates_per_step: int = 1
 ) -> tuple[optax.GradientTransformation, Callable]:
     """clip_by_global_norm -> AdamW (first moment in `mu_dtype`; decay on matrices only), skipped whole on
     non-finite gradients: `skip_if_not_finite` for an accelerator, `optax.apply_if_finite` on CPU (the same state
     and numbers; XLA:CPU does not fuse the selects into AdamW's loops: 126 against 81 ms per update of a 26M-parameter
-    model, BENCHMARKS.md Session 6). `platform`: the backend the program is compiled for (default: JAX's)."""
+    model, BENCHMARKS.md Session 6). `platform`: the backend the program is compiled for (default: JAX's).
+
+    The schedule (returned too) is counted in the run's steps; `updates_per_step` optimizer updates share one step's
+    rate (TRL 1.12's PPO steps its scheduler once per PPO update, whatever the optimizer steps in it)."""
     schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, warmup_steps(cfg, total_steps), total_steps)
+    by_update = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
     adamw = optax.adamw(
-        schedule,
+        by_update,
         b1=cfg.adam_beta1,
         b2=cfg.adam_beta2,
         eps=cfg.adam_epsilon,
@@ -178,7 +183,7 @@ class Policy:
 
     graphdef: nnx.GraphDef
     params: nnx.State  # trained: the whole policy, or with LoRA its adapters only
-    ref_params: nnx.State | None  # full fine-tuning with beta > 0: the frozen reference copy
+    ref_params: nnx.State | None  # full fine-tuning with a reference (beta > 0, PPO): the frozen reference copy
     frozen: nnx.State | None = None  # LoRA: the base, in the compute dtype or quantized (QLoRA); also the reference
     ref_graphdef: nnx.GraphDef | None = None  # LoRA: the model without its adapters
 
@@ -191,7 +196,7 @@ def policy(cfg: TrainConfig, model: Any) -> Policy:
     if not cfg.use_peft:
         graphdef, params = nnx.split(model)
         ref = None
-        if cfg.beta > 0:
+        if cfg.uses_reference:
             ref = jax.eval_shape(lambda p: reference_params(graphdef, p), params) if abstract else \
                 reference_params(graphdef, params)
         return Policy(graphdef, params, ref)
@@ -258,6 +263,9 @@ class Run:
     eos_ids: tuple[int, ...]
     reward_models: list[str] = dataclasses.field(default_factory=list)  # their folders (compile-only)
     model_dir: str = ""  # the policy's local folder (a LoRA adapter names it as its base unless given a hub id)
+    value_model: Any = None  # a RewardModel trained as the value model (PPO), loaded or abstract; else None
+    device_reward_model: Any = None  # a RewardModel scored on the token ids on the device (PPO); else None
+    device_reward_names: list[str] = dataclasses.field(default_factory=list)  # its name in the metrics
 
 
 @dataclasses.dataclass
@@ -281,9 +289,10 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     that replace what the config names (the Python API).
     """
     given = given or Given()
-    sources = cfg.reward_sources if given.reward_funcs is None else list(given.reward_funcs)
-    cfg.require_sources(len(sources))
-    model_path, dataset = cfg.model_name_or_path, cfg.dataset_name
+    device_paths = cfg.device_reward_paths  # scored on the token ids on the device, ahead of the functions
+    sources = cfg.reward_sources[len(device_paths):] if given.reward_funcs is None else list(given.reward_funcs)
+    cfg.require_sources(len(device_paths) + len(sources))
+    model_path, dataset = cfg.policy_path, cfg.dataset_name
     if model_path == "demo":
         model_path = demo.prepare_model(demo.model_dir(CACHE_ROOT, cfg.seed), cfg.seed)
     if dataset == "demo" and not abstract:
@@ -292,11 +301,16 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
         logger.warning("note: trust_remote_code has no effect; rloo_jax never runs code shipped with a model")
     model_dir = str(resolve_checkpoint(model_path, weights=not abstract))
     refuse_custom_code(model_dir)
+    tokenizer_dir = model_dir
+    if cfg.tokenizer_path not in (None, cfg.policy_path):  # PPO: TRL's scripts read it from model_name_or_path
+        tokenizer_dir = str(resolve_checkpoint(cfg.tokenizer_path, weights=False))
+        refuse_custom_code(tokenizer_dir)
     reward_models = [str(resolve_checkpoint(p, weights=not abstract)) for p in cfg.reward_model_name_or_path or []]
     for reward_model in reward_models:
         refuse_custom_code(reward_model)
-    tokenizer = load_tokenizer(model_dir, padding_side="left") if given.tokenizer is None else \
+    tokenizer = load_tokenizer(tokenizer_dir, padding_side="left") if given.tokenizer is None else \
         given_tokenizer(given.tokenizer)
+    cfg.prepare_tokenizer(tokenizer)
     options = model_options(cfg, "tpu" if abstract else jax.default_backend())
     if abstract:
         model = abstract_model(model_dir, **options)
@@ -337,7 +351,84 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     eos = eos_token_ids(model_dir, tokenizer)
     if not eos:
         raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
-    return Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, eos, reward_models, model_dir)
+    run = Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, cfg.sampler_stop_ids(tokenizer, eos),
+              reward_models, model_dir)
+    if cfg.uses_value_model or device_paths:
+        value_and_reward_models(run, device_paths, options, abstract)
+    return run
+
+
+def value_and_reward_models(run: Run, device_paths: list[str], options: dict[str, Any], abstract: bool) -> None:
+    """The value model (`cfg.resolved_value_model_path`: a sequence-classification checkpoint, or a causal LM's
+    backbone with a new score head) and the reward models scored on the device (`device_paths`), each checked to
+    share the policy's tokenizer; abstract for compile-only. The value model is trained: stored in param_dtype; a
+    reward model is frozen: stored in the compute dtype (as the reference)."""
+    from rloo_jax.models import abstract_value_model, load_reward_model, load_value_model
+
+    cfg = run.cfg
+    pad = run.tokenizer.pad_token_id
+    if pad is None or not 0 <= int(pad) < run.model.config.vocab_size:
+        raise ConfigError(f"the pad token id {pad} is outside the policy's vocabulary ({run.model.config.vocab_size} "
+                          "embeddings); pick a pad_token the models embed")
+    kinds = {"dtype": options["dtype"], "scan_layers": options["scan_layers"],
+             "remat_policy": options["remat_policy"], "attn_implementation": options["attn_implementation"]}
+    where = host_memory() if cfg.device_count > 1 else contextlib.nullcontext()
+    if cfg.uses_value_model:
+        path = cfg.resolved_value_model_path
+        if path == "demo":  # the demo policy's folder: its backbone with a new score head
+            path = demo.prepare_model(demo.model_dir(CACHE_ROOT, cfg.seed), cfg.seed)
+        folder = str(resolve_checkpoint(path, weights=not abstract))
+        check_same_tokenizer(run, folder, "value model")
+        if abstract:
+            run.value_model = abstract_value_model(folder, param_dtype=cfg.param_dtype, **kinds)
+        else:
+            with where:
+                run.value_model = load_value_model(folder, param_dtype=cfg.param_dtype, seed=cfg.seed + 3, **kinds)
+    for path in device_paths:
+        folder = str(resolve_checkpoint(path, weights=not abstract))
+        check_same_tokenizer(run, folder, "reward model")
+        run.device_reward_names.append(os.path.basename(os.path.normpath(str(path))) or "reward_model")
+        if abstract:
+            run.device_reward_model = abstract_model(folder, "reward", param_dtype=options["dtype"], **kinds)
+        else:
+            with where:
+                run.device_reward_model = load_reward_model(folder, param_dtype=options["dtype"], **kinds)
+
+
+def check_same_tokenizer(run: Run, folder: str, what: str) -> None:
+    """A model that reads the policy's token ids must embed the same vocabulary: its config's vocab_size equals
+    the policy's, and a tokenizer shipped in its folder has the policy tokenizer's vocabulary (added tokens such as
+    a pad token aside). `ModelLoadError` otherwise."""
+    from rloo_jax.models.hf import read_hf_config
+
+    theirs = int(read_hf_config(Path(folder)).get("vocab_size", -1))
+    ours = run.model.config.vocab_size
+    if theirs != ours:
+        raise ModelLoadError(
+            f"the {what} at {folder} has another vocabulary than the policy ({theirs} against {ours} token "
+            "embeddings): PPO scores the policy's token ids with it, as TRL does; use a model of the policy's "
+            "tokenizer"
+        )
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    try:
+        other = load_tokenizer(folder)
+    except ModelLoadError:
+        return  # no usable tokenizer in the folder: the vocabulary size is all there is to check
+    if base_vocab(other) != base_vocab(run.tokenizer):
+        raise ModelLoadError(
+            f"the {what} at {folder} comes with another tokenizer than the policy's: PPO scores the policy's token "
+            "ids with it, as TRL does; use a model trained on the policy's tokenizer"
+        )
+
+
+def base_vocab(tokenizer: Any) -> dict[str, int]:
+    """A tokenizer's vocabulary without its added tokens (a pad token added by a script aside)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.get_vocab(with_added_tokens=False)
+    added = set(getattr(tokenizer, "get_added_vocab", dict)())
+    return {k: v for k, v in tokenizer.get_vocab().items() if k not in added}
 
 
 def local_dataset(name: str) -> str:
@@ -447,19 +538,20 @@ def sampling_config(cfg: TrainConfig, run: Run, num_generations: int) -> Samplin
 
 
 def step_config(cfg: TrainConfig, run: Run) -> StepConfig:
-    """The step's static options: the sampler's, the algorithm the config names (`make_algorithm`), the batching
-    and where the old log-probs come from."""
+    """The step's static options: the sampler's, the algorithm the config names (`make_algorithm`), the batching,
+    where the old log-probs come from, and the algorithm's own (`cfg.step_options()`)."""
     correction = None
     if cfg.importance_sampling_correction:
         correction = ImportanceSampling(cfg.importance_sampling_mode, cfg.importance_sampling_clip_min,
                                         cfg.importance_sampling_clip_max)
     return StepConfig(
         sampling=sampling_config(cfg, run, cfg.num_generations),
-        algorithm=cfg.make_algorithm(),
-        num_iterations=cfg.num_iterations,
+        algorithm=cfg.make_algorithm(run.tokenizer),
+        num_iterations=cfg.resolved_num_iterations,
         steps_per_generation=cfg.resolved_steps_per_generation,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         dropout_seed=cfg.seed if cfg.use_peft and cfg.lora_dropout > 0 else None,
         recompute_old_logps=cfg.recompute_old_logps,
         importance_sampling=correction,
+        **cfg.step_options(),
     )

@@ -8,6 +8,7 @@ cannot rename, orbax marks a complete checkpoint with a `commit_success.txt` wri
 NaN/inf is refused (`NonFiniteError`) before anything is written.
 """
 
+import dataclasses
 import os
 from typing import Any
 
@@ -77,15 +78,29 @@ class Checkpointer:
     def restore(self, step: int, state_like: Any, key_like: jax.Array) -> tuple[Any, jax.Array, dict[str, Any]]:
         """Restore checkpoint `step` onto the structure, shapes, dtypes (and shardings) of `state_like`.
 
+        A dataclass state (`TrainState`) restores field by field: a field the checkpoint does not hold (one added to
+        the state since it was written, e.g. `value_params`) keeps `state_like`'s value, which must then be None.
         Returns (state, key, meta); `key_like` gives the key's implementation.
         """
-        item = {"train": state_like, "key": jax.random.key_data(key_like)}
+        train = state_like
+        if dataclasses.is_dataclass(state_like):
+            saved = set(self._manager.item_metadata(step)["state"]["train"])
+            fields = {f.name: getattr(state_like, f.name) for f in dataclasses.fields(state_like)}
+            absent = [name for name, value in fields.items() if name not in saved and value is not None]
+            if absent:
+                raise ValueError(f"checkpoint {step} holds no {', '.join(absent)}")
+            train = {name: value for name, value in fields.items() if name in saved}
+        item = {"train": train, "key": jax.random.key_data(key_like)}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, item)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
         restored = self._manager.restore(step, args=args)
         impl = jax.random.key_impl(key_like)
         key = jax.random.wrap_key_data(restored.state["key"], impl=impl)
-        return restored.state["train"], key, dict(restored.meta)
+        state = restored.state["train"]
+        if dataclasses.is_dataclass(state_like):
+            state = state_like.replace(**state) if hasattr(state_like, "replace") else dataclasses.replace(
+                state_like, **state)
+        return state, key, dict(restored.meta)
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """Checkpoint `step`'s JSON meta alone (e.g. to check the run's layout before restoring the state)."""

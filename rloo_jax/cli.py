@@ -1,9 +1,10 @@
-"""`python -m rloo_jax.train [rloo|grpo] [--config FILE.yaml] [--name value ...]`: the command line.
+"""`python -m rloo_jax.train [rloo|grpo|ppo] [--config FILE.yaml] [--name value ...]`: the command line.
 
 The first word names the algorithm (RLOO by default, or the `algorithm:` a config file records); the options are
 TRL's (`rloo_jax.config`). A training run is the algorithm's trainer (`rloo_jax.trainer`: `RLOOTrainer`,
-`GRPOTrainer`) on the config read from YAML and the command line; `--compile_only` compiles the run's programs for
-a TPU slice instead (`rloo_jax.aot`). Errors in the configuration, the data or the model print one line and exit 2.
+`GRPOTrainer`, `PPOTrainer`) on the config read from YAML and the command line; `--compile_only` compiles the run's
+programs for a TPU slice instead (`rloo_jax.aot`). Errors in the configuration, the data or the model print one line
+and exit 2.
 """
 
 import importlib.util
@@ -32,10 +33,10 @@ from rloo_jax.errors import ConfigError, DataError, RewardError
 from rloo_jax.models import ModelLoadError
 from rloo_jax.rewards import format_reward_error
 from rloo_jax.train import start_distributed
-from rloo_jax.trainer import GRPOTrainer, RLOOTrainer
+from rloo_jax.trainer import GRPOTrainer, PPOTrainer, RLOOTrainer
 
 logger = logging.getLogger("rloo_jax")
-TRAINERS = {"rloo": RLOOTrainer, "grpo": GRPOTrainer}
+TRAINERS = {"rloo": RLOOTrainer, "grpo": GRPOTrainer, "ppo": PPOTrainer}
 
 
 def cpu_compile_flags(environ: dict[str, str] = os.environ) -> None:
@@ -142,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = build_config(argv, jax.device_count(), jax.process_count())
         debug = cfg.debug
         trainer = TRAINERS[cfg.ALGORITHM]  # the Python API; the CLI is that class on a config from argv
-        trainer(cfg.model_name_or_path, cfg.reward_sources, args=cfg).train()
+        trainer.from_args(cfg).train()
     except (ConfigError, DataError, ModelLoadError) as e:
         if debug:
             traceback.print_exc()

@@ -65,6 +65,8 @@ class TrainConfig:
 
     ALGORITHM: ClassVar[str] = ""
     """The algorithm's name on the command line (`python -m rloo_jax.train grpo`) and in config.yaml."""
+    MIN_GENERATIONS: ClassVar[int] = 2
+    """The fewest completions per prompt the algorithm takes (2: a baseline within each group; PPO: 1)."""
 
     # --- model
     model_name_or_path: str | None = _opt(
@@ -747,7 +749,65 @@ class TrainConfig:
     @property
     def on_policy(self) -> bool:
         """One optimizer update per generation batch: the update's forward runs at the sampling parameters."""
-        return self.num_iterations == 1 and self.resolved_steps_per_generation == self.gradient_accumulation_steps
+        return (self.resolved_num_iterations == 1
+                and self.resolved_steps_per_generation == self.gradient_accumulation_steps)
+
+    @property
+    def resolved_num_iterations(self) -> int:
+        """Optimisation passes over each generation batch (PPO: num_ppo_epochs)."""
+        return self.num_iterations
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run keeps a reference policy (beta > 0; PPO: always)."""
+        return self.beta > 0
+
+    @property
+    def policy_path(self) -> str | None:
+        """The policy's checkpoint (PPO: sft_model_path when set, as TRL's scripts)."""
+        return self.model_name_or_path
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """Where the tokenizer is read (the policy's folder; PPO: model_name_or_path, as TRL's scripts)."""
+        return self.policy_path
+
+    @property
+    def steps_per_generation_batch(self) -> int:
+        """What one generation batch advances the step counter (max_steps, save_steps, logging_steps, the learning
+        rate schedule) by: its optimizer steps (TRL's Trainer), or 1 where a step is a generation batch (TRL 1.12's
+        PPO counts updates)."""
+        return self.resolved_steps_per_generation // self.gradient_accumulation_steps * self.resolved_num_iterations
+
+    def total_steps(self, num_prompts: int) -> int:
+        """Steps of the run: max_steps, else num_train_epochs passes over `num_prompts` prompts (the partial batch
+        at an epoch's end dropped)."""
+        if self.max_steps > 0:
+            return self.max_steps
+        batches = num_prompts // self.prompts_per_generation
+        return int(math.ceil(self.num_train_epochs * batches)) * self.steps_per_generation_batch
+
+    def step_options(self) -> dict[str, Any]:
+        """`rloo_jax.step.StepConfig` options the algorithm sets beyond the shared ones (none here)."""
+        return {}
+
+    @property
+    def uses_value_model(self) -> bool:
+        """Whether the run trains a value model (PPO)."""
+        return False
+
+    @property
+    def device_reward_paths(self) -> list[str]:
+        """Reward models scored on the token ids on the device (the first `reward_sources`); the others run on the
+        host (`rloo_jax.rewards`)."""
+        return []
+
+    def prepare_tokenizer(self, tokenizer: Any) -> None:
+        """Make the loaded tokenizer what the algorithm needs (nothing here); ConfigError if it cannot."""
+
+    def sampler_stop_ids(self, tokenizer: Any, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The ids that end a completion: the tokenizer's EOS and generation_config.json's (`eos_ids`)."""
+        return eos_ids
 
     @property
     def resolved_epsilon_high(self) -> float:
@@ -776,7 +836,7 @@ class TrainConfig:
         hints = _hints(type(self))
         for f in dataclasses.fields(self):
             setattr(self, f.name, coerce(getattr(self, f.name), hints[f.name], f.name))
-        if self.num_generations < 2:
+        if self.num_generations < self.MIN_GENERATIONS:
             raise ConfigError(
                 f"num_generations must be >= 2 for a baseline within each prompt's group (got "
                 f"{self.num_generations}); set --num_generations 2 or more"
@@ -959,8 +1019,9 @@ class TrainConfig:
     def _validate_algorithm(self) -> None:
         """The algorithm's own checks (subclasses)."""
 
-    def make_algorithm(self) -> Any:
-        """The algorithm value the step composes (``rloo_jax.algorithms``), from this config."""
+    def make_algorithm(self, tokenizer: Any = None) -> Any:
+        """The algorithm value the step composes (``rloo_jax.algorithms``), from this config (`tokenizer`: the
+        policy's, for algorithms that need its token ids)."""
         raise NotImplementedError(f"{type(self).__name__} names no algorithm; use RLOOConfig or GRPOConfig")
 
     def require_sources(self, num_rewards: int | None = None) -> None:
@@ -969,7 +1030,7 @@ class TrainConfig:
         named by reward_model_name_or_path and reward_funcs. The CLI checks this when it reads its config;
         `RLOOTrainer` once its arguments are in."""
         _require(
-            self.model_name_or_path,
+            self.policy_path,
             "model_name_or_path is required: pass --model_name_or_path "
             "PATH_OR_HUB_ID (or run with no arguments for the built-in demo)",
         )
@@ -1081,7 +1142,7 @@ class RLOOConfig(TrainConfig):
                 "loss: GRPO, or the Python API's RLOO(level='token'))"
             )
 
-    def make_algorithm(self) -> Any:
+    def make_algorithm(self, tokenizer: Any = None) -> Any:
         from rloo_jax.algorithms import RLOO
 
         return RLOO(
@@ -1224,7 +1285,7 @@ class GRPOConfig(TrainConfig):
         if note:
             logger.warning("note: %s (as TRL warns)", note)
 
-    def make_algorithm(self) -> Any:
+    def make_algorithm(self, tokenizer: Any = None) -> Any:
         from rloo_jax.algorithms import GRPO
 
         names = [f.name for f in dataclasses.fields(GRPO) if f.name != "max_completion_length"]
@@ -1232,7 +1293,324 @@ class GRPOConfig(TrainConfig):
                     max_completion_length=self.max_completion_length)
 
 
-CONFIGS: dict[str, type[TrainConfig]] = {c.ALGORITHM: c for c in (RLOOConfig, GRPOConfig)}
+_PPO_DOES_NOT_READ = {  # TrainConfig fields of RLOO / GRPO that TRL 1.12's PPO has no use for -> what PPO has instead
+    "beta": "PPO's KL coefficient is kl_coef",
+    "epsilon": "PPO's clip range is cliprange",
+    "epsilon_high": "PPO clips symmetrically with cliprange (cliprange_value for the value model)",
+    "num_iterations": "PPO's passes over a batch are num_ppo_epochs",
+    "steps_per_generation": "PPO's micro-batches follow from gradient_accumulation_steps and num_mini_batches",
+    "num_generations": "PPO samples one completion per prompt",
+    "mask_truncated_completions": "PPO has missing_eos_penalty for completions without EOS",
+    "importance_sampling_correction": "PPO's rollout log-probs are always a training forward's (TRL 1.12)",
+    "importance_sampling_mode": "PPO has no importance-sampling correction",
+    "importance_sampling_clip_min": "PPO has no importance-sampling correction",
+    "importance_sampling_clip_max": "PPO has no importance-sampling correction",
+    "recompute_old_logps": "PPO always recomputes the rollout log-probs with a training forward",
+    "sync_ref_model": "PPO's reference stays the initial policy (TRL 1.12)",
+    "ref_model_mixup_alpha": "PPO's reference stays the initial policy (TRL 1.12)",
+    "ref_model_sync_steps": "PPO's reference stays the initial policy (TRL 1.12)",
+    "reward_model_name_or_path": "PPO's reward model is reward_model_path: it scores the token ids on the "
+                                 "device, as TRL's PPOTrainer does (the policy's tokenizer)",
+    "max_grad_norm": "TRL 1.12's PPOTrainer never clips gradients",
+}
+
+
+@dataclass
+class PPOConfig(TrainConfig):
+    """Everything one PPO run needs: `TrainConfig` and PPO's own fields, with TRL 1.12's `PPOConfig` names and
+    defaults (`trl.experimental.ppo`: a value model, GAE, the clipped policy and value losses, PPO epochs over
+    shuffled mini-batches). A step is one PPO update (a generation batch), as TRL counts them; `response_length`
+    is TRL's name of `max_completion_length`. TRL's sampler options are temperature only; the sampler's others
+    (top_k, top_p, min_p, repetition_penalty) work here as for the other trainers. docs/ppo.md."""
+
+    ALGORITHM: ClassVar[str] = "ppo"
+    MIN_GENERATIONS: ClassVar[int] = 1
+
+    # --- TRL 1.12 PPOConfig's defaults for shared fields
+    learning_rate: float = _opt(3e-6, "optimization", "The initial learning rate for AdamW (TRL 1.12 PPO's default).")
+    temperature: float = _opt(
+        0.7,
+        "generation",
+        "Sampling temperature; log-probs are taken at temperature + 1e-7, as TRL 1.12's PPOTrainer does (0: greedy "
+        "sampling, log-probs at 1 + 1e-7).",
+    )
+    max_completion_length: int = _opt(
+        53,
+        "generation",
+        "Tokens generated per completion (TRL 1.12's response_length: either name works). Generation stops early "
+        "only at stop_token / stop_token_id.",
+    )
+    num_generations: int = _opt(1, "generation", "PPO samples one completion per prompt (fixed at 1).")
+    logging_steps: int = _opt(
+        1,
+        "logging",
+        "Log metrics every this many PPO updates (TRL 1.12's PPO logs every update, whatever its logging_steps: "
+        "default 1 here).",
+    )
+    max_grad_norm: float = _opt(0.0, "optimization", "TRL 1.12's PPOTrainer never clips gradients (fixed at 0).")
+    recompute_old_logps: bool | None = _opt(
+        True,
+        "algorithm",
+        "PPO's rollout log-probs come from a training forward at the sampling parameters (fixed).",
+    )
+
+    # --- PPO's own (TRL 1.12 PPOConfig)
+    missing_eos_penalty: float | None = _opt(
+        None,
+        "rewards",
+        "Subtracted from the score of completions whose (stop-token-cut) response holds no EOS token.",
+    )
+    reward_model_path: str | None = _opt(
+        None,
+        "model",
+        "The reward model (a *ForSequenceClassification checkpoint with one label, sharing the policy's tokenizer): "
+        "it scores the token ids of prompt + completion (cut after the stop token) at its last token, on the "
+        "device, as TRL's PPOTrainer does. Scored first; reward_funcs (Python functions) may add to it, weighted "
+        "by reward_weights.",
+    )
+    value_model_path: str | None = _opt(
+        None,
+        "model",
+        "The value model: a *ForSequenceClassification checkpoint (one label), or a causal LM's folder (its "
+        "backbone with a new score head, as AutoModelForSequenceClassification.from_pretrained loads it); the "
+        "same tokenizer as the policy. None: reward_model_path (TRL's scripts start the value model from the "
+        "reward model). Trained with the policy by one AdamW; exported to <output_dir>/final_value.",
+    )
+    sft_model_path: str | None = _opt(
+        None,
+        "model",
+        "The policy (and reference) checkpoint, as TRL's PPO scripts read it; None: model_name_or_path. When both "
+        "are set, the tokenizer is model_name_or_path's (TRL's scripts).",
+    )
+    pad_token: str | None = _opt(
+        None,
+        "model",
+        "A pad token added to the tokenizer when it has none (TRL's TL;DR script adds `[PAD]`); its id must be "
+        "inside the models' vocabulary. PPO needs a pad distinct from EOS: TRL's masks treat every pad id as "
+        "padding.",
+    )
+    stop_token: Literal["eos"] | None = _opt(
+        None,
+        "ppo",
+        "`eos`: generation stops at the tokenizer's EOS and the response is cut after it. None: stop_token_id.",
+    )
+    stop_token_id: int | None = _opt(
+        None,
+        "ppo",
+        "Generation stops at this token and the response is cut after it. None (with stop_token None): every "
+        "completion is max_completion_length tokens, EOS or not (TRL).",
+    )
+    kl_coef: float = _opt(0.05, "ppo", "KL coefficient: the per-token reward is -kl_coef * KL, plus the score.")
+    kl_estimator: Literal["k1", "k3"] = _opt(
+        "k1",
+        "ppo",
+        "Per-token KL estimator of the reward penalty: k1 (logp - ref_logp) or k3 ((r - 1) - log r, r = "
+        "ref / p; lower variance).",
+    )
+    cliprange: float = _opt(0.2, "ppo", "Clip range of the policy ratio.")
+    vf_coef: float = _opt(0.1, "ppo", "Coefficient of the value loss in the total loss.")
+    cliprange_value: float = _opt(0.2, "ppo", "Clip range of the value prediction around the rollout's value.")
+    gamma: float = _opt(1.0, "ppo", "Discount factor of GAE.")
+    lam: float = _opt(0.95, "ppo", "Lambda of GAE.")
+    whiten_rewards: bool = _opt(
+        False, "ppo", "Whiten the per-token rewards (mean kept) before GAE (needs 8+ rows per mini-batch, as TRL)."
+    )
+    num_ppo_epochs: int = _opt(4, "ppo", "Passes over each generation batch (a new shuffle each).")
+    num_mini_batches: int = _opt(
+        1,
+        "ppo",
+        "Mini-batches per PPO epoch; must divide gradient_accumulation_steps or be a multiple of it. The optimizer "
+        "steps every gradient_accumulation_steps micro-batches, across mini-batch boundaries, as in TRL.",
+    )
+    total_episodes: int | None = _opt(
+        None,
+        "ppo",
+        "Completions to train on: ceil(total_episodes / batch) PPO updates. None: num_train_epochs x the number of "
+        "prompts. max_steps (updates), when set, wins.",
+    )
+
+    def validate(self) -> None:
+        if isinstance(self.max_completion_length, int) and self.max_completion_length < 1:
+            raise ConfigError(
+                f"response_length (max_completion_length) must be >= 1 (got {self.max_completion_length}): PPO "
+                "scores and trains on generated tokens; set --response_length 1 or more"
+            )
+        super().validate()
+
+    # ----------------------------------------------------------------------------------------- derived values
+    @property
+    def response_length(self) -> int:
+        """TRL 1.12's name of max_completion_length."""
+        return self.max_completion_length
+
+    @property
+    def local_mini_batch_size(self) -> int:
+        """Rows per mini-batch on one data shard: per_device_train_batch_size x gradient_accumulation_steps /
+        num_mini_batches (TRL's)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps // self.num_mini_batches
+
+    @property
+    def micro_batch_rows(self) -> int:
+        """Rows of one forward/backward per data shard: per_device_train_batch_size, or a whole mini-batch when it
+        is smaller (TRL)."""
+        return min(self.per_device_train_batch_size, self.local_mini_batch_size)
+
+    @property
+    def resolved_steps_per_generation(self) -> int:
+        """Micro-batches per PPO epoch: per_device_train_batch_size x gradient_accumulation_steps / their rows."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps // self.micro_batch_rows
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions per PPO update (TRL's batch_size): per_device_train_batch_size x gradient_accumulation_steps
+        x data shards."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.data_shards
+
+    @property
+    def resolved_num_iterations(self) -> int:
+        return self.num_ppo_epochs
+
+    @property
+    def uses_reference(self) -> bool:
+        return True
+
+    @property
+    def policy_path(self) -> str | None:
+        return self.sft_model_path or self.model_name_or_path
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        return self.model_name_or_path or self.sft_model_path
+
+    @property
+    def resolved_value_model_path(self) -> str | None:
+        return self.value_model_path or self.reward_model_path
+
+    @property
+    def reward_sources(self) -> list[str]:
+        """The reward model (scored on the device, first), then reward_funcs."""
+        return self.device_reward_paths + list(self.reward_funcs or [])
+
+    @property
+    def device_reward_paths(self) -> list[str]:
+        return [self.reward_model_path] if self.reward_model_path else []
+
+    @property
+    def uses_value_model(self) -> bool:
+        return True
+
+    def prepare_tokenizer(self, tokenizer: Any) -> None:
+        """TRL's scripts' pad token (`pad_token`), then PPO's needs: a pad distinct from EOS (TRL's masks treat
+        every pad id as padding, an EOS too when they are one) and the stop token in the vocabulary."""
+        if self.pad_token is not None and tokenizer.pad_token != self.pad_token:
+            tokenizer.add_special_tokens({"pad_token": self.pad_token})
+        if tokenizer.eos_token_id is None:
+            raise ConfigError("the tokenizer has no eos_token: PPO's missing_eos_penalty and stop_token need one")
+        if tokenizer.pad_token_id == tokenizer.eos_token_id:
+            raise ConfigError(
+                f"the tokenizer's pad token is its EOS ({tokenizer.eos_token!r}): PPO masks every pad id as padding "
+                "(TRL), which would cut every EOS out of the responses; set --pad_token '[PAD]' as TRL's PPO scripts "
+                "do (a token inside the model's vocabulary)"
+            )
+        stop = self.resolved_stop_token_id(tokenizer)
+        if stop is not None and not 0 <= stop < len(tokenizer):
+            raise ConfigError(f"stop_token_id {stop} is not a token of the tokenizer ({len(tokenizer)} tokens)")
+
+    @property
+    def steps_per_generation_batch(self) -> int:
+        return 1  # TRL 1.12's PPO counts updates (its global_step), whatever the optimizer steps in one
+
+    def total_steps(self, num_prompts: int) -> int:
+        """max_steps (updates), else TRL's num_total_batches: ceil(total_episodes / batch), total_episodes
+        defaulting to num_train_epochs x the prompts."""
+        if self.max_steps > 0:
+            return self.max_steps
+        episodes = self.total_episodes or int(self.num_train_epochs * num_prompts)
+        return max(1, math.ceil(episodes / self.generation_batch_size))
+
+    def step_options(self) -> dict[str, Any]:
+        from rloo_jax.algorithms.ppo import TEMPERATURE_EPS
+
+        # TRL scales every log-prob's logits by 1 / (temperature + 1e-7); micro-batches are shuffled rows; every pad
+        # id is padding (TRL's attention_mask = ids != pad)
+        return {"logprob_temperature": (self.temperature or 1.0) + TEMPERATURE_EPS, "row_order": True,
+                "pad_is_padding": True}
+
+    def resolved_stop_token_id(self, tokenizer: Any) -> int | None:
+        """The id generation stops at: the tokenizer's EOS for stop_token `eos`, else stop_token_id (TRL)."""
+        return int(tokenizer.eos_token_id) if self.stop_token == "eos" else self.stop_token_id
+
+    def sampler_stop_ids(self, tokenizer: Any, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """TRL 1.12's PPO stops generation at its stop token only (none: every completion is full length)."""
+        stop = self.resolved_stop_token_id(tokenizer)
+        return () if stop is None else (stop,)
+
+    # ----------------------------------------------------------------------------------------- validation
+    def _validate_algorithm(self) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, instead in _PPO_DOES_NOT_READ.items():
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(f"{name} is not a PPO option ({instead}); drop --{name}")
+        for name in ("num_ppo_epochs", "num_mini_batches"):
+            _check(getattr(self, name) >= 1, name, "must be >= 1", getattr(self, name))
+        _check(self.total_episodes is None or self.total_episodes >= 1, "total_episodes", "must be >= 1 or None",
+               self.total_episodes)
+        for name in ("cliprange", "cliprange_value"):
+            _check(getattr(self, name) >= 0, name, "must be >= 0", getattr(self, name))
+        _check(0 <= self.gamma <= 1, "gamma", "must be in [0, 1]", self.gamma)
+        _check(0 <= self.lam <= 1, "lam", "must be in [0, 1]", self.lam)
+        if self.stop_token is not None and self.stop_token_id is not None:
+            raise ConfigError("set stop_token or stop_token_id, not both (TRL 1.12's PPOTrainer refuses both)")
+        a, m = self.gradient_accumulation_steps, self.num_mini_batches
+        local = self.per_device_train_batch_size * a
+        if local % m:
+            raise ConfigError(
+                f"per_device_train_batch_size x gradient_accumulation_steps ({local}, TRL's local_batch_size) must "
+                f"be a multiple of num_mini_batches ({m}); change one of them"
+            )
+        if a % m and m % a:
+            raise ConfigError(
+                f"num_mini_batches ({m}) must divide gradient_accumulation_steps ({a}) or be a multiple of it: else "
+                "TRL 1.12 runs ragged micro-batches whose optimizer steps straddle PPO epochs and updates, which is "
+                "not implemented here"
+            )
+        if self.whiten_rewards and self.local_mini_batch_size < 8:
+            raise ConfigError(
+                f"whiten_rewards needs at least 8 rows per mini-batch (TRL's assert), got {self.local_mini_batch_size}"
+                " (per_device_train_batch_size x gradient_accumulation_steps / num_mini_batches); raise them or drop "
+                "--whiten_rewards"
+            )
+
+    def require_sources(self, num_rewards: int | None = None) -> None:
+        _require(
+            self.policy_path,
+            "model_name_or_path is required: pass --model_name_or_path (or --sft_model_path) PATH_OR_HUB_ID (or "
+            "run `python -m rloo_jax.train ppo` with no arguments for the built-in demo)",
+        )
+        if not self.resolved_value_model_path:
+            raise ConfigError(
+                "PPO needs a value model: set --value_model_path (a sequence-classification checkpoint, e.g. the "
+                "reward model as TRL's scripts do, or a causal LM's folder: its backbone with a new score head), or "
+                "--reward_model_path, which it then starts from"
+            )
+        super().require_sources(num_rewards)
+
+    def make_algorithm(self, tokenizer: Any = None) -> Any:
+        from rloo_jax.algorithms import PPO
+
+        if tokenizer is None:
+            raise ValueError("PPOConfig.make_algorithm needs the policy's tokenizer (its pad and EOS ids)")
+        return PPO(
+            kl_coef=self.kl_coef, kl_estimator=self.kl_estimator, missing_eos_penalty=self.missing_eos_penalty,
+            whiten_rewards=self.whiten_rewards, gamma=self.gamma, lam=self.lam, cliprange=self.cliprange,
+            cliprange_value=self.cliprange_value, vf_coef=self.vf_coef, num_ppo_epochs=self.num_ppo_epochs,
+            num_mini_batches=self.num_mini_batches, gradient_accumulation_steps=self.gradient_accumulation_steps,
+            pad_token_id=int(tokenizer.pad_token_id), eos_token_id=int(tokenizer.eos_token_id),
+            stop_token_id=self.resolved_stop_token_id(tokenizer),
+        )
+
+
+CONFIGS: dict[str, type[TrainConfig]] = {c.ALGORITHM: c for c in (RLOOConfig, GRPOConfig, PPOConfig)}
 
 
 def _take_trl_options(cls: type[TrainConfig]) -> None:
@@ -1260,7 +1638,7 @@ def _take_trl_options(cls: type[TrainConfig]) -> None:
     cls.__init__ = __init__
 
 
-for _cls in (RLOOConfig, GRPOConfig):
+for _cls in (RLOOConfig, GRPOConfig, PPOConfig):
     _take_trl_options(_cls)
 
 
@@ -1587,7 +1965,7 @@ def config_from_dict(values: dict[str, Any], device_count: int = 1, process_coun
     return cfg
 
 
-_GROUP_ORDER = ("model", "memory", "peft", "rewards", "data", "generation", "algorithm", "grpo", "optimization",
+_GROUP_ORDER = ("model", "memory", "peft", "rewards", "data", "generation", "algorithm", "grpo", "ppo", "optimization",
                 "logging", "distributed")
 
 
@@ -1595,16 +1973,18 @@ def format_help(cls: type[TrainConfig] = None) -> str:
     """`--help` text: usage, then every option of `cls` grouped, with its type, default and help text."""
     cls = RLOOConfig if cls is None else cls
     name = cls.ALGORITHM.upper()
+    release = "1.12" if cls.ALGORITHM == "ppo" else "1.16"  # TRL 1.12 is the last release with PPOTrainer
     lines = [
-        "usage: python -m rloo_jax.train [rloo|grpo] [--config FILE.yaml] [--name value | --name=value ...]",
+        "usage: python -m rloo_jax.train [rloo|grpo|ppo] [--config FILE.yaml] [--name value | --name=value ...]",
         "",
-        f"Train a causal LM with {name} (TRL 1.16's {name} trainer math) in JAX; the first word picks the algorithm "
+        f"Train a causal LM with {name} (TRL {release}'s {name} trainer math) in JAX; the first word picks the "
+        "algorithm "
         "(rloo by default, or the config file's `algorithm:`), e.g. `python -m rloo_jax.train grpo --help`. Options "
         "are read from the YAML file first, then from the command line. With neither --config nor "
         "--model_name_or_path, the built-in demo (configs/default.yaml: a tiny model on a synthetic task, no "
         "network) runs.",
         f"Old TRL names are accepted: {', '.join(f'{k} -> {v}' for k, v in ALIASES.items())}; so are TRL GRPO's "
-        f"vllm_importance_sampling_* names. So is every other option of TRL 1.16's {cls.__name__} and `trl "
+        f"vllm_importance_sampling_* names. So is every other option of TRL {release}'s {cls.__name__} and `trl "
         f"{cls.ALGORITHM}` script: read without effect (named in a note) or refused with the reason "
         "(docs/trl_options.md).",
     ]

@@ -59,11 +59,12 @@ def load_prompt_dataset(
 
 
 def check_prompt_dataset(ds: datasets.Dataset, source: str) -> None:
-    """Fail clearly on a dataset without a `prompt` column or without rows."""
-    if "prompt" not in ds.column_names:
+    """Fail clearly on a dataset without a `prompt` column (or pre-tokenized `input_ids`, as TRL's PPO takes
+    them) or without rows."""
+    if "prompt" not in ds.column_names and "input_ids" not in ds.column_names:
         raise DataError(
             f"dataset {source} has no `prompt` column (columns: {', '.join(ds.column_names)}); "
-            "rename the prompt column to `prompt`"
+            "rename the prompt column to `prompt` (or give token ids in an `input_ids` column)"
         )
     if len(ds) == 0:
         raise DataError(f"dataset {source} is empty")
@@ -433,8 +434,12 @@ class PromptEncoder:
     chat_template_kwargs: dict | None = None
 
     def __call__(self, rows: dict[str, list[Any]]) -> PromptBatch:
-        prompts = list(rows["prompt"])
-        encoded = encode_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
+        if "prompt" in rows:
+            prompts = list(rows["prompt"])
+            encoded = encode_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
+        else:  # pre-tokenized (TRL's PPO datasets): the ids as they are, their text for the reward functions
+            encoded = [list(map(int, ids)) for ids in rows["input_ids"]]
+            prompts = prompt_texts(rows, self.tokenizer)
         if min(len(t) for t in encoded) == 0:
             raise DataError("a prompt encodes to zero tokens; remove empty prompts from the dataset")
         truncated = [truncate_left(t, self.max_prompt_length) for t in encoded]
@@ -442,8 +447,15 @@ class PromptEncoder:
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
         ids, mask = left_pad(truncated, int(pad or 0), self.prompt_bucket)
-        columns = {k: list(v) for k, v in rows.items() if k != "prompt"}
+        columns = {k: list(v) for k, v in rows.items() if k not in ("prompt", "input_ids")}
         return PromptBatch(prompts, columns, ids, mask, num_truncated)
+
+
+def prompt_texts(rows: dict[str, list[Any]], tokenizer: Any) -> list[Any]:
+    """The rows' prompts: the `prompt` column, or the text of pre-tokenized `input_ids` (special tokens skipped)."""
+    if "prompt" in rows:
+        return list(rows["prompt"])
+    return tokenizer.batch_decode([list(map(int, ids)) for ids in rows["input_ids"]], skip_special_tokens=True)
 
 
 # ------------------------------------------------------------------------------------------------ iteration

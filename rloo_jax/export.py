@@ -207,6 +207,8 @@ def read_run(output_dir: str) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
     defaults = {f.name: f.default for f in dataclasses.fields(RLOOConfig) if f.name in RUN_FIELDS}
     hints = typing.get_type_hints(RLOOConfig)
+    if values.get("sft_model_path"):  # PPO: the policy is sft_model_path (model_name_or_path names the tokenizer)
+        values = dict(values, model_name_or_path=values["sft_model_path"])
     return {k: coerce(values.get(k, defaults[k]), hints[k], k) for k in RUN_FIELDS}
 
 

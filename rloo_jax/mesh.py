@@ -325,16 +325,19 @@ def state_shardings(
     train_state: Any,
     mesh: Mesh,
     rules: Rules = LOGICAL_RULES,
-    param_fields: Sequence[str] = ("params", "ref_params", "frozen"),
+    param_fields: Sequence[str] = ("params", "ref_params", "frozen", "value_params", "reward_params"),
 ) -> Any:
     """Shardings for a whole train state (concrete or ``jax.eval_shape`` abstract): same pytree structure.
 
-    ``params``/``ref_params``/``frozen``: the rule table (``param_shardings``). ``opt_state``: every subtree
-    with the params' structure (optax moments mirror the params) takes the params' sharding leaf by leaf where
-    the shapes agree (factored statistics of another shape are replicated); everything else, e.g. ``count``,
-    ``step``, is replicated.
+    ``params``/``ref_params``/``frozen``/``value_params``/``reward_params``: the rule table (``param_shardings``).
+    ``opt_state``: every subtree with the trained parameters' structure (optax moments mirror them: ``params``, or
+    ``(params, value_params)`` with a value model) takes their sharding leaf by leaf where the shapes agree
+    (factored statistics of another shape are replicated); everything else, e.g. ``count``, ``step``, is
+    replicated.
     """
     params = train_state.params
+    if getattr(train_state, "value_params", None) is not None:  # one optimizer over policy and value model
+        params = (params, train_state.value_params)
     p_shard = param_shardings(params, mesh, rules)
     p_leaves = jax.tree.leaves(p_shard)
     p_shapes = [x.shape for x in jax.tree.leaves(params)]

@@ -284,6 +284,13 @@ def console_line(step: int, total: int, metrics: dict[str, float]) -> str:
     phases = ("sample", "reference", "reward", "update")
     timing = "" if "timing/sample" not in metrics else " (" + ", ".join(
         f"{p[:3] if p == 'reference' else p} {get(f'timing/{p}'):.2f}" for p in phases) + ")"
+    if "objective/scores" in metrics:  # PPO (TRL 1.12's names)
+        return (
+            f"step {step}/{total} | score {get('objective/scores'):.3f} | rlhf_reward "
+            f"{get('objective/rlhf_reward'):.3f} | kl {get('objective/kl'):.4f} | value loss "
+            f"{get('loss/value_avg'):.4f} | len {get('completions/mean_length'):.1f} | lr {get('lr'):.2e} | "
+            f"{get('step_time'):.2f} s/step{timing}"
+        )
     return (
         f"step {step}/{total} | reward {get('reward'):.3f} ± {get('reward_std'):.3f}{kl} | "
         f"entropy {get('entropy'):.3f} | len {get('completions/mean_length'):.1f} | "

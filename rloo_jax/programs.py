@@ -68,7 +68,9 @@ class Programs:
     then takes the adapters as ``params`` and the base as ``frozen`` (also the reference). ``rollout_mesh``: the
     sampler's own mesh over the mesh's devices (``rloo_jax.mesh.reshaped``, e.g. tensor-parallel decode where
     training is FSDP); the sampling program moves the policy's weights into its layout once per call and hands its
-    outputs back in the training layout. None: the training mesh.
+    outputs back in the training layout. None: the training mesh. ``value_graphdef`` / ``reward_graphdef``: a value
+    model trained with the policy and a reward model scored on the device (``rloo_jax.step.Step``);
+    ``init_state`` then takes their parameters.
     """
 
     def __init__(
@@ -80,8 +82,10 @@ class Programs:
         rules: Rules | None = None,
         ref_graphdef: nnx.GraphDef | None = None,
         rollout_mesh: jax.sharding.Mesh | None = None,
+        value_graphdef: nnx.GraphDef | None = None,
+        reward_graphdef: nnx.GraphDef | None = None,
     ) -> None:
-        self.step = Step(graphdef, optimizer, cfg, mesh, ref_graphdef, rollout_mesh)
+        self.step = Step(graphdef, optimizer, cfg, mesh, ref_graphdef, rollout_mesh, value_graphdef, reward_graphdef)
         self.graphdef, self.optimizer, self.cfg, self.mesh = graphdef, optimizer, cfg, mesh
         self.rules = LOGICAL_RULES if rules is None else rules
         self.state_shardings: TrainState | None = None  # fixed by init_state / abstract_state on a mesh
@@ -100,41 +104,59 @@ class Programs:
 
     # -- the state ----------------------------------------------------------------------------------------------
     def init_state(
-        self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None
+        self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None,
+        value_params: nnx.State | None = None, reward_params: nnx.State | None = None,
     ) -> TrainState:
         """A fresh state; ``ref_params`` is required when the algorithm needs a reference (usually a copy of the
         initial policy), unless ``frozen`` is given (LoRA: ``params`` are the adapters, ``frozen`` the base, which
-        is the reference). With a mesh the state is created directly on its shardings."""
+        is the reference); ``value_params`` / ``reward_params`` with a value / device reward model. With a mesh the
+        state is created directly on its shardings."""
         ref_params = self._check_reference(ref_params, frozen)
-        self.abstract_state(params, ref_params, frozen)
+        self._check_models(value_params, reward_params)
+        self.abstract_state(params, ref_params, frozen, value_params, reward_params)
         if self.mesh is None:
-            return self.step.new_state(params, ref_params, frozen)
+            return self.step.new_state(params, ref_params, frozen, value_params, reward_params)
         shardings = self.state_shardings
         params = shard_params(params, shardings.params)
-        return TrainState(
+        value_params = None if value_params is None else shard_params(value_params, shardings.value_params)
+        state = TrainState(
             params=params,
-            opt_state=jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params),
+            opt_state=None,
             ref_params=None if ref_params is None else shard_params(ref_params, shardings.ref_params),
             step=replicate(np.zeros((), np.int32), self.mesh),
             frozen=None if frozen is None else shard_params(frozen, shardings.frozen),
             algo_state=replicate(jax.device_get(self.step.algorithm.init_state()), self.mesh),
+            value_params=value_params,
+            reward_params=None if reward_params is None else shard_params(reward_params, shardings.reward_params),
         )
+        return state.replace(opt_state=jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(state.trained))
 
     def abstract_state(
-        self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None
+        self, params: nnx.State, ref_params: nnx.State | None = None, frozen: nnx.State | None = None,
+        value_params: nnx.State | None = None, reward_params: nnx.State | None = None,
     ) -> TrainState:
         """The state ``init_state`` would build, as ``ShapeDtypeStruct`` leaves (with their shardings on a mesh),
-        for ahead-of-time compilation without any parameter in memory. ``params``/``ref_params``/``frozen`` may
-        themselves be abstract (``nnx.eval_shape``). Fixes the state's shardings the programs take."""
+        for ahead-of-time compilation without any parameter in memory. ``params``/``ref_params``/``frozen`` (and
+        the value and reward models') may themselves be abstract (``nnx.eval_shape``). Fixes the state's shardings
+        the programs take."""
         ref_params = ref_params if self.step.keeps_reference(frozen) else None
-        abstract = jax.eval_shape(self.step.new_state, params, ref_params, frozen)
+        self._check_models(value_params, reward_params)
+        abstract = jax.eval_shape(self.step.new_state, params, ref_params, frozen, value_params, reward_params)
         if self.mesh is not None:
             self.state_shardings = state_shardings(abstract, self.mesh, self.rules)
-            self.step.grad_shardings = self.state_shardings.params
+            self.step.grad_shardings = self.state_shardings.trained
             abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
                                     self.state_shardings)
         self.state_abstract = abstract
         return abstract
+
+    def _check_models(self, value_params: nnx.State | None, reward_params: nnx.State | None) -> None:
+        """A value / reward model's parameters exactly when the step has its graph."""
+        for name, params, graphdef in (("value_params", value_params, self.step.value_graphdef),
+                                       ("reward_params", reward_params, self.step.reward_graphdef)):
+            if (params is None) != (graphdef is None):
+                raise ValueError(f"{name} {'missing' if params is None else 'given'}: the programs were built "
+                                 f"{'with' if graphdef is not None else 'without'} its model")
 
     def _check_reference(self, ref_params: nnx.State | None, frozen: nnx.State | None) -> nnx.State | None:
         """The reference to keep: None when the algorithm needs none or the frozen base is the reference (LoRA)."""
@@ -165,23 +187,30 @@ class Programs:
             prompt_ids=b, prompt_mask=b, completion_ids=n, completion_mask=n, is_truncated=n, old_logps=n,
             ref_logps=n if self.cfg.algorithm.needs_reference and finished else None,
             sampler_logps=n if self.cfg.recompute and finished else None,
+            values=n if self.step.value_graphdef is not None and finished else None,
+            scores=n if self.step.reward_graphdef is not None and finished else None,
         )
 
     def _sds(self, shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    def _abstract_rollout(self, num_prompts: int, prompt_len: int, width: int, finished: bool) -> Rollout:
-        b, p, n = num_prompts, prompt_len, num_prompts * self.cfg.num_generations
+    def _abstract_rollout(self, num_prompts: int, prompt_len: int, width: int, finished: bool,
+                          num_generations: int | None = None) -> Rollout:
+        b, p, n = num_prompts, prompt_len, num_prompts * (num_generations or self.cfg.num_generations)
         bs, ns = self._sharding(num_prompts), self._sharding(n)
         i32, f32 = jnp.int32, jnp.float32
         with_ref = finished and self.cfg.algorithm.needs_reference
         with_sampler = finished and self.cfg.recompute
+        with_values = finished and self.step.value_graphdef is not None
+        with_scores = finished and self.step.reward_graphdef is not None
         return Rollout(
             prompt_ids=self._sds((b, p), i32, bs), prompt_mask=self._sds((b, p), i32, bs),
             completion_ids=self._sds((n, width), i32, ns), completion_mask=self._sds((n, width), i32, ns),
             is_truncated=self._sds((n,), jnp.bool_, ns), old_logps=self._sds((n, width), f32, ns),
             ref_logps=self._sds((n, width), f32, ns) if with_ref else None,
             sampler_logps=self._sds((n, width), f32, ns) if with_sampler else None,
+            values=self._sds((n, width), f32, ns) if with_values else None,
+            scores=self._sds((n, self.step.device_rewards), f32, ns) if with_scores else None,
         )
 
     def _key(self) -> jax.ShapeDtypeStruct:
@@ -277,9 +306,16 @@ class Programs:
         return self._program(("longest", num_prompts), make)
 
     def _rewards(self, num_prompts: int, num_rewards: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """The host's rewards ``[N, F]`` and the weights of every reward ``[R + F]`` (device reward models first)."""
         n = num_prompts * self.cfg.num_generations
         return (self._sds((n, num_rewards), jnp.float32, self._sharding(n)),
-                self._sds((num_rewards,), jnp.float32, self._replicated()))
+                self._sds((self.step.device_rewards + num_rewards,), jnp.float32, self._replicated()))
+
+    def order_shape(self, num_prompts: int) -> tuple[int, int]:
+        """``update``'s micro-batch rows with ``row_order``: [updates x gradient_accumulation_steps, rows]."""
+        n = num_prompts * self.cfg.num_generations
+        micro = self.cfg.updates_per_generation * self.cfg.gradient_accumulation_steps
+        return micro, n // self.cfg.steps_per_generation
 
     def score_program(self, num_prompts: int, prompt_len: int, width: int, num_rewards: int) -> Program:
         """``(rollout, rewards_per_func [N, F], reward_weights [F]) -> (targets, metrics)``: the algorithm's
@@ -300,23 +336,45 @@ class Programs:
         return self._program(("score", num_prompts, prompt_len, width, num_rewards), make)
 
     def update_program(self, num_prompts: int, prompt_len: int, width: int, num_rewards: int) -> Program:
-        """``(state, rollout, rewards_per_func [N, F], reward_weights [F]) -> (state, metrics)``; donates the
-        state. ``metrics``: ``Step.update``'s (``generation`` / ``micro`` / ``update``)."""
+        """``(state, rollout, rewards_per_func [N, F], reward_weights [R + F][, order]) -> (state, metrics)``;
+        donates the state. ``order`` (``cfg.row_order``): ``[updates x gradient_accumulation_steps, rows]`` int32.
+        ``metrics``: ``Step.update``'s (``generation`` / ``micro`` / ``update``)."""
 
         def make() -> Program:
             ro = self._rollout_shardings(num_prompts, finished=True)
             n, rep = ro.completion_ids, self._replicated()
+            ordered = self.cfg.row_order
             fn = self._jit(("update", n), lambda: jax.jit(
                 self._on_mesh(self.step.update),
-                in_shardings=None if self.mesh is None else (self.state_shardings, ro, n, rep),
+                in_shardings=None if self.mesh is None else (self.state_shardings, ro, n, rep) + (rep,) * ordered,
                 out_shardings=None if self.mesh is None else (self.state_shardings, rep),
                 donate_argnums=0,
             ))
             rewards, weights = self._rewards(num_prompts, num_rewards)
+            order = (self._sds(self.order_shape(num_prompts), jnp.int32, rep),) if ordered else ()
             return Program("update", fn, (self._state(), self._abstract_rollout(num_prompts, prompt_len, width, True),
-                                          rewards, weights))
+                                          rewards, weights, *order))
 
         return self._program(("update", num_prompts, prompt_len, width, num_rewards), make)
+
+    def device_scores_program(self, num_prompts: int, prompt_len: int, sampling: SamplingConfig | None = None
+                              ) -> Program:
+        """``(state, sampled Rollout) -> [N, R]``: the device reward models' scores (``Step.device_scores``), for
+        rollouts of ``sample_program`` with ``sampling`` (evaluation)."""
+        sc = self.cfg.sampling if sampling is None else sampling
+
+        def make() -> Program:
+            n = self._sharding(num_prompts * sc.num_generations)
+            fn = self._jit(("device_scores", n, sc), lambda: jax.jit(
+                self._on_mesh(self.step.device_scores),
+                in_shardings=None if self.mesh is None else (self.state_shardings,
+                                                             self._sampled_shardings(num_prompts, sc)),
+                out_shardings=n,
+            ))
+            sampled = self._abstract_rollout(num_prompts, prompt_len, sc.max_new_tokens, False, sc.num_generations)
+            return Program("device_scores", fn, (self._state(), sampled))
+
+        return self._program(("device_scores", num_prompts, prompt_len, sc), make)
 
     def sync_reference_program(self, alpha: float) -> Program:
         """``state -> state`` with the reference moved towards the policy (TR-DPO)."""
@@ -352,14 +410,17 @@ class Programs:
     def score(self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
               ) -> tuple[dict[str, Array], dict[str, Array]]:
         b, p = rollout.prompt_ids.shape
-        program = self.score_program(b, p, rollout.completion_ids.shape[1], reward_weights.shape[0])
+        program = self.score_program(b, p, rollout.completion_ids.shape[1], rewards_per_func.shape[1])
         return program(rollout, rewards_per_func, reward_weights)
 
-    def update(self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
-               ) -> tuple[TrainState, dict[str, Any]]:
+    def update(self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array,
+               order: Array | None = None) -> tuple[TrainState, dict[str, Any]]:
         b, p = rollout.prompt_ids.shape
-        program = self.update_program(b, p, rollout.completion_ids.shape[1], reward_weights.shape[0])
-        return program(state, rollout, rewards_per_func, reward_weights)
+        program = self.update_program(b, p, rollout.completion_ids.shape[1], rewards_per_func.shape[1])
+        return program(state, rollout, rewards_per_func, reward_weights, *(() if order is None else (order,)))
+
+    def device_scores(self, state: TrainState, rollout: Rollout, sampling: SamplingConfig | None = None) -> Array:
+        return self.device_scores_program(*rollout.prompt_ids.shape, sampling)(state, rollout)
 
     def sync_reference(self, state: TrainState, alpha: float) -> TrainState:
         return self.sync_reference_program(alpha)(state)

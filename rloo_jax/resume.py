@@ -8,7 +8,8 @@ total step count) in every checkpoint's meta; checkpoints from before that fall 
 (`saved_config`).
 
 The rules, in short (`RULES` has the reason for each):
-- refused: what the checkpoint's arrays or its data position are made of: the model, the data (dataset, split,
+- refused: what the checkpoint's arrays or its data position are made of: the model (PPO: the policy and the value
+  model), the data (dataset, split,
   config, shuffling, seed), the stored dtypes (bf16, param_dtype, mu_dtype), the LoRA scale (lora_alpha,
   use_rslora), the number of reward functions (their metrics are summed in the checkpointed logging window; one
   function in place of another is honoured), beta to or from 0 (a reference model is held or not), max_grad_norm
@@ -52,6 +53,8 @@ def refuse_across_zero(reason: str) -> Rule:
 DATA = "the checkpoint's data position (epoch, row) is a place in that dataset's order"
 RULES: dict[str, Rule] = {
     "model_name_or_path": refuse("the checkpoint holds the weights trained from it (LoRA: adapters on it)"),
+    "sft_model_path": refuse("the checkpoint holds the weights trained from it (LoRA: adapters on it)"),  # PPO
+    "value_model_path": refuse("the checkpoint holds the value model trained from it"),  # PPO
     "seed": refuse("the data order and the checkpoint's data position come from it"),
     "dataset_name": refuse(DATA),
     "dataset_config": refuse(DATA),

@@ -52,6 +52,14 @@ class TrainState:
     step: Array  # [] int32, optimizer updates applied so far
     frozen: nnx.State | None = None  # LoRA: the base model (never trained; also the reference); else None
     algo_state: Any = None  # what the algorithm carries between optimizer steps (GRPO: its entropy controller)
+    value_params: nnx.State | None = None  # a value model's nnx.Param state, trained with `params` (PPO); else None
+    reward_params: nnx.State | None = None  # reward models scored on the device (frozen), else None
+
+    @property
+    def trained(self) -> Any:
+        """What the optimizer steps: ``params``, or ``(params, value_params)`` with a value model (one AdamW over
+        both, as TRL's PPO)."""
+        return self.params if self.value_params is None else (self.params, self.value_params)
 
 
 @struct.dataclass
@@ -66,6 +74,8 @@ class Rollout:
     old_logps: Array  # [N, C] float32, behaviour-policy log-probs: the sampler's, or recomputed by `finish`
     ref_logps: Array | None  # [N, C] float32, reference log-probs; None without a reference
     sampler_logps: Array | None = None  # [N, C] float32, the sampler's when old_logps were recomputed, else None
+    values: Array | None = None  # [N, C] float32, the value model's estimates at sampling time (needs_values)
+    scores: Array | None = None  # [N, R] float32, the reward models scored on the device (prompt + completion)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +110,15 @@ class StepConfig:
     update's own forward cannot stand in for them then). See ``recompute``."""
     importance_sampling: ImportanceSampling | None = None
     """The sampler/trainer correction; None: off."""
+    logprob_temperature: float | None = None
+    """The temperature of every log-prob (training, old, reference); None: the sampler's (1 when greedy). TRL
+    1.12's PPO divides by temperature + 1e-7."""
+    pad_is_padding: bool = False
+    """Every sampled pad token is padding too (out of the completion mask, out of attention), as TRL 1.12's PPO
+    treats every pad id (``attention_mask = ids != pad``); else only what follows the EOS is."""
+    row_order: bool = False
+    """The update takes each micro-batch's rows as an input (``order [updates x gradient_accumulation_steps, rows]``
+    int32, drawn on the host: PPO's per-epoch shuffles) instead of cutting the generation batch in order."""
     logprob_chunk: int = 64
     """Sequence positions unembedded at a time when computing log-probs (bounds the [.., V] logits held: at
     8 rows x 1024 positions and V = 152k, 64 keeps the log-prob pass under 1/8 of the full float32 logits;
@@ -121,7 +140,7 @@ class StepConfig:
     @property
     def temperature(self) -> float:
         """Temperature of every log-prob (greedy sampling records log-probs at 1, like the sampler)."""
-        return self.sampling.temperature or 1.0
+        return self.logprob_temperature or self.sampling.temperature or 1.0
 
     @property
     def on_policy(self) -> bool:
@@ -174,11 +193,40 @@ def completion_logps(
     model = nnx.merge(graphdef, params)
     if completion_ids.shape[0] % prompt_ids.shape[0]:
         raise ValueError(f"{completion_ids.shape[0]} completions do not split into {prompt_ids.shape[0]} prompts")
-    hidden = model.completion_hidden_states(prompt_ids, prompt_mask, completion_ids, completion_mask, dropout_key)
+    hidden = model.completion_hidden_states(prompt_ids, prompt_mask, model_inputs(completion_ids, completion_mask),
+                                            completion_mask, dropout_key)
     return per_token_logps_from_hidden(
         hidden, model.unembed, completion_ids, temperature, chunk_size=chunk, with_entropy=with_entropy,
         frozen_unembed=frozen_unembed, entropy_grad=entropy_grad,
     )
+
+
+def model_inputs(completion_ids: Array, completion_mask: Array) -> Array:
+    """The completion ids a forward reads: 0 outside the mask, as transformers' callers feed padding (TRL's
+    ``forward``: ``masked_fill(ids, ~mask, 0)``). Only the outputs at padding positions depend on it."""
+    return jnp.where(completion_mask > 0, completion_ids, jnp.zeros_like(completion_ids))
+
+
+def head_scores(
+    graphdef: nnx.GraphDef, params: nnx.State, prompt_ids: Array, prompt_mask: Array, completion_ids: Array,
+    completion_mask: Array, dropout_key: Array | None = None,
+) -> Array:
+    """A value / reward model's head from each prompt's last token through every completion token:
+    ``RewardModel.completion_scores`` ``[N, C + 1]`` float32 (entry t < C: the value before completion token t;
+    entry n_r: the score of the row's n_r real tokens). Prompts ``[N, P]`` or shared ``[B, P]``."""
+    model = nnx.merge(graphdef, params)
+    return model.completion_scores(prompt_ids, prompt_mask, model_inputs(completion_ids, completion_mask),
+                                   completion_mask, dropout_key)
+
+
+def last_scores(heads: Array, completion_mask: Array) -> Array:
+    """``head_scores`` read where a reward model scores a row: after its first n completion tokens, n the index of
+    its first masked position (C when none; TRL's ``first_true_indices(response == pad)``): entry n, the prompt's
+    last token for n = 0. ``[N, C + 1], [N, C] -> [N, 1]``. Heads ``[[1, 2, 3]]``, mask ``[[1, 0]]`` -> ``[[2]]``;
+    mask ``[[0, 1]]`` -> ``[[1]]``."""
+    c = completion_mask.shape[1]
+    n = jnp.min(jnp.where(completion_mask > 0, c, jnp.arange(c)[None, :]), axis=1)
+    return jnp.take_along_axis(heads, n[:, None], axis=1)
 
 
 def completion_stats(lengths: Array, is_truncated: Array) -> dict[str, Array]:
@@ -224,6 +272,7 @@ def truncate(rollout: Rollout, width: int) -> Rollout:
     return rollout.replace(
         completion_ids=cut(rollout.completion_ids), completion_mask=cut(rollout.completion_mask),
         old_logps=cut(rollout.old_logps), ref_logps=cut(rollout.ref_logps), sampler_logps=cut(rollout.sampler_logps),
+        values=cut(rollout.values),
     )
 
 
@@ -259,6 +308,11 @@ class Step:
     ``mesh``: the training mesh (None: one device); ``rollout_mesh``: the sampler's own layout over the same devices
     (None: the training mesh). ``grad_shardings``: the parameters' shardings, which each micro-batch's gradients
     are reduce-scattered to (set by ``Programs`` on a mesh).
+
+    ``value_graphdef``: a value model (``RewardModel``: a backbone with a scalar head) whose per-token estimates
+    the algorithm reads (``needs_values``): at sampling parameters in ``finish``, with their gradient in the loss;
+    the state then trains ``(params, value_params)`` with one optimizer. ``reward_graphdef``: a reward model scored
+    on the token ids in ``finish`` (frozen, ``state.reward_params``), its score the first column of the rewards.
     """
 
     def __init__(
@@ -269,8 +323,14 @@ class Step:
         mesh: jax.sharding.Mesh | None = None,
         ref_graphdef: nnx.GraphDef | None = None,
         rollout_mesh: jax.sharding.Mesh | None = None,
+        value_graphdef: nnx.GraphDef | None = None,
+        reward_graphdef: nnx.GraphDef | None = None,
     ) -> None:
+        if cfg.algorithm.needs_values and value_graphdef is None:
+            raise ValueError(f"{type(cfg.algorithm).__name__} needs a value model: pass value_graphdef")
         self.graphdef = graphdef
+        self.value_graphdef = value_graphdef
+        self.reward_graphdef = reward_graphdef
         self.ref_graphdef = graphdef if ref_graphdef is None else ref_graphdef
         self.optimizer = optimizer
         self.cfg = cfg
@@ -280,9 +340,16 @@ class Step:
         self.grad_shardings: Any = None
 
     # -- state --------------------------------------------------------------------------------------------------
-    def new_state(self, params: nnx.State, ref_params: nnx.State | None, frozen: nnx.State | None) -> TrainState:
-        return TrainState(params, self.optimizer.init(params), ref_params, jnp.zeros((), jnp.int32), frozen,
-                          self.algorithm.init_state())
+    def new_state(self, params: nnx.State, ref_params: nnx.State | None, frozen: nnx.State | None,
+                  value_params: nnx.State | None = None, reward_params: nnx.State | None = None) -> TrainState:
+        state = TrainState(params, None, ref_params, jnp.zeros((), jnp.int32), frozen, self.algorithm.init_state(),
+                           value_params, reward_params)
+        return state.replace(opt_state=self.optimizer.init(state.trained))
+
+    @property
+    def device_rewards(self) -> int:
+        """Reward columns scored on the device (``Rollout.scores``), ahead of the host's reward functions."""
+        return 0 if self.reward_graphdef is None else 1
 
     def keeps_reference(self, frozen: nnx.State | None) -> bool:
         """Whether the state holds a reference copy: the algorithm needs reference log-probs and there is no
@@ -309,6 +376,8 @@ class Step:
         prompt_ids, prompt_mask = _left_align(prompt_ids, prompt_mask)
         # TRL's mask/truncation rule (a pad id as last token counts as terminated)
         mask, truncated = completion_mask(gen.completion_ids, sc.eos_token_ids or (-1,), sc.pad_token_id)
+        if self.cfg.pad_is_padding:
+            mask = mask * (gen.completion_ids != sc.pad_token_id).astype(mask.dtype)
         if self.algorithm.mask_truncated_completions:
             mask = mask * (~truncated)[:, None].astype(mask.dtype)
         return Rollout(
@@ -330,12 +399,15 @@ class Step:
     def finish(self, state: TrainState, rollout: Rollout, width: int) -> Rollout:
         """The rollout cut to ``width`` completion positions (``truncate``), with the reference log-probs when the
         algorithm needs them and, when ``cfg.recompute``, the old log-probs from a training forward at the sampling
-        parameters (no dropout; the sampler's kept as ``sampler_logps``). Both run in the update's micro-batches:
+        parameters (no dropout; the sampler's kept as ``sampler_logps``); with a value model its estimates
+        (``values``), with a device reward model its scores (``scores``). All run in the update's micro-batches:
         these passes never hold more activations than a training step."""
         cfg = self.cfg
         rollout = truncate(rollout, width)
         needs_ref = self.algorithm.needs_reference
-        if not needs_ref and not cfg.recompute:
+        with_values = self.value_graphdef is not None
+        with_scores = self.reward_graphdef is not None
+        if not (needs_ref or cfg.recompute or with_values or with_scores):
             return rollout
         mask = rollout.completion_mask
         micro = self.micro_batches(
@@ -348,28 +420,50 @@ class Step:
 
         def forward(i: Array) -> dict[str, Array]:
             mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
-            return {name: completion_logps(graphdef, params, mb["prompt_ids"], mb["prompt_mask"],
-                                           mb["completion_ids"], mb["mask"], cfg.temperature, cfg.logprob_chunk)
-                    for name, (graphdef, params) in passes.items()}
+            inputs = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"])
+            out = {name: completion_logps(graphdef, params, *inputs, cfg.temperature, cfg.logprob_chunk)
+                   for name, (graphdef, params) in passes.items()}
+            if with_values:  # the value before each completion token
+                out["values"] = head_scores(self.value_graphdef, state.value_params, *inputs)[:, :-1]
+            if with_scores:  # prompt + completion scored at its last real token
+                out["scores"] = last_scores(head_scores(self.reward_graphdef, state.reward_params, *inputs), mb["mask"])
+            return out
 
-        out = {k: v.reshape(mask.shape) * mask for k, v in _map(forward, cfg.steps_per_generation).items()}
+        out = _map(forward, cfg.steps_per_generation)
+        rows = lambda x: x.reshape(mask.shape[0], *x.shape[2:])  # noqa: E731 - [spg, n, ...] -> [N, ...]
         if "ref" in out:
-            rollout = rollout.replace(ref_logps=out["ref"])
+            rollout = rollout.replace(ref_logps=rows(out["ref"]) * mask)
         if "old" in out:
-            rollout = rollout.replace(old_logps=out["old"], sampler_logps=rollout.old_logps)
+            rollout = rollout.replace(old_logps=rows(out["old"]) * mask, sampler_logps=rollout.old_logps)
+        if "values" in out:
+            rollout = rollout.replace(values=rows(out["values"]))
+        if "scores" in out:
+            rollout = rollout.replace(scores=rows(out["scores"]))
         return rollout
+
+    def device_scores(self, state: TrainState, rollout: Rollout) -> Array:
+        """The device reward model's scores of a sampled rollout, ``[N, R]`` (evaluation: one forward, no other
+        pass; prompts shared by their completions)."""
+        if self.reward_graphdef is None:
+            return jnp.zeros((rollout.completion_ids.shape[0], 0), jnp.float32)
+        heads = head_scores(self.reward_graphdef, state.reward_params, rollout.prompt_ids, rollout.prompt_mask,
+                            rollout.completion_ids, rollout.completion_mask)
+        return last_scores(heads, rollout.completion_mask)
 
     # -- scoring ------------------------------------------------------------------------------------------------
     def score(self, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
               ) -> tuple[dict[str, Array], dict[str, Array]]:
         """The algorithm's per-row targets (``{"advantages": [N], ...}``; with the sampler/trainer correction also
         ``is_weights``) and the generation batch's metrics (rewards, completion lengths, tokens; the sampler/trainer
-        gap where the old log-probs were recomputed)."""
+        gap where the old log-probs were recomputed). ``rewards_per_func [N, F]``: the host's reward functions;
+        device reward models' scores (``rollout.scores``) come first, ``reward_weights`` covering both."""
         cfg = self.cfg
+        if rollout.scores is not None:
+            rewards_per_func = jnp.concatenate([rollout.scores, rewards_per_func.astype(jnp.float32)], axis=1)
         targets, metrics = self.algorithm.score(ScoreInputs(
             rewards_per_func=rewards_per_func, reward_weights=reward_weights, mask=rollout.completion_mask,
             is_truncated=rollout.is_truncated, old_logps=rollout.old_logps, ref_logps=rollout.ref_logps,
-            num_generations=cfg.num_generations,
+            values=rollout.values, completion_ids=rollout.completion_ids, num_generations=cfg.num_generations,
         ))
         eos_mask, _ = completion_mask(rollout.completion_ids, cfg.sampling.eos_token_ids or (-1,),
                                       cfg.sampling.pad_token_id)
@@ -393,9 +487,10 @@ class Step:
     # -- update -------------------------------------------------------------------------------------------------
     def loss(
         self, params: nnx.State, frozen: nnx.State | None, mb: dict[str, Array], key: Array | None,
-        algo_state: Any, num_items: Array,
+        algo_state: Any, num_items: Array, value_params: nnx.State | None = None,
     ) -> tuple[Array, tuple[dict[str, Array], dict[str, Array]]]:
-        """One micro-batch: the training forward (log-probs and entropy), then the algorithm's loss."""
+        """One micro-batch: the training forward (log-probs and entropy; with a value model its estimates), then
+        the algorithm's loss."""
         cfg, algo = self.cfg, self.algorithm
         whole = params if frozen is None else nnx.merge_state(frozen, params)  # gradients reach `params` only
         logps, entropy = completion_logps(
@@ -404,6 +499,10 @@ class Step:
             frozen_unembed=frozen is not None,  # LoRA: the head is part of the frozen base
             entropy_grad=algo.entropy_grad,
         )
+        values = None
+        if value_params is not None:
+            values = head_scores(self.value_graphdef, value_params, mb["prompt_ids"], mb["prompt_mask"],
+                                 mb["completion_ids"], mb["mask"])[:, :-1]
         mask = mb["mask"].astype(jnp.float32)
         # on policy the ratio is exactly 1 (TRL: old = current.detach()), unless the sampler/trainer correction
         # recomputed the old log-probs, which TRL then uses (its vLLM path)
@@ -422,21 +521,34 @@ class Step:
             logps=logps, entropy=entropy, old_logps=old, mask=mask, advantages=mb["advantages"],
             ref_logps=mb.get("ref_logps"),
             sampler_logps=mb.get("sampler_logps") if cfg.importance_sampling is not None else None,
-            is_weights=is_weights, targets=targets, num_items=num_items, algo_state=algo_state,
+            is_weights=is_weights, targets=targets, values=values, num_items=num_items, algo_state=algo_state,
         ))
         metrics.update(algo_metrics)
         metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), mask)
         return loss, (metrics, stats)
 
+    def _trained_loss(
+        self, trained: Any, frozen: nnx.State | None, mb: dict[str, Array], key: Array | None, algo_state: Any,
+        num_items: Array,
+    ) -> tuple[Array, tuple[dict[str, Array], dict[str, Array]]]:
+        """``loss`` as a function of what the optimizer steps (``TrainState.trained``)."""
+        params, value_params = trained if self.value_graphdef is not None else (trained, None)
+        return self.loss(params, frozen, mb, key, algo_state, num_items, value_params)
+
     def update(
-        self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array
+        self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array,
+        order: Array | None = None,
     ) -> tuple[TrainState, dict[str, dict[str, Array]]]:
         """Score the generation batch, then ``updates_per_generation`` optimizer steps over its micro-batches.
 
-        Returns the new state and the metrics as TRL logs them: ``generation`` (scalars, once per generation batch:
-        rewards, lengths, tokens, the sampler gap), ``micro`` (``[U, M]``: per micro-batch, what the loss logs) and
-        ``update`` (``[U]``: per optimizer step, ``loss`` (the mean of its micro-batch losses) and ``grad_norm``
-        (pre-clip) and what the algorithm's state logs)."""
+        ``order`` (``cfg.row_order``): ``[updates_per_generation * gradient_accumulation_steps, n]`` int32, the rows
+        of each micro-batch in the order they run (e.g. a shuffle per PPO epoch); None: the generation batch cut
+        into ``steps_per_generation`` micro-batches in order (repeated ``num_iterations`` times).
+
+        Returns the new state and the metrics as the algorithm logs them (``algorithm.summarize`` of: ``generation``
+        (scalars, once per generation batch: rewards, lengths, tokens, the sampler gap), ``micro`` (``[U, M]``: per
+        micro-batch, what the loss logs) and ``update`` (``[U]``: per optimizer step, ``loss`` (the mean of its
+        micro-batch losses) and ``grad_norm`` (pre-clip) and what the algorithm's state logs))."""
         cfg = self.cfg
         targets, gen_metrics = self.score(rollout, rewards_per_func, reward_weights)
         spg, gas = cfg.steps_per_generation, cfg.gradient_accumulation_steps
@@ -448,51 +560,72 @@ class Step:
             batch["ref_logps"] = rollout.ref_logps
         # token-sum losses (dapo, cispo, vespo) divide by the generation batch's tokens per micro-batch step
         num_items = jnp.maximum(jnp.sum(rollout.completion_mask).astype(jnp.float32), 1.0) / spg
-        micro = self.micro_batches(rollout.prompt_ids, rollout.prompt_mask, batch)
-        grad_fn = jax.value_and_grad(self.loss, has_aux=True)
+        if order is None:
+            micro = self.micro_batches(rollout.prompt_ids, rollout.prompt_mask, batch)
 
-        def micro_grads(params: nnx.State, algo_state: Any, u: Array, i: Array) -> tuple[nnx.State, dict, dict]:
-            mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
+            def micro_batch(u: Array, j: Array) -> dict[str, Array]:
+                i = (u % (spg // gas)) * gas + j
+                return jax.tree.map(lambda x: self._rows(x[i]), micro)
+        else:
+            rows = self.per_completion(rollout.prompt_ids, rollout.prompt_mask, batch)
+
+            def micro_batch(u: Array, j: Array) -> dict[str, Array]:
+                idx = order[u * gas + j]
+                return jax.tree.map(lambda x: self._rows(x[idx]), rows)
+
+        grad_fn = jax.value_and_grad(self._trained_loss, has_aux=True)
+
+        def micro_grads(trained: Any, algo_state: Any, u: Array, j: Array) -> tuple[Any, dict, dict]:
+            mb = micro_batch(u, j)
             key = None
             if cfg.dropout_seed is not None:  # a fresh mask per update and micro-batch, reproducible on resume
+                i = (u % (spg // gas)) * gas + j if order is None else u * gas + j
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.dropout_seed), state.step + u), i)
-            (loss, (m, stats)), grads = grad_fn(params, state.frozen, mb, key, algo_state, num_items)
+            (loss, (m, stats)), grads = grad_fn(trained, state.frozen, mb, key, algo_state, num_items)
             if self.grad_shardings is not None:  # gradients reduce-scattered to the params' layout (FSDP)
                 grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
             return grads, dict(m, loss=loss), stats
 
         def one_update(carry: tuple, u: Array) -> tuple[tuple, dict[str, Any]]:
-            params, opt_state, algo_state = carry
-            first = (u % (spg // gas)) * gas
+            trained, opt_state, algo_state = carry
             if gas == 1:  # no zeros + add + divide over every parameter
-                grads, m, stats = micro_grads(params, algo_state, u, first)
+                grads, m, stats = micro_grads(trained, algo_state, u, jnp.zeros((), jnp.int32))
                 m, stats = jax.tree.map(lambda x: x[None], (m, stats))
             else:
 
-                def accumulate(grads_sum: nnx.State, j: Array) -> tuple[nnx.State, tuple[dict, dict]]:
-                    grads, m, stats = micro_grads(params, algo_state, u, first + j)
+                def accumulate(grads_sum: Any, j: Array) -> tuple[Any, tuple[dict, dict]]:
+                    grads, m, stats = micro_grads(trained, algo_state, u, j)
                     return jax.tree.map(jnp.add, grads_sum, grads), (m, stats)
 
-                grads, (m, stats) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), jnp.arange(gas))
+                grads, (m, stats) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, trained), jnp.arange(gas))
                 grads = jax.tree.map(lambda x: x / gas, grads)
             grad_norm = optax.global_norm(grads)
-            updates, opt_state = self.optimizer.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            updates, opt_state = self.optimizer.update(grads, opt_state, trained)
+            trained = optax.apply_updates(trained, updates)
             # the algorithm's state moves once per optimizer step, from its micro-batches' summed statistics
             algo_state, step_metrics = self.algorithm.next_state(algo_state, jax.tree.map(jnp.sum, stats))
             loss = jnp.mean(m.pop("loss"))  # TRL logs an optimizer step's loss: the mean of its micro-batches'
-            return (params, opt_state, algo_state), {"micro": m, "update": dict(step_metrics, loss=loss,
-                                                                                  grad_norm=grad_norm)}
+            return (trained, opt_state, algo_state), {"micro": m, "update": dict(step_metrics, loss=loss,
+                                                                                   grad_norm=grad_norm)}
 
-        carry = (state.params, state.opt_state, state.algo_state)
-        (params, opt_state, algo_state), ms = _scan(one_update, carry, cfg.updates_per_generation)
+        carry = (state.trained, state.opt_state, state.algo_state)
+        (trained, opt_state, algo_state), ms = _scan(one_update, carry, cfg.updates_per_generation)
         micro_metrics = ms["micro"]
         # the on-policy sampler/trainer gap, measured in the micro-batches: one value for the generation batch
         for name in [n for n in micro_metrics if n.startswith("sampling/")]:
             gen_metrics[name] = reduce_metric(name, micro_metrics.pop(name))
-        new_state = state.replace(params=params, opt_state=opt_state, algo_state=algo_state,
-                                  step=state.step + cfg.updates_per_generation)
-        return new_state, {"generation": gen_metrics, "micro": micro_metrics, "update": ms["update"]}
+        params, value_params = trained if state.value_params is not None else (trained, None)
+        new_state = state.replace(params=params, value_params=value_params, opt_state=opt_state,
+                                  algo_state=algo_state, step=state.step + cfg.updates_per_generation)
+        return new_state, self.algorithm.summarize({"generation": gen_metrics, "micro": micro_metrics,
+                                                    "update": ms["update"]})
+
+    def per_completion(self, prompt_ids: Array, prompt_mask: Array, batch: dict[str, Array]) -> dict[str, Array]:
+        """The generation batch row by row (``[N, ...]``), each completion with its own copy of its prompt, for
+        micro-batches of any rows (``update(order=...)``)."""
+        g = self.cfg.num_generations
+        return dict(batch, prompt_ids=self._rows(jnp.repeat(prompt_ids, g, 0)),
+                    prompt_mask=self._rows(jnp.repeat(prompt_mask, g, 0)))
 
     def micro_batches(self, prompt_ids: Array, prompt_mask: Array, batch: dict[str, Array]) -> dict[str, Array]:
         """Completion arrays ``[N, ...]`` -> ``[spg, N / spg, ...]``: micro-batch i of the generation batch, with

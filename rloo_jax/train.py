@@ -60,7 +60,7 @@ from rloo_jax.config import (
 from rloo_jax.config import (
     replace as replace_config,
 )
-from rloo_jax.data import PromptBatch, PromptIterator, eval_batches, is_conversational
+from rloo_jax.data import PromptBatch, PromptIterator, eval_batches, is_conversational, prompt_texts
 from rloo_jax.errors import ConfigError
 from rloo_jax.mesh import (
     host_local_batch_to_global,
@@ -128,6 +128,27 @@ def completion_lengths(completion_ids: np.ndarray, eos_token_ids: Sequence[int])
     is_eos = np.isin(completion_ids, list(eos_token_ids))
     first = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, completion_ids.shape[1])
     return first.astype(np.int32)
+
+
+def micro_batch_order(rng: np.random.RandomState, rows: int, epochs: int, micro_rows: int) -> np.ndarray:
+    """The rows of each micro-batch of one generation batch, in the order the update runs them: a fresh
+    permutation of the `rows` rows per epoch (`rng.permutation`, TRL 1.12 PPO's `np.random.permutation`), cut into
+    consecutive micro-batches of `micro_rows` -> [epochs * rows / micro_rows, micro_rows] int32. TRL's mini-batches
+    are consecutive slices of the permutation and its micro-batches consecutive slices of those, so this is its
+    order. Example: rows 4, epochs 1, micro 2, permutation [3, 0, 2, 1] -> [[3, 0], [2, 1]]."""
+    return np.concatenate([rng.permutation(rows).reshape(-1, micro_rows) for _ in range(epochs)]).astype(np.int32)
+
+
+def rng_json(state: tuple) -> list[Any]:
+    """`RandomState.get_state()` as JSON (the checkpoint's meta)."""
+    name, keys, pos, has_gauss, cached = state
+    return [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+def rng_state(saved: list[Any]) -> tuple:
+    """`rng_json`'s list back to a `RandomState.set_state` tuple."""
+    name, keys, pos, has_gauss, cached = saved
+    return name, np.asarray(keys, np.uint32), int(pos), int(has_gauss), float(cached)
 
 
 def crossed(previous: int, current: int, every: int | None) -> bool:
@@ -334,6 +355,9 @@ def evaluate(
         sampled = programs.sample(state, ids, mask, place.replicate(jax.random.fold_in(key, i)), sc)
         completion_ids = place.local(sampled.completion_ids)
         scored = decode_and_score(run, batch, completion_ids, g, logs.context(trainer_state or TrainerState()))
+        if run.device_reward_model is not None:  # scored on the token ids, first (as in training)
+            device = place.local(programs.device_scores(state, sampled, sc))
+            scored.rewards_per_func = np.concatenate([device, scored.rewards_per_func], axis=1)
         for name, value in place.reward_logs(logs, len(completion_ids))[1].items():
             logged.setdefault(name, []).append(value)
         keep = slice(0, real * g)  # drop the rows padding the last batch (global row order)
@@ -423,7 +447,8 @@ class Session:
     paths: dict[str, str]
     state: Any  # TrainState
     base_key: jax.Array
-    step: int = 0  # optimizer updates done
+    order_rng: np.random.RandomState | None = None  # the micro-batch shuffles (StepConfig.row_order: PPO epochs)
+    step: int = 0  # steps done (optimizer updates; PPO: updates over a generation batch, as TRL counts them)
     num_tokens: int = 0  # host counters, carried in the checkpoint's meta
     truncated_prompts: int = 0
     saved: int | None = None  # the step of the newest checkpoint
@@ -491,21 +516,25 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
     place_reward_models(run.reward_funcs, place.mesh)  # sharded like the policy (the mesh.py rule table)
     iterator = PromptIterator(len(run.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
     scfg = step_config(cfg, run)
-    if cfg.max_steps > 0:
-        total = cfg.max_steps
-    else:
-        total = int(np.ceil(cfg.num_train_epochs * iterator.batches_per_epoch)) * scfg.updates_per_generation
-    optimizer, schedule = make_optimizer(cfg, total)
+    total = cfg.total_steps(len(run.train_ds))
+    # optimizer updates per step share its learning rate (PPO: the scheduler steps once per PPO update, as TRL)
+    optimizer, schedule = make_optimizer(cfg, total, updates_per_step=scfg.updates_per_generation //
+                                         cfg.steps_per_generation_batch)
     lr_at = jax.jit(schedule)  # one dispatch, not a handful of eager ops, per logged step
     lr_at(0)  # compiled here, not at the first logged step (no compile after step 1)
     pol = policy(cfg, run.model)  # the whole model, or with use_peft adapters on a frozen base
     graphdef = pol.graphdef
     # the sampler's own layout over the same devices (`rollout_mesh`; the training mesh where nothing is gained)
     rollout_mesh = None if place.mesh is None else reshaped(place.mesh, rollout_mesh_shape(cfg, run))
+    value = reward = (None, None)
+    if run.value_model is not None:  # a value model trained with the policy (PPO)
+        value = nnx.split(run.value_model)
+    if run.device_reward_model is not None:  # a reward model scored on the token ids (PPO)
+        reward = nnx.split(run.device_reward_model)
     programs = Programs(graphdef, optimizer, scfg, mesh=place.mesh, ref_graphdef=pol.ref_graphdef,
-                        rollout_mesh=rollout_mesh)
+                        rollout_mesh=rollout_mesh, value_graphdef=value[0], reward_graphdef=reward[0])
     # with a mesh: placed on its shardings (FSDP / tensor parallel)
-    state = programs.init_state(pol.params, pol.ref_params, pol.frozen)
+    state = programs.init_state(pol.params, pol.ref_params, pol.frozen, value[1], reward[1])
     base_key = jax.random.key(cfg.seed)
     if place.mesh is None:
         # committed to the device, like the arrays a checkpoint restores: jit lowers committed arguments with their
@@ -518,14 +547,19 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
         "checkpoints": outputs.join(out, "checkpoints"),
         "final": outputs.join(out, "final"),
         "final_merged": outputs.join(out, "final_merged"),
+        "final_value": outputs.join(out, "final_value"),
         "config": outputs.join(out, "config.yaml"),
     }
     return Session(
         cfg=cfg, run=run, place=place, programs=programs, graphdef=graphdef, iterator=iterator, total_steps=total,
         lr_at=lr_at, weights=place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32)),
-        names=[f.name for f in run.reward_funcs], eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
+        names=run.device_reward_names + [f.name for f in run.reward_funcs],
+        eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
         paths=paths, state=state, base_key=base_key,
         callbacks=CallbackHandler(None if given is None else given.callbacks),
+        # the micro-batch shuffles: NumPy's legacy generator seeded with `seed`, the stream TRL 1.12's PPO draws from
+        # np.random after np.random.seed(seed) (tests/test_ppo_trainer.py seeds it so)
+        order_rng=np.random.RandomState(cfg.seed) if scfg.row_order else None,
         trainer_state=TrainerState(
             max_steps=total, num_train_epochs=cfg.num_train_epochs, logging_steps=cfg.logging_steps,
             eval_steps=cfg.eval_steps, save_steps=cfg.save_steps, train_batch_size=cfg.per_device_train_batch_size,
@@ -548,8 +582,12 @@ def resume(s: Session) -> None:
             found = resumed.changes(saved, recorded_config(s), latest, meta.get("total_steps"), s.total_steps)
             changed = resumed.describe(found, latest)
         # onto its shardings; a LoRA checkpoint holds the adapters and their optimizer state, not the frozen base
-        restored, key, meta = s.ckpt.restore(latest, s.state.replace(frozen=None), s.place.replicate(s.base_key))
-        s.state = restored.replace(frozen=s.state.frozen)
+        # (nor a device reward model: both are read from their checkpoints again)
+        restored, key, meta = s.ckpt.restore(latest, s.state.replace(frozen=None, reward_params=None),
+                                             s.place.replicate(s.base_key))
+        s.state = restored.replace(frozen=s.state.frozen, reward_params=s.state.reward_params)
+        if s.order_rng is not None:
+            s.order_rng.set_state(rng_state(meta["order_rng"]))
         s.base_key = s.place.host_key(key)
         s.iterator.load_state_dict(meta["data"])
         s.step = s.saved = s.trainer_state.global_step = int(meta["step"])
@@ -622,11 +660,13 @@ def save(s: Session) -> None:
         "counters": {"num_tokens": s.num_tokens, "num_truncated_prompts": s.truncated_prompts},
         "window": s.window.state_dict(),  # the unlogged values, log_metric's among them
     }
+    if s.order_rng is not None:  # the shuffles' generator, so a resumed run draws the next ones
+        meta["order_rng"] = rng_json(s.order_rng.get_state())
     if s.sinks is not None:  # the records so far go up with the checkpoint (a URL output_dir: uploaded now)
         s.sinks.sync()
         s.rollouts.sync()
-    # the frozen base (LoRA) is not saved: resume reads it from model_name_or_path again
-    s.ckpt.save(s.step, s.state.replace(frozen=None), s.place.replicate(s.base_key), meta)
+    # the frozen base (LoRA) and device reward models are not saved: resume reads them from their folders again
+    s.ckpt.save(s.step, s.state.replace(frozen=None, reward_params=None), s.place.replicate(s.base_key), meta)
     s.saved = s.step
     s.callbacks.call("on_save", s.cfg, s.trainer_state)
 
@@ -658,9 +698,11 @@ def loop(s: Session, stop: "StopRequest") -> bool:
             # every record of a step is written before its checkpoint is started: a resume drops the records
             # after the checkpoint and redoes them, so none is lost or doubled
             # a record per optimizer step as TRL logs them (every logging_steps, the last step, a divergence, or
-            # a callback's should_log)
+            # a callback's should_log); PPO: one record per generation batch, as TRL 1.12 logs its updates
             logged, evaluate_now, save_now = False, False, False
-            for k, values in enumerate(logwindow.steps(out.metrics), start=prev + 1):
+            records = logwindow.steps(out.metrics) if not per_generation(s) else [
+                {name: [float(v)] for name, v in out.metrics["generation"].items()}]  # one record per batch
+            for k, values in enumerate(records, start=prev + 1):
                 s.window.add(values)
                 s.loss_sum += sum(values.get("loss", []))
                 s.trainer_state.global_step = k
@@ -710,7 +752,7 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
     one_width = completion_width(1, longest, cfg.completion_bucket) == longest
     # the first step compiles update in a thread while the rollout compiles and runs (from the start when its
     # width is known: one completion width; else once the samples tell it)
-    num_rewards = len(s.names)
+    num_rewards = len(s.names) - len(s.run.device_reward_names)  # the host's reward functions
     compiling = compile_quietly(s.programs, ids.shape, num_rewards, longest) if first and one_width else None
     sampled = s.programs.sample(s.state, ids, mask, key)
     if not one_width:
@@ -735,8 +777,14 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
     reference.done_by(t_rewarded)  # ready now: it ended by now (the watcher may not have had the GIL yet)
     if compiling is not None:
         compiling.join()  # before update donates the state it reads
-    s.state, metrics = s.programs.update(s.state, rollout, rewards, s.weights)
-    s.step += s.programs.cfg.updates_per_generation
+    order = None
+    if s.order_rng is not None:  # each micro-batch's rows (PPO: a shuffle per epoch), drawn on the host
+        pc = s.programs.cfg
+        shape = s.programs.order_shape(len(idx))
+        order = place.replicate(jnp.asarray(micro_batch_order(s.order_rng, len(idx) * pc.num_generations,
+                                                              pc.num_iterations, shape[1])))
+    s.state, metrics = s.programs.update(s.state, rollout, rewards, s.weights, order)
+    s.step += cfg.steps_per_generation_batch
     s.trainer_state.global_step, s.trainer_state.epoch = s.step, epoch_of(s.iterator)  # what rewards see next
     consecutive, skipped = skipped_updates(s.state.opt_state)  # waits for the update; skipped ones changed nothing
     t_reference, end = reference.join(), time.perf_counter()
@@ -806,22 +854,30 @@ def phase_timings(start: float, sampled: float, rewarded: float, reference: floa
     }
 
 
+def per_generation(s: Session) -> bool:
+    """Whether a step is one generation batch, logged as one record (PPO: TRL 1.12 logs once per update)."""
+    return s.programs.cfg.algorithm.step_unit == "generation"
+
+
 def epoch_of(it: PromptIterator) -> float:
     """Epochs of the prompt set done, fractional (TRL's `epoch`)."""
     return it.epoch + it.index / (it.batches_per_epoch * it.batch_size)
 
 
 def log_step(s: Session, progress: Progress, step: int, t0: float, out: StepOutcome) -> None:
-    """The record of optimizer step `step`: the logging window's means (`rloo_jax.logwindow`, TRL's semantics),
-    with the host counters, the learning rate that step used and its share of the generation batch's wall time
-    (`step_time` and the phases that partition it, divided among the batch's optimizer steps), to every sink
-    (process 0) and the console."""
+    """The record of step `step`: the logging window's means (`rloo_jax.logwindow`, TRL's semantics), with the
+    host counters, the learning rate that step used and its share of the generation batch's wall time
+    (`step_time` and the phases that partition it, divided among the batch's steps), to every sink (process 0) and
+    the console. Where a step is a generation batch (PPO), TRL 1.12's `lr` and `episode` (completions so far)."""
     logged = rename_reward_metrics(s.window.read(), s.names)
-    per_gen = s.programs.cfg.updates_per_generation
+    per_gen = s.cfg.steps_per_generation_batch
+    rate = {"learning_rate": float(s.lr_at(step - 1))}
+    if per_generation(s):
+        rate = {"lr": rate["learning_rate"], "episode": step * s.cfg.generation_batch_size}
     logged.update(
         num_tokens=float(s.num_tokens),
         skipped_steps=out.skipped,
-        learning_rate=float(s.lr_at(step - 1)),
+        **rate,
         epoch=epoch_of(s.iterator),
         num_truncated_prompts=s.truncated_prompts,
         **{name: seconds / per_gen for name, seconds in out.timings.items()},
@@ -841,6 +897,10 @@ def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
     scored = out.scored
     targets, _ = s.programs.score(out.rollout, out.rewards, s.weights)
     adv = s.place.gather(targets["advantages"])
+    if adv.ndim == 2:  # per token (PPO): the mean over each completion's tokens
+        mask = s.place.gather(out.rollout.completion_mask).astype(np.float32)
+        adv = (adv * mask).sum(1) / np.maximum(mask.sum(1), 1.0)
+    device = s.place.gather(out.rollout.scores) if out.rollout.scores is not None else None
     r = out.rollout  # its token ids and every model's per-token log-probs, recorded beside the text
     tokens = TokenRecords(s.place.gather(r.completion_ids), s.place.gather(r.completion_mask), {
         name: s.place.gather(x) for name, x in logprob_series(r.old_logps, r.ref_logps, r.sampler_logps).items()})
@@ -848,8 +908,10 @@ def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
         all_ids = tokens.completion_ids
         all_rewards = s.place.gather(scored.rewards_per_func)
         if s.place.is_main:
-            prompts = list(s.run.train_ds[out.idx]["prompt"])
+            prompts = prompt_texts(s.run.train_ds[out.idx], s.run.tokenizer)
             scored = decode(s.run, prompts, all_ids, s.cfg.num_generations, all_rewards)
+    if device is not None:  # the device reward models' scores first, as the rewards' columns and weights
+        scored = dataclasses.replace(scored, rewards_per_func=np.concatenate([device, scored.rewards_per_func], 1))
     if s.place.is_main:
         records = rollout_records(
             s.step, scored.prompts, scored.completions, s.names, scored.rewards_per_func,
@@ -876,7 +938,8 @@ def finish(s: Session, stopped: bool) -> None:
     export(s)
     if s.place.is_main:
         print(f"Done: {s.step} optimizer steps. Outputs in {outputs.join(s.cfg.output_dir)}:")
-        names = ("metrics", "rollouts", "checkpoints", "final") + ("final_merged",) * s.cfg.merge_adapter_on_export
+        names = ("metrics", "rollouts", "checkpoints", "final") + ("final_merged",) * s.cfg.merge_adapter_on_export \
+            + ("final_value",) * (s.state.value_params is not None)
         for name in (*names, "config"):
             print(f"  {name:12s} {s.paths[name]}")
 
@@ -887,6 +950,7 @@ def export(s: Session) -> None:
     (the `python -m rloo_jax.export` code) in export_dtype, sharded past export_max_shard_size."""
     # the export needs the parameters on the host: gathered from every process's shards (all take part)
     gather = (lambda t: t) if s.place.mesh is None else s.place.gather_tree
+    value = None if s.state.value_params is None else gather(s.state.value_params)
     if not s.cfg.use_peft:
         host_params = gather(s.state.params)
         model = nnx.merge(s.graphdef, host_params) if s.place.is_main else None
@@ -902,9 +966,12 @@ def export(s: Session) -> None:
                "generation": write.generation_config(s.run.eos_ids, s.run.tokenizer.pad_token_id, s.cfg.to_dict(),
                                                      write.base_generation_config(s.run.model_dir))}
     write.write_policy(model, s.paths["final"], **options,
-                       base_name=write.adapter_base_name(s.cfg.model_name_or_path, s.run.model_dir))
+                       base_name=write.adapter_base_name(s.cfg.policy_path, s.run.model_dir))
     if s.cfg.use_peft and s.cfg.merge_adapter_on_export:
         write.write_policy(model, s.paths["final_merged"], **options, merged=True)
+    if value is not None:  # the trained value model, a sequence-classification folder (PPO)
+        write.write_policy(nnx.merge(s.programs.step.value_graphdef, value), s.paths["final_value"],
+                           **{**options, "generation": None})  # a sequence classifier: nothing to generate
 
 
 def train(cfg: TrainConfig, given: Given | None = None) -> TrainResult:

@@ -21,7 +21,7 @@ import jax
 from rloo_jax import train as training
 from rloo_jax.build import Given
 from rloo_jax.callbacks import CallbackHandler
-from rloo_jax.config import GRPOConfig, RLOOConfig, TrainConfig, replace
+from rloo_jax.config import GRPOConfig, PPOConfig, RLOOConfig, TrainConfig, replace
 from rloo_jax.data import check_prompt_dataset
 from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.models import check_checkpoints
@@ -241,6 +241,11 @@ class _OnlineTrainer:
     def remove_callback(self, callback: Any) -> None:
         self.callback_handler.pop(callback)
 
+    @classmethod
+    def from_args(cls, args: TrainConfig) -> "_OnlineTrainer":
+        """The trainer of a config read from YAML and the command line (`python -m rloo_jax.train`)."""
+        return cls(args.model_name_or_path, args.reward_sources, args=args)
+
     def save_model(self, output_dir: str | None = None) -> str:
         """The trained policy (final/: a Hugging Face folder, or with LoRA a PEFT adapter folder), copied to
         `output_dir` when that is another folder; returns where it is."""
@@ -310,6 +315,126 @@ class GRPOTrainer(_OnlineTrainer):
                               "built-in names)")
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                          reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)
+
+
+class PPOTrainer(_OnlineTrainer):
+    """PPO with TRL 1.12's `PPOTrainer` constructor (`trl.experimental.ppo`) and math (`PPOConfig`); models are
+    folders or hub ids, as for the other trainers.
+
+    Args:
+      args: a `PPOConfig` (TRL 1.12's option names too). None: `PPOConfig(output_dir="<model name>-PPO")`.
+      processing_class: the policy's tokenizer (None: read from `args.model_name_or_path`, else the policy's folder).
+        Its pad token must differ from its EOS (TRL's masks treat every pad id as padding): add one, as TRL's
+        scripts do (`tokenizer.add_special_tokens({"pad_token": "[PAD]"})`, or `args.pad_token`).
+      model: the policy (None: `args.sft_model_path`, else `args.model_name_or_path`).
+      ref_model: None (a frozen copy of the policy; with `peft_config`, the base with the adapters off) or the
+        policy's own folder again (TRL's scripts load it twice); another reference is refused.
+      reward_model: a sequence-classification checkpoint (one label) of the policy's tokenizer, scored on the token
+        ids on the device (None: `args.reward_model_path`).
+      train_dataset / eval_dataset: as TRL's PPO takes them (pre-tokenized `input_ids`) or with a `prompt` column
+        (text or chat messages), a `datasets.Dataset` or a list of dicts.
+      value_model: a sequence-classification checkpoint, or a causal LM's folder (its backbone with a new score
+        head) (None: `args.value_model_path`, else the reward model's).
+      data_collator: None or a `DataCollatorWithPadding` (prompts are always left-padded here).
+      peft_config: LoRA on the policy (as `GRPOTrainer`'s); the value model is trained whole.
+      reward_funcs: (not in TRL) Python reward functions (or their names) added to the reward model's score,
+        weighted by `args.reward_weights` (the reward model first); with no reward model they are the score.
+      callbacks: transformers-style callbacks, as for the other trainers (one event per PPO update).
+      optimizers: refused unless None, as for the other trainers.
+    """
+
+    CONFIG = PPOConfig
+
+    def __init__(
+        self,
+        args: PPOConfig | None = None,
+        processing_class: Any = None,
+        model: str | None = None,
+        ref_model: str | None = None,
+        reward_model: str | None = None,
+        train_dataset: Any = None,
+        value_model: str | None = None,
+        data_collator: Any = None,
+        eval_dataset: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        callbacks: Any = None,
+        peft_config: Any = None,
+        reward_funcs: Any = None,
+    ) -> None:
+        for name, value in (("model", model), ("ref_model", ref_model), ("reward_model", reward_model),
+                            ("value_model", value_model)):
+            if value is not None and not isinstance(value, str | os.PathLike):
+                raise ConfigError(f"{name} must be a local folder or a hub id (got a {type(value).__name__}): "
+                                  "rloo_jax reads the checkpoint's safetensors into its own Flax model; "
+                                  "save_pretrained it first")
+        if any(o is not None for o in optimizers):
+            raise ConfigError("optimizers is not supported: the optimizer is optax AdamW configured by args "
+                              "(learning_rate, lr_scheduler_type, warmup_steps, weight_decay, adam_*), over the "
+                              "policy and the value model as TRL's")
+        if data_collator is not None and type(data_collator).__name__ != "DataCollatorWithPadding":
+            raise ConfigError(f"data_collator {type(data_collator).__name__} is not supported: prompts are "
+                              "left-padded here, as TRL's DataCollatorWithPadding does; pass None")
+        if args is None:
+            args = PPOConfig(output_dir=f"{os.path.basename(str(model or 'policy').rstrip('/'))}-PPO",
+                             **({"sft_model_path": os.fspath(model)} if model is not None else {}))
+        if not isinstance(args, PPOConfig):
+            raise ConfigError(f"PPOTrainer takes a PPOConfig as args (got a {type(args).__name__})")
+        overrides: dict[str, Any] = lora_options(peft_config)
+        policy = args.policy_path if model is None else os.fspath(model)
+        if policy != args.policy_path:
+            overrides["sft_model_path"] = policy
+        if ref_model is not None and os.fspath(ref_model) != policy:
+            raise ConfigError("ref_model: only the initial policy is supported as the reference; pass None (a frozen "
+                              "copy of the policy, or with peft_config the base with the adapters off)")
+        if reward_model is not None:
+            overrides["reward_model_path"] = os.fspath(reward_model)
+        if value_model is not None:
+            overrides["value_model_path"] = os.fspath(value_model)
+        funcs = None
+        if reward_funcs is not None:
+            funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+            overrides["reward_funcs"] = [describe(f) for f in funcs]
+        if train_dataset is not None:
+            overrides["dataset_name"] = IN_MEMORY
+        elif not args.dataset_name:
+            raise ConfigError("train_dataset is required (or set args.dataset_name to a dataset to load)")
+        self.args = replace(args, device_count=jax.device_count(), process_count=jax.process_count(), **overrides)
+        self.args.require_sources(len(self.args.reward_sources))
+        if self.args.eval_steps and eval_dataset is None and train_dataset is not None:
+            raise ConfigError("args.eval_steps is set but no eval_dataset was given; pass one, or eval_steps=None")
+        self.model_name_or_path = policy
+        self._reward_sources = funcs or []
+        self._tokenizer = processing_class
+        self._reward_tokenizers = None
+        self._loaded: dict[str, Any] = {}
+        self.train_dataset = None if train_dataset is None else prompt_dataset(train_dataset, "train_dataset",
+                                                                               self.args)
+        self.eval_dataset = None if eval_dataset is None else eval_sets(eval_dataset, self.args)
+        self.callback_handler = CallbackHandler(callbacks)
+        self.given = Given(processing_class, self.train_dataset, self.eval_dataset, funcs, None,
+                           self.callback_handler.callbacks)
+        self.state = TrainerState(max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
+                                  logging_steps=self.args.logging_steps, eval_steps=self.args.eval_steps,
+                                  save_steps=self.args.save_steps,
+                                  train_batch_size=self.args.per_device_train_batch_size)
+        self.result = None
+        self.callback_handler.call("on_init_end", self.args, self.state)
+
+    @property
+    def ref_model(self) -> Any:
+        """The reference policy (a Flax `CausalLM`: the initial model; PPO always keeps one), None with LoRA (the
+        base with its adapters off is the reference)."""
+        if self.args.use_peft:
+            return None
+        if "ref_model" not in self._loaded:
+            from rloo_jax.models import load_causal_lm
+
+            self._loaded["ref_model"] = load_causal_lm(self._model_dir())
+        return self._loaded["ref_model"]
+
+    @classmethod
+    def from_args(cls, args: TrainConfig) -> "PPOTrainer":
+        return cls(args=args)
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -413,4 +538,4 @@ def prompt_dataset(data: Any, name: str, cfg: TrainConfig, stream_rows: int | No
     return data
 
 
-__all__ = ["GRPOTrainer", "RLOOTrainer"]
+__all__ = ["GRPOTrainer", "PPOTrainer", "RLOOTrainer"]

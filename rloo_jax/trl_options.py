@@ -1,5 +1,5 @@
-"""Every option of TRL 1.16's RLOO and GRPO and what rloo_jax does with it: one table per trainer (`DECISIONS`,
-`GRPO_DECISIONS`), sharing every entry but the algorithm's own.
+"""Every option of TRL 1.16's RLOO and GRPO (and TRL 1.12's PPO) and what rloo_jax does with it: one table per
+trainer (`DECISIONS`, `GRPO_DECISIONS`, `PPO_DECISIONS`), sharing every entry but the algorithm's own.
 
 TRL's `RLOOConfig` (its own fields and the ~115 it inherits from `transformers.TrainingArguments`), plus the
 `trl rloo` script's `ModelConfig`, script arguments and dataset mixture, so a TRL YAML or a TRL Python script
@@ -375,15 +375,80 @@ def _build(groups: list[tuple[str, str, Decision]]) -> dict[str, Decision]:
     return table
 
 
+def _max_grad_norm_unused(v: Any) -> dict[str, Any]:
+    if not off(v) and float(v) != 0.0:
+        logger.warning("note: max_grad_norm=%s has no effect: TRL 1.12's PPOTrainer never clips gradients", v)
+    return {}
+
+
+_PPO_GROUPS: list[tuple[str, str, Decision]] = [
+    ("PPO algorithm", "kl_coef kl_estimator cliprange vf_coef cliprange_value gamma lam whiten_rewards num_ppo_epochs "
+     "num_mini_batches missing_eos_penalty stop_token stop_token_id total_episodes",
+     supported("TRL 1.12's math (docs/ppo.md); num_mini_batches must divide gradient_accumulation_steps or be a "
+               "multiple of it")),
+    ("temperature", "temperature", supported("sampling; every log-prob at temperature + 1e-7, as TRL")),
+    ("model paths", "sft_model_path reward_model_path", supported(
+        "the policy (default: model_name_or_path, which then names the tokenizer, as TRL's scripts) and the reward "
+        "model, scored on the token ids on the device; the value model is value_model_path (default: the reward "
+        "model)")),
+    ("response_length", "response_length", accepted(
+        "TRL 1.12's name of max_completion_length, the field here", takes_text="a length >= 1 (max_completion_length)",
+        translate=lambda v: {"max_completion_length": v})),
+    ("local_rollout_forward_batch_size", "local_rollout_forward_batch_size", accepted(
+        "the rollout's no-gradient forwards (old and reference log-probs, values, the reward) run in the update's "
+        "micro-batches; TRL's chunking of them changes no number")),
+    ("num_sample_generations", "num_sample_generations", accepted(
+        "sample completions are recorded with log_completions; evaluation runs every eval_steps")),
+    ("derived batch sizes", "world_size num_total_batches micro_batch_size local_batch_size batch_size "
+     "local_mini_batch_size mini_batch_size",
+     accepted("sizes TRL 1.12 computes and writes into its config (its dumps hold them): computed the same way here")),
+    ("adapter names", "model_adapter_name ref_adapter_name", refused(
+        "one LoRA adapter on the policy (use_peft); the reference is the base with it off", is_none, "None")),
+    ("dataset_num_proc", "dataset_num_proc", accepted("prompts are tokenized in the loop, one batch at a time")),
+    ("max_grad_norm", "max_grad_norm", accepted(
+        "TRL 1.12's PPOTrainer never clips gradients (its max_grad_norm is read by nothing): neither does this",
+        takes_text="any value (no clipping, as TRL 1.12's PPO)", translate=_max_grad_norm_unused)),
+    ("logging_steps", "logging_steps", supported(
+        "counted in PPO updates (default 1 here: TRL 1.12's PPO logs every update, whatever logging_steps)")),
+]
+# options of the shared table that TRL 1.12's PPOConfig, ModelConfig and ScriptArguments do not have (RLOO / GRPO's)
+_NOT_TRL_PPO = set(
+    "beta cache_implementation chat_template_kwargs datasets disable_dropout epsilon epsilon_high "
+    "generation_batch_size generation_kwargs log_completions log_multimodal log_unique_prompts "
+    "mask_truncated_completions max_completion_length min_p model_init_kwargs num_completions_to_print "
+    "num_generations num_generations_eval num_iterations pad_to_multiple_of ref_model_mixup_alpha "
+    "ref_model_sync_steps repetition_penalty reward_funcs reward_model_name_or_path reward_weights "
+    "router_aux_loss_coef shuffle_dataset steps_per_generation streaming sync_ref_model test_split_size top_k "
+    "top_p transformers_continuous_batching_config trust_remote_code use_transformers_continuous_batching "
+    "use_transformers_paged ".split()
+    + _VLLM.split()
+)
+
+
+def _ppo_groups() -> list[tuple[str, str, Decision]]:
+    """The shared groups restricted to TRL 1.12's PPO options (without those PPO decides itself)."""
+    own = {name for _, names, _ in _PPO_GROUPS for name in names.split()}
+    groups = []
+    for topic, names, decision in _GROUPS:
+        kept = [n for n in names.split() if n not in _NOT_TRL_PPO and n not in own]
+        if kept:
+            groups.append((topic, " ".join(kept), decision))
+    return groups
+
+
 DECISIONS: dict[str, Decision] = _build(_RLOO_GROUPS + _GROUPS)
 """TRL 1.16's RLOO options (`trl.RLOOConfig`, the `trl rloo` script's)."""
 GRPO_DECISIONS: dict[str, Decision] = _build(_GRPO_GROUPS + _GROUPS)
 """TRL 1.16's GRPO options (`trl.GRPOConfig`, the `trl grpo` script's)."""
-TABLES = {"rloo": DECISIONS, "grpo": GRPO_DECISIONS}
+PPO_DECISIONS: dict[str, Decision] = _build(_PPO_GROUPS + _ppo_groups())
+"""TRL 1.12's PPO options (`trl.experimental.ppo.PPOConfig`, the ppo_tldr.py script's `ModelConfig` and
+`ScriptArguments`; vendored in `rloo_jax.algorithms.ppo_trl112_fields`)."""
+TABLES = {"rloo": DECISIONS, "grpo": GRPO_DECISIONS, "ppo": PPO_DECISIONS}
 # TRL's dataclasses whose fields a TRL config may hold (the `trl rloo` / `trl grpo` CLI parses all of them)
 SOURCES = ("trl.RLOOConfig", "trl.ModelConfig", "trl.scripts.rloo.RLOOScriptArguments", "trl.DatasetMixtureConfig")
 GRPO_SOURCES = ("trl.GRPOConfig", "trl.ModelConfig", "trl.scripts.grpo.GRPOScriptArguments",
                 "trl.DatasetMixtureConfig")
+PPO_SOURCES = ("trl.experimental.ppo.PPOConfig (1.12)", "trl.ModelConfig (1.12)", "trl.ScriptArguments (1.12)")
 
 
 def is_trl_only(name: str, decisions: dict[str, Decision] = DECISIONS) -> bool:

@@ -77,3 +77,28 @@ def test_empty_directory_has_no_latest(tmp_path):
     ckpt = Checkpointer(tmp_path / "none")
     assert ckpt.latest_step() is None
     ckpt.close()
+
+
+def test_a_checkpoint_from_before_a_state_field_restores(tmp_path):
+    """A checkpoint written before TrainState grew a field (value_params, reward_params) restores with that field
+    None; asking a checkpoint for a field it does not hold (a value model) is refused."""
+    import flax.struct
+    import pytest
+
+    @flax.struct.dataclass
+    class Before:  # TrainState as it was: no value_params / reward_params
+        params: object
+        opt_state: object
+        ref_params: object
+        step: jax.Array
+        frozen: object = None
+        algo_state: object = None
+
+    state = make_state(3)
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, Before(state.params, state.opt_state, None, state.step), jax.random.key(0), {"step": 1})
+    restored, _, _ = ckpt.restore(1, make_state(0), jax.random.key(0))
+    assert restored.value_params is None and restored.reward_params is None
+    assert_trees_equal(restored.params, state.params)
+    with pytest.raises(ValueError, match="checkpoint 1 holds no value_params"):
+        ckpt.restore(1, make_state(0).replace(value_params=state.params), jax.random.key(0))

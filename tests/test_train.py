@@ -267,6 +267,7 @@ def test_every_shipped_config_validates():
         "math_qwen05b.yaml",
         "tpu_pod.yaml",
         "grpo_math_qwen15b.yaml",
+        "ppo_tldr_pythia1b.yaml",
     }
     for f in files:
         load_config(["--config", f])
@@ -364,6 +365,26 @@ def test_shipped_configs_run_two_steps_on_tiny_local_stand_ins(name, tiny_assets
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
     assert ("loss_type: grpo" in (out / "config.yaml").read_text()) == (name == "grpo_math_qwen15b")
     assert os.path.isdir(out / "final") and os.listdir(out / "checkpoints") == ["2"]
+
+
+def test_ppo_tldr_config_runs_two_updates_on_tiny_local_stand_ins(tiny_assets, tmp_path):
+    """configs/ppo_tldr_pythia1b.yaml with local stand-ins for its hub folders (the demo policy and tokenizer, a
+    tiny reward model that also starts the value model; the demo tokenizer has a pad of its own)."""
+    out = tmp_path / "ppo"
+    args = ["--config", os.path.join(ROOT, "configs", "ppo_tldr_pythia1b.yaml"), "--model_name_or_path",
+            tiny_assets["policy"], "--sft_model_path", tiny_assets["policy"], "--reward_model_path", tiny_assets["rm"],
+            "--pad_token", "None", "--dataset_name", tiny_assets["text"], "--dataset_test_split", tiny_assets["text"],
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps", "2",
+            "--response_length", "6", "--eval_steps", "2", "--per_device_eval_batch_size", "4", "--output_dir",
+            str(out), "--compilation_cache", "false", "--save_steps", "2"]
+    assert main(args) == 0
+    rows = [m for m in read_jsonl(out / "metrics.jsonl") if "objective/kl" in m]  # one record per PPO update
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss/value_avg"]) for r in rows)
+    assert [r["episode"] for r in rows] == [8, 16] and rows[1]["lr"] < rows[0]["lr"]
+    assert any("eval_reward" in m for m in read_jsonl(out / "metrics.jsonl"))
+    assert "algorithm: ppo" in (out / "config.yaml").read_text()
+    assert os.path.isdir(out / "final") and os.path.isdir(out / "final_value")
+    assert os.listdir(out / "checkpoints") == ["2"]
 
 
 # ------------------------------------------------------------------------------------------------ learning

@@ -176,3 +176,120 @@ def test_the_tables_are_generated_from_the_decisions():
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     assert "| `use_vllm` | refused (`false` accepted) | generation runs on the JAX sampler" in readme
     assert "| `use_vllm` | accepted: true, false | generation always runs on the JAX sampler" in readme  # GRPO's
+
+
+# ------------------------------------------------------------------------------------------------ PPO (TRL 1.12)
+def _trl112_ppo_options() -> set[str]:
+    """Every option of TRL 1.12's PPO: PPOConfig (its own fields, its base config's, transformers'
+    TrainingArguments), and ppo_tldr.py's ModelConfig and ScriptArguments (vendored: tests/test_ppo_math.py checks
+    the list against the release)."""
+    import transformers
+
+    from rloo_jax.algorithms import ppo_trl112_fields as v
+
+    return ({n for n, _, _ in v.PPO_CONFIG_FIELDS} | {n for n, _, _ in v.BASE_CONFIG_FIELDS}
+            | {f.name for f in dataclasses.fields(transformers.TrainingArguments)} | set(v.MODEL_CONFIG_FIELDS)
+            | set(v.SCRIPT_ARGUMENTS_FIELDS))
+
+
+PPO_REQUIRED = ["ppo", "--model_name_or_path", "m", "--dataset_name", "d", "--reward_model_path", "rm"]
+
+
+def test_every_trl112_ppo_option_has_a_decision():
+    from rloo_jax.config import PPOConfig
+    from rloo_jax.trl_options import PPO_DECISIONS
+
+    options = _trl112_ppo_options()
+    assert len(options) >= 160
+    assert sorted(options - set(PPO_DECISIONS)) == [], "decide these TRL 1.12 PPO options in rloo_jax/trl_options.py"
+    assert sorted(set(PPO_DECISIONS) - options) == [], "not TRL 1.12 PPO options"
+    fields = set(field_names(PPOConfig))
+    for name, decision in PPO_DECISIONS.items():
+        if name == "max_grad_norm":  # a shared field PPO fixes at 0: TRL 1.12's PPO never clips (read, no effect)
+            assert decision.status == "accepted" and PPOConfig(device_count=1, process_count=1).max_grad_norm == 0
+            continue
+        assert (decision.status == "supported") == (name in fields), name
+
+
+def test_trl112_ppo_defaults_ask_for_nothing_refused():
+    """TRL 1.12 PPOConfig's own defaults (vendored reprs) pass; so do transformers' for the rest."""
+    import ast
+
+    import transformers
+
+    from rloo_jax.algorithms import ppo_trl112_fields as v
+    from rloo_jax.config import PPOConfig
+    from rloo_jax.trl_options import PPO_DECISIONS
+
+    defaults = {n: ast.literal_eval(d) for n, _, d in v.PPO_CONFIG_FIELDS + v.BASE_CONFIG_FIELDS}
+    defaults.update({n: d for n, d in trl_defaults(transformers.TrainingArguments).items() if n not in defaults})
+    for name, default in defaults.items():
+        if PPO_DECISIONS[name].status != "supported":
+            split_options({name: default}, field_names(PPOConfig), PPO_DECISIONS)
+    # our PPOConfig keeps TRL 1.12's defaults of the PPO knobs (max_grad_norm and logging_steps aside: TRL ignores
+    # both in PPO, docs/trl_options.md) and response_length as max_completion_length
+    ours = PPOConfig(output_dir="o", device_count=1, process_count=1)
+    for name, _, value in v.PPO_CONFIG_FIELDS:
+        value = ast.literal_eval(value)
+        # TRL's model paths default to example placeholders (EleutherAI/pythia-160m): None here
+        if name in field_names(PPOConfig) and name not in ("logging_steps", "output_dir", "bf16", "max_grad_norm",
+                                                           "gradient_checkpointing", "sft_model_path",
+                                                           "reward_model_path"):
+            assert getattr(ours, name) == value, name
+    assert ours.max_completion_length == defaults["response_length"] == ours.response_length
+
+
+def test_trl_ppo_tldr_command_line_loads(tmp_path, caplog):
+    """TRL's ppo_tldr.py command line (its docstring's), as YAML: every option taken or decided."""
+    from rloo_jax.config import PPOConfig
+
+    path = tmp_path / "tldr.yaml"
+    path.write_text(
+        "dataset_name: trl-lib/tldr\ndataset_test_split: validation\nlearning_rate: 3.0e-6\noutput_dir: out\n"
+        "per_device_train_batch_size: 1\ngradient_accumulation_steps: 64\ntotal_episodes: 30000\n"
+        "model_name_or_path: EleutherAI/pythia-1b-deduped\n"
+        "sft_model_path: cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr\n"
+        "reward_model_path: cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr\nmissing_eos_penalty: 1.0\n"
+        "stop_token: eos\nresponse_length: 53\neval_strategy: steps\neval_steps: 100\nmax_grad_norm: 1.0\n"
+        "local_rollout_forward_batch_size: 16\nnum_sample_generations: 10\n")
+    with caplog.at_level(logging.WARNING, logger="rloo_jax"):
+        cfg = load_config(["ppo", "--config", str(path)])
+    assert isinstance(cfg, PPOConfig)
+    assert (cfg.policy_path, cfg.tokenizer_path, cfg.resolved_value_model_path) == (
+        "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr", "EleutherAI/pythia-1b-deduped",
+        "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr")
+    assert (cfg.max_completion_length, cfg.max_grad_norm, cfg.generation_batch_size, cfg.eval_steps) == (53, 0.0, 64,
+                                                                                                       100)
+    assert cfg.total_steps(116722) == 469  # TRL's num_total_batches: ceil(30000 / 64)
+    assert "max_grad_norm=1.0 has no effect" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--response_length", "0"], r"response_length \(max_completion_length\) must be >= 1"),
+        (["--beta", "0.1"], "beta is not a PPO option .PPO's KL coefficient is kl_coef"),
+        (["--num_generations", "2"], "num_generations is not a PPO option"),
+        (["--stop_token", "eos", "--stop_token_id", "3"], "set stop_token or stop_token_id, not both"),
+        (["--gradient_accumulation_steps", "3", "--num_mini_batches", "2", "--per_device_train_batch_size", "2"],
+         r"num_mini_batches \(2\) must divide gradient_accumulation_steps \(3\) or be a multiple of it"),
+        (["--whiten_rewards", "true"], "whiten_rewards needs at least 8 rows per mini-batch"),
+        (["--kl_estimator", "k2"], "kl_estimator: 'k2' is not one of k1, k3"),
+        (["--model_adapter_name", "a"], "model_adapter_name='a' is not supported here"),
+    ],
+)
+def test_bad_ppo_options_exit_2(args, message, tmp_path, capsys):
+    argv = [*PPO_REQUIRED, "--per_device_train_batch_size", "2", *args, "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert re.search(message, err[0]), err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_ppo_needs_a_value_model(tmp_path, capsys):
+    argv = ["ppo", "--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "pkg.mod:f",
+            "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: PPO needs a value model: set --value_model_path"), err

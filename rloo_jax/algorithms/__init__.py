@@ -8,8 +8,14 @@ An algorithm is a small frozen value (``RLOO(...)``, ``GRPO(...)``) holding its 
   update; ``stats`` are summed over the step's micro-batches and handed to ``next_state``;
 - ``init_state() -> state`` and ``next_state(state, stats) -> (state, step_metrics)``: what the algorithm carries
   from one optimizer step to the next in the train state (GRPO's adaptive entropy coefficient; None for RLOO);
-- ``needs_reference`` (reference log-probs at generation time), ``needs_values`` (a value model),
-  ``entropy_grad`` (the loss differentiates the entropy), ``mask_truncated_completions``.
+- ``summarize(metrics) -> metrics``: once per generation batch, inside the update program, the update's metrics
+  (``{"generation", "micro" [U, M], "update" [U]}``) as the algorithm logs them (PPO: TRL 1.12's per-update record;
+  RLOO, GRPO: unchanged);
+- ``needs_reference`` (reference log-probs at generation time), ``needs_values`` (a value model: its estimates at
+  generation time in ``ScoreInputs.values``, the current ones, with their gradient, in ``LossInputs.values``),
+  ``entropy_grad`` (the loss differentiates the entropy), ``mask_truncated_completions``, ``step_unit``
+  (``"optimizer"``: a step is an optimizer step, TRL's Trainer; ``"generation"``: a step is one update over a
+  generation batch, TRL 1.12's PPO).
 
 The step holds no algorithm name: the same rollout and update programs run any value with this interface.
 """
@@ -20,6 +26,7 @@ import jax
 
 from rloo_jax.algorithms.common import LossInputs, ScoreInputs
 from rloo_jax.algorithms.grpo import GRPO
+from rloo_jax.algorithms.ppo import PPO
 from rloo_jax.algorithms.rloo import RLOO, RLOOOptions
 
 
@@ -28,6 +35,7 @@ class Algorithm(Protocol):
 
     needs_values: bool
     mask_truncated_completions: bool
+    step_unit: str
 
     @property
     def needs_reference(self) -> bool: ...
@@ -43,5 +51,7 @@ class Algorithm(Protocol):
 
     def next_state(self, state: Any, stats: dict[str, jax.Array]) -> tuple[Any, dict[str, jax.Array]]: ...
 
+    def summarize(self, metrics: dict[str, dict[str, jax.Array]]) -> dict[str, dict[str, jax.Array]]: ...
 
-__all__ = ["GRPO", "RLOO", "Algorithm", "LossInputs", "RLOOOptions", "ScoreInputs"]
+
+__all__ = ["GRPO", "PPO", "RLOO", "Algorithm", "LossInputs", "RLOOOptions", "ScoreInputs"]

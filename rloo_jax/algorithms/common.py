@@ -231,6 +231,7 @@ class ScoreInputs:
     old_logps: Array  # [N, C] behaviour-policy log-probs at the sampling parameters (0 outside the mask)
     ref_logps: Array | None  # [N, C] reference log-probs, None without a reference
     values: Array | None = None  # [N, C] value-model estimates (PPO), None otherwise
+    completion_ids: Array | None = None  # [N, C] int32, the sampled tokens (pad after the mask)
     num_generations: int = struct.field(pytree_node=False, default=1)  # G
 
 

@@ -336,6 +336,7 @@ class GRPO:
     """dr_grpo's constant; None: the completions' width."""
 
     needs_values = False
+    step_unit = "optimizer"  # a step is an optimizer step (TRL's Trainer)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -387,6 +388,9 @@ class GRPO:
                                          self.entropy_coef_min, self.entropy_coef_max)
             state = {"entropy_coef": coef, "last_entropy": entropy}
         return state, {"entropy_coef": state["entropy_coef"]}
+
+    def summarize(self, metrics: dict[str, dict[str, Array]]) -> dict[str, dict[str, Array]]:
+        return metrics  # logged per optimizer step as they are (rloo_jax.logwindow)
 
     def loss(self, batch: LossInputs) -> tuple[Array, dict[str, Array], dict[str, Array]]:
         """TRL 1.16's ``_compute_loss`` on one micro-batch: ratio -> KL -> per-token loss -> off-policy, entropy

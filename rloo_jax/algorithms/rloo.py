@@ -347,6 +347,7 @@ class RLOO:
 
     needs_values = False  # no value model
     entropy_grad = False  # the loss does not differentiate the entropy
+    step_unit = "optimizer"  # a step is an optimizer step (TRL's Trainer)
 
     @property
     def kl_in_reward(self) -> bool:
@@ -381,6 +382,9 @@ class RLOO:
 
     def next_state(self, state: Any, stats: dict[str, Array]) -> tuple[Any, dict[str, Array]]:
         return state, {}
+
+    def summarize(self, metrics: dict[str, dict[str, Array]]) -> dict[str, dict[str, Array]]:
+        return metrics  # logged per optimizer step as they are (rloo_jax.logwindow)
 
 
 RLOOOptions = RLOO  # the research API's earlier name

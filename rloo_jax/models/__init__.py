@@ -13,6 +13,7 @@ from rloo_jax.models.config import (
 )
 from rloo_jax.models.hf import (
     abstract_model,
+    abstract_value_model,
     adapter_table,
     check_checkpoint,
     check_checkpoints,
@@ -23,6 +24,7 @@ from rloo_jax.models.hf import (
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
+    load_value_model,
     save_adapter,
     save_pretrained,
     weight_table,
@@ -49,6 +51,7 @@ __all__ = [
     "PromptCache",
     "RewardModel",
     "abstract_model",
+    "abstract_value_model",
     "adapter_table",
     "check_checkpoint",
     "check_checkpoints",
@@ -62,6 +65,7 @@ __all__ = [
     "load_causal_lm",
     "load_reward_model",
     "load_tokenizer",
+    "load_value_model",
     "logical_axes",
     "lora_spec",
     "positions_from_mask",

@@ -458,6 +458,32 @@ def load_reward_model(
     return _fill(RewardModel, cfg, "reward", TensorReader(directory))
 
 
+def load_value_model(
+    path_or_hub_id: str | Path, dtype: str = "float32", param_dtype: str | None = None, seed: int = 0, **options: Any
+) -> RewardModel:
+    """A value model as TRL's PPO scripts load one (`AutoModelForSequenceClassification.from_pretrained(path,
+    num_labels=1)`): a `*ForSequenceClassification` checkpoint as it is (e.g. the reward model); a causal LM's
+    backbone with a new `score` head, normal(0, initializer_range) from `seed` (its LM head unused)."""
+    directory = resolve_checkpoint(path_or_hub_id)
+    if family_and_task(read_hf_config(directory))[1] != "causal_lm":
+        return load_reward_model(directory, dtype, param_dtype, **options)
+    lm = load_causal_lm(directory, dtype, param_dtype, **options)
+    model = nnx.eval_shape(lambda: RewardModel(lm.config, nnx.Rngs(0)))
+    model.model = lm.model
+    model.score = RewardModel.new_head(lm.config, seed)
+    return model
+
+
+def abstract_value_model(
+    path_or_hub_id: str | Path, dtype: str = "float32", param_dtype: str | None = None, **options: Any
+) -> RewardModel:
+    """`load_value_model`'s model as shapes (`abstract_model`), from a sequence-classification or causal LM folder."""
+    directory = resolve_checkpoint(path_or_hub_id, weights=False)
+    task = family_and_task(read_hf_config(directory))[1]
+    cfg, _ = _config(directory, "causal_lm" if task == "causal_lm" else "reward", dtype, param_dtype, False, options)
+    return nnx.eval_shape(lambda: RewardModel(cfg, nnx.Rngs(0)))
+
+
 def abstract_model(
     path_or_hub_id: str | Path, task: str = "causal_lm", dtype: str = "float32", param_dtype: str | None = None,
     **options: Any,

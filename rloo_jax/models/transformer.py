@@ -612,7 +612,9 @@ class Transformer(nnx.Module):
         g = n // b
         pmask, cmask = prompt_mask.astype(jnp.int32), completion_mask.astype(jnp.int32)
         p_pos = positions_from_mask(pmask)  # [B, P]
-        c_pos = jnp.repeat(pmask.sum(-1), g)[:, None] + jnp.cumsum(cmask, axis=-1) - 1  # [N, C]
+        # positions as transformers' `cumsum(mask) - mask`: real tokens continue the prompt; a padding position
+        # takes the next real one's (its output is never a target, but TRL 1.12's PPO logs entropies there)
+        c_pos = jnp.repeat(pmask.sum(-1), g)[:, None] + jnp.cumsum(cmask, axis=-1) - cmask  # [N, C]
         fns = self.attention_fns(attention.shared_prompt, pmask, p_pos, cmask, c_pos)
         # Row b packs prompt b and its G completions, [B, P + G*C, D]: the position-wise layers (norms, q/k/v/o,
         # MLP) run as one matmul per weight over all tokens (one weight-gradient dot each, not a prompt one plus
@@ -786,12 +788,44 @@ class RewardModel(nnx.Module):
         """Random initialisation, as `CausalLM.from_config`."""
         return cls(config, rngs)
 
+    @staticmethod
+    def new_head(config: ModelConfig, seed: int) -> Dense:
+        """A fresh `score` head, normal(0, initializer_range) as transformers initialises a new one."""
+        return Dense(config.hidden_size, 1, ("embed", None), False, config, nnx.Rngs(seed))
+
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """[B, T] -> scores [B] float32, pooled at `last_token_index(attention_mask)`."""
         h = self.model.forward(input_ids, attention_mask)[0]
         pooled = h[jnp.arange(h.shape[0]), last_token_index(attention_mask)]
-        w = self.score.kernel[...].astype(pooled.dtype)
-        return jnp.einsum("bd,do->bo", pooled, w, preferred_element_type=jnp.float32)[:, 0]
+        return self.head(pooled)
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """The score head: h [..., D] -> [...] float32 (bias-free Linear D -> 1, float32 accumulation)."""
+        w = self.score.kernel[...].astype(h.dtype)
+        return jnp.einsum("...d,do->...o", h, w, preferred_element_type=jnp.float32)[..., 0]
+
+    def completion_scores(
+        self,
+        prompt_ids: jax.Array,
+        prompt_mask: jax.Array,
+        completion_ids: jax.Array,
+        completion_mask: jax.Array,
+        dropout_key: jax.Array | None = None,
+    ) -> jax.Array:
+        """The head at every position from each prompt's last token on: [B*G, C + 1] float32.
+
+        prompt [B, P], completions [B*G, C] (row r continues prompt r // G; each prompt runs once, as
+        `CausalLM.completion_hidden_states`). Entry 0 is the head at the prompt's last real token, entry t >= 1 at
+        completion token t - 1. So `out[:, :C]` are per-token values (entry t: the state before completion token
+        t, TRL's value model read at `[P - 1 : -1]`), and `out[r, n_r]` with n_r the row's real completion tokens
+        is the reward model's score of prompt + completion (its last real token; the prompt's for an empty one).
+        """
+        prompt_ids, prompt_mask = left_align(prompt_ids, prompt_mask)
+        hp, hc = self.model.forward_shared_prompt(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                  dropout_key)
+        g = completion_ids.shape[0] // prompt_ids.shape[0]
+        last = hp[jnp.arange(hp.shape[0]), last_token_index(prompt_mask)]  # [B, D]
+        return self.head(jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc], axis=1))
 
 
 def logical_axes(model: nnx.Module) -> nnx.State:
