@@ -310,7 +310,7 @@ class GRPOTrainer(_OnlineTrainer):
 
     def __init__(
         self,
-        model: str,
+        model: Any,
         reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
@@ -466,7 +466,7 @@ def loaded_policy(model: Any) -> Any:
     if loaded.is_peft_model(model) or loaded.is_pretrained_model(model):
         return model
     kind = "a torch module that is not a transformers PreTrainedModel" if loaded.is_torch_module(model) else \
-        f"a {type(model).__name__}"
+        f"type {type(model).__name__}"
     raise ConfigError(f"model must be a local folder, a hub id, a transformers PreTrainedModel or a peft PeftModel "
                       f"(got {kind}); save_pretrained a model of a supported architecture and pass its folder")
 

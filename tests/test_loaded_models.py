@@ -71,6 +71,7 @@ def models(tmp_path_factory):
     return dict(policy=policy, reward=reward, policy_dir=policy_dir, reward_dir=reward_dir, tok=tok, tok_dir=tok_dir)
 
 
+@pytest.mark.slow  # four short runs (2 + 2 steps, a resume to 3) and an export, each compiling: 132 s here
 def test_loaded_policy_and_reward_model_train_as_their_folders(models, tmp_path, capsys):
     """RLOOTrainer(PreTrainedModel, [loaded reward model]) = RLOOTrainer(its folder, [the reward model's folder]):
     the same metrics.jsonl records (timings aside), rewards and final weights; config.yaml names the converted
@@ -119,6 +120,7 @@ def _peft_model(models, **lora):
     return peft.get_peft_model(base, peft.LoraConfig(**{**options, **lora}))
 
 
+@pytest.mark.slow  # two 2-step LoRA runs, each compiling: 62 s on the loaded 2-core machine
 def test_peft_model_trains_as_its_adapter_folder(models, tmp_path):
     """RLOOTrainer(PeftModel with non-zero adapters) = RLOOTrainer(those adapters saved as a PEFT adapter folder):
     the same records and final adapters; its LoRA options are read into config.yaml; final/ names the converted
@@ -187,6 +189,8 @@ def test_what_is_refused(models, tmp_path):
                        (dict(modules_to_save=["lm_head"]), "modules_to_save")):
         with pytest.raises(ConfigError, match=what):
             make(_peft_model(models, **lora))
+    with pytest.raises(ModelLoadError, match="lora_target_modules: lm_head is not a projection"):
+        make(_peft_model(models, target_modules=["q_proj", "lm_head"]))
     with pytest.raises(ConfigError, match="together with a peft_config"):
         make(_peft_model(models), peft_config=peft.LoraConfig(r=2))
 

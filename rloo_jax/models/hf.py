@@ -699,6 +699,10 @@ def fill_adapters(model: CausalLM, reader: Any, where: str) -> CausalLM:
     missing = sorted({r.hf for r in rows} - reader.names())
     if missing:
         raise ModelLoadError(f"{where} lacks {', '.join(missing[:4])}")
+    unexpected = sorted(reader.names() - {r.hf for r in rows})
+    if unexpected:  # an adapter on a module we do not adapt (the LM head, the embeddings) is refused, not dropped
+        raise ModelLoadError(f"{where} holds adapters on modules LoRA does not target here: {', '.join(unexpected[:4])}"
+                             " (plain LoRA on the projections of the blocks)")
     groups: dict[str, list[Row]] = {}
     for r in rows:
         want = r.transform.hf_shape(tuple(_row_shape(ours[p].shape, r) for p in r.ours))

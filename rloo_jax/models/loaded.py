@@ -148,7 +148,9 @@ def peft_lora_options(values: dict[str, Any]) -> dict[str, Any]:
     targets = values.get("target_modules")
     if isinstance(targets, str) and targets != "all-linear":
         raise ModelLoadError("the PeftModel's target_modules is a regular expression: not supported; list the modules")
-    targets = [targets] if isinstance(targets, str) else sorted(targets or [])
+    # peft matches a name by its last part(s): "model.layers.0.self_attn.q_proj" targets q_proj (in every layer;
+    # adapters missing from some layers are then a missing-tensor error)
+    targets = [targets] if isinstance(targets, str) else sorted({t.rsplit(".", 1)[-1] for t in targets or []})
     return {"use_peft": True, "lora_r": int(values["r"]), "lora_alpha": values["lora_alpha"],
             "lora_dropout": float(values.get("lora_dropout") or 0.0), "lora_target_modules": targets or None,
             "use_rslora": bool(values.get("use_rslora", False))}
