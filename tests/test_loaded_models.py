@@ -17,7 +17,7 @@ from rloo_jax.build import check_adapter_options
 from rloo_jax.errors import ConfigError
 from rloo_jax.export import main as export_main
 from rloo_jax.metrics import read_jsonl
-from rloo_jax.models import ModelLoadError, load_causal_lm
+from rloo_jax.models import ModelLoadError, check_checkpoint, load_causal_lm
 from tests.checkpoints import build_tokenizer, qwen2_config
 
 ROWS = [{"prompt": f"Count the letters of word number {i}:"} for i in range(16)]
@@ -152,12 +152,13 @@ def test_peft_model_trains_as_its_adapter_folder(models, tmp_path):
     final = json.loads((loaded / "final" / "adapter_config.json").read_text())
     assert final["base_model_name_or_path"] == str(loaded / "base_model")
     # the CLI's options (args.use_peft set) are checked against the folder's, not replaced
+    family = check_checkpoint(models["policy_dir"]).family
     mismatched = rloo_jax.RLOOConfig(output_dir=str(tmp_path / "cli"), use_peft=True, lora_r=8,
                                      lora_target_modules=["q_proj", "v_proj"], lora_alpha=8, **args)
     with pytest.raises(ConfigError, match="holds LoRA r=4, alpha=8.0.*the run asks for r=8"):
-        check_adapter_options(mismatched, "qwen2", str(adapter_dir))
+        check_adapter_options(mismatched, family, str(adapter_dir))
     with pytest.raises(ConfigError, match="is a PEFT adapter folder: set use_peft"):
-        check_adapter_options(rloo_jax.RLOOConfig(output_dir=str(tmp_path / "cli"), **args), "qwen2", str(adapter_dir))
+        check_adapter_options(rloo_jax.RLOOConfig(output_dir=str(tmp_path / "cli"), **args), family, str(adapter_dir))
 
 
 def test_what_is_refused(models, tmp_path):
