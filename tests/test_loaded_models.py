@@ -4,6 +4,7 @@ output_dir are what config.yaml names, a resume reuses them, and what we cannot 
 
 import json
 
+import ml_dtypes
 import numpy as np
 import peft
 import pytest
@@ -18,6 +19,8 @@ from rloo_jax.errors import ConfigError
 from rloo_jax.export import main as export_main
 from rloo_jax.metrics import read_jsonl
 from rloo_jax.models import ModelLoadError, check_checkpoint, load_causal_lm
+from rloo_jax.models.hf import TensorReader
+from rloo_jax.models.loaded import save_loaded
 from tests.checkpoints import build_tokenizer, qwen2_config
 
 ROWS = [{"prompt": f"Count the letters of word number {i}:"} for i in range(16)]
@@ -109,6 +112,30 @@ def test_loaded_policy_and_reward_model_train_as_their_folders(models, tmp_path,
     assert {p.name: p.stat().st_mtime_ns for p in (loaded / "base_model").iterdir()} == written
     assert export_main([str(loaded / "checkpoints" / "1"), str(tmp_path / "exported")]) == 0
     assert (tmp_path / "exported" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_loaded_model_is_written_as_transformers_writes_it(models, tmp_path, dtype):
+    """save_loaded writes the tensors transformers' save_pretrained writes, bit for bit, in the model's dtype (bf16
+    through float32, exact), under the same names (an untied LM head too); a second call with the same model
+    writes nothing, another model is refused."""
+    torch.manual_seed(1)
+    model = transformers.Qwen2ForCausalLM(qwen2_config(tied=False)).to(getattr(torch, dtype)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    path, lora = save_loaded(model, tmp_path / "ours", "causal_lm", models["tok"])
+    assert (path, lora) == (str(tmp_path / "ours"), {})
+    theirs, ours = TensorReader(tmp_path / "hf"), TensorReader(tmp_path / "ours")
+    assert ours.names() == theirs.names() and "lm_head.weight" in ours.names()
+    for name in theirs.names():
+        a, b = theirs.get(name), ours.get(name)
+        assert a.dtype == b.dtype == np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32), name
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["dtype"] == dtype
+    written = (tmp_path / "ours" / "model.safetensors").stat().st_mtime_ns
+    assert save_loaded(model, tmp_path / "ours", "causal_lm", models["tok"])[0] == path
+    assert (tmp_path / "ours" / "model.safetensors").stat().st_mtime_ns == written
+    with pytest.raises(ModelLoadError, match="holds another model"):
+        save_loaded(models["policy"], tmp_path / "ours", "causal_lm", models["tok"])
 
 
 def _peft_model(models, **lora):

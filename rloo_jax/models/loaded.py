@@ -116,16 +116,16 @@ def convert(model: Any, task: str = "causal_lm", tensors: dict[str, Any] | None 
 def peft_parts(model: Any) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any]]:
     """A PeftModel -> (its base `PreTrainedModel`, the base's state dict without peft's names (`base_layer.`
     dropped, adapters cut out), its adapters under PEFT's adapter-file names (`...lora_A.weight`), its LoRA config
-    as a dict). One plain LoRA adapter only: ConfigError for DoRA, bias, modules_to_save and the other variants
-    we do not compute."""
+    as a dict). One plain LoRA adapter only: ConfigError for several, DoRA, bias, modules_to_save and the other
+    variants we do not compute."""
     names = list(model.peft_config)
     if len(names) != 1:
-        raise ModelLoadError(f"the PeftModel holds {len(names)} adapters ({', '.join(names)}); pass one")
+        raise ConfigError(f"the PeftModel holds {len(names)} adapters ({', '.join(names)}); pass one")
     (adapter,) = names
     pc = model.peft_config[adapter]
     kind = str(getattr(getattr(pc, "peft_type", ""), "value", getattr(pc, "peft_type", "")))
     if kind.upper() != "LORA":
-        raise ModelLoadError(f"the PeftModel's adapter is {kind}: only LoRA is supported")
+        raise ConfigError(f"the PeftModel's adapter is {kind}: only LoRA is supported")
     values = pc.to_dict() if callable(getattr(pc, "to_dict", None)) else dict(vars(pc))
     plain_lora(values, "the PeftModel's LoraConfig", ConfigError)
     base = model.get_base_model()
@@ -137,7 +137,7 @@ def peft_parts(model: Any) -> tuple[Any, dict[str, Any], dict[str, Any], dict[st
                 continue
             adapters["base_model.model." + key.replace(tag, ".")] = value
         elif ".lora_" in key or ".lora_magnitude_vector" in key:
-            raise ModelLoadError(f"the PeftModel holds {key}: not a plain LoRA adapter")
+            raise ConfigError(f"the PeftModel holds {key}: not a plain LoRA adapter")
         else:
             base_tensors[key.replace(".base_layer.", ".")] = value
     return base, base_tensors, adapters, values
@@ -161,8 +161,8 @@ def plain_lora(values: dict[str, Any], where: str, error: type[Exception] = Mode
     not compute: DoRA, bias, modules_to_save, per-layer ranks or layers, fan_in_fan_out, ..."""
     odd = [f"{k}={values[k]!r}" for k in _PEFT_PLAIN if values.get(k) not in (None, False, {}, [], "none")]
     if odd:
-        raise error(f"{where} sets {', '.join(odd)}: not supported (plain LoRA on the projections of the "
-                             "blocks: no DoRA, bias, extra trained modules or per-layer ranks)")
+        raise error(f"{where} sets {', '.join(odd)}: not supported (plain LoRA on the projections of the blocks: no "
+                    "DoRA, bias, extra trained modules or per-layer ranks)")
 
 
 def adapter_lora_options(folder: str | os.PathLike) -> dict[str, Any]:
