@@ -231,3 +231,14 @@ def test_what_is_refused(models, tmp_path):
     other = transformers.Qwen2ForCausalLM(qwen2_config(tied=True))
     with pytest.raises(ModelLoadError, match="base_model holds another model"):
         make(other, processing_class=models["tok"])
+
+
+def test_grpo_trainer_takes_them_too(models, tmp_path):
+    """GRPOTrainer shares the constructor: a loaded policy and reward model become folders under output_dir, named
+    by its args (no training here: the runs above cover it)."""
+    args = rloo_jax.GRPOConfig(output_dir=str(tmp_path / "grpo"), max_steps=1, **SETTINGS)
+    trainer = rloo_jax.GRPOTrainer(models["policy"], [length_reward, models["reward"]], args=args, train_dataset=ROWS)
+    assert trainer.args.model_name_or_path == str(tmp_path / "grpo" / "base_model")
+    assert trainer.args.reward_funcs[1] == str(tmp_path / "grpo" / "reward_model_1")
+    assert trainer.processing_class.pad_token == "<pad>" and trainer.processing_class.padding_side == "left"
+    assert type(trainer.reward_funcs[1]).__name__ == "RewardModel"
