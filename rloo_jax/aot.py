@@ -488,7 +488,7 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
     mesh = make_mesh(*cfg.mesh_shape, devices=devices)
     scfg = step_config(cfg, run)
     optimizer, _ = make_optimizer(cfg, max(cfg.max_steps, 1), "tpu")
-    pol = policy(cfg, run.model)
+    pol = policy(cfg, run.model, run.adapter_dir)
     layout = rollout_mesh_shape(cfg, run, slc.chip.hbm_bytes)  # the sampler's mesh, as training resolves it
     rollout_mesh = reshaped(mesh, layout)
     value = nnx.split(run.value_model) if run.value_model is not None else (None, None)

@@ -30,7 +30,7 @@ from rloo_jax.lora import quantize_base, split_adapters, with_adapters
 from rloo_jax.mesh import _resolve_mesh_shape, host_memory, rollout_shape
 from rloo_jax.metrics import check_report_to
 from rloo_jax.models import ModelLoadError, abstract_model, attention, load_causal_lm, load_tokenizer, lora_spec
-from rloo_jax.models.hf import resolve_checkpoint
+from rloo_jax.models.hf import adapter_base, resolve_checkpoint
 from rloo_jax.numerics import resolved_settings
 from rloo_jax.rewards import (
     RewardFunction,
@@ -188,11 +188,15 @@ class Policy:
     ref_graphdef: nnx.GraphDef | None = None  # LoRA: the model without its adapters
 
 
-def policy(cfg: TrainConfig, model: Any) -> Policy:
+def policy(cfg: TrainConfig, model: Any, adapter_dir: str | None = None) -> Policy:
     """The policy to train from the loaded (or abstract) model: the whole model and a reference copy, or with
     `use_peft` adapters on a frozen base (loaded in the compute dtype by `prepare`) that is also the reference;
-    with `load_in_4bit` / `load_in_8bit` that base is quantized first (`rloo_jax.lora.quantize_base`)."""
+    with `load_in_4bit` / `load_in_8bit` that base is quantized first (`rloo_jax.lora.quantize_base`).
+    `adapter_dir`: the policy is a PEFT adapter folder on `model`: its adapters are the starting ones (use_peft on,
+    its LoRA options the run's: `check_adapter_options`)."""
     abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
+    if adapter_dir is not None:
+        check_adapter_options(cfg, model.config.family, adapter_dir)
     if not cfg.use_peft:
         graphdef, params = nnx.split(model)
         ref = None
@@ -207,8 +211,34 @@ def policy(cfg: TrainConfig, model: Any) -> Policy:
     ref_graphdef, base = nnx.split(model)
     # the adapters' A from the run's seed (its own stream: sampling uses key(seed), evaluation key(seed + 1))
     lora_model = with_adapters(model, spec, jax.random.key(cfg.seed + 2), cfg.param_dtype)
+    if adapter_dir is not None:  # the folder's adapters, read into param_dtype
+        from rloo_jax.models.hf import ADAPTER_WEIGHTS, TensorReader, fill_adapters
+
+        lora_model = fill_adapters(lora_model, TensorReader(Path(adapter_dir)), os.path.join(adapter_dir,
+                                                                                            ADAPTER_WEIGHTS))
     graphdef, adapters, _ = split_adapters(lora_model)
     return Policy(graphdef, adapters, None, base, ref_graphdef)
+
+
+def check_adapter_options(cfg: TrainConfig, family: str, adapter_dir: str) -> None:
+    """A PEFT adapter folder as the policy trains its adapters: use_peft on, and lora_r, lora_alpha, use_rslora and
+    lora_target_modules those of its adapter_config.json (lora_dropout is the run's: it changes no weight);
+    ConfigError naming the differences otherwise. The Python API sets them from the folder."""
+    from rloo_jax.models.loaded import adapter_lora_options
+
+    theirs = adapter_lora_options(adapter_dir)
+    if not cfg.use_peft:
+        raise ConfigError(f"model_name_or_path {adapter_dir} is a PEFT adapter folder: set use_peft (with its "
+                          f"LoRA options: {', '.join(f'{k}={v}' for k, v in theirs.items() if k != 'use_peft')})")
+    ours = lora_spec(family, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules, cfg.use_rslora)
+    want = lora_spec(family, theirs["lora_r"], theirs["lora_alpha"], 0.0, theirs["lora_target_modules"],
+                     theirs["use_rslora"])
+    if ours != want:
+        raise ConfigError(f"the adapter folder {adapter_dir} holds LoRA r={want.rank}, alpha={want.alpha}, "
+                          f"targets={list(want.targets)}, use_rslora={want.use_rslora}; the run asks for "
+                          f"r={ours.rank}, alpha={ours.alpha}, targets={list(ours.targets)}, "
+                          f"use_rslora={ours.use_rslora}: set lora_r / lora_alpha / lora_target_modules / "
+                          "use_rslora to the folder's")
 
 
 def reference_params(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
@@ -263,6 +293,7 @@ class Run:
     eos_ids: tuple[int, ...]
     reward_models: list[str] = dataclasses.field(default_factory=list)  # their folders (compile-only)
     model_dir: str = ""  # the policy's local folder (a LoRA adapter names it as its base unless given a hub id)
+    adapter_dir: str | None = None  # the policy is this PEFT adapter folder on model_dir (its starting adapters)
     value_model: Any = None  # a RewardModel trained as the value model (PPO), loaded or abstract; else None
     device_reward_model: Any = None  # a RewardModel scored on the token ids on the device (PPO); else None
     device_reward_names: list[str] = dataclasses.field(default_factory=list)  # its name in the metrics
@@ -300,8 +331,13 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     if cfg.trust_remote_code:
         logger.warning("note: trust_remote_code has no effect; rloo_jax never runs code shipped with a model")
     model_dir = str(resolve_checkpoint(model_path, weights=not abstract))
-    refuse_custom_code(model_dir)
-    tokenizer_dir = model_dir
+    adapter_dir, tokenizer_dir = None, model_dir
+    base = adapter_base(model_dir)
+    if base is not None:  # a PEFT adapter folder: its base is the model; its tokenizer, when it has one
+        adapter_dir, model_dir = model_dir, str(resolve_checkpoint(base, weights=not abstract))
+        if not any(os.path.isfile(os.path.join(adapter_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer_dir = model_dir
+    refuse_custom_code(tokenizer_dir)
     if cfg.tokenizer_path not in (None, cfg.policy_path):  # PPO: TRL's scripts read it from model_name_or_path
         tokenizer_dir = str(resolve_checkpoint(cfg.tokenizer_path, weights=False))
         refuse_custom_code(tokenizer_dir)
@@ -352,7 +388,7 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     if not eos:
         raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
     run = Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, cfg.sampler_stop_ids(tokenizer, eos),
-              reward_models, model_dir)
+              reward_models, model_dir, adapter_dir)
     if cfg.uses_value_model or device_paths:
         value_and_reward_models(run, device_paths, options, abstract)
     return run

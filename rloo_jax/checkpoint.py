@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 
 from rloo_jax import outputs
 
-ITEMS = ("state", "meta")
+ITEMS = ("state", "meta")  # the items of a checkpoint
 
 
 class NonFiniteError(RuntimeError):
@@ -51,7 +51,10 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True
         )
-        self._manager = ocp.CheckpointManager(outputs.resolve(self.directory), options=options, item_names=ITEMS)
+        # the handlers named up front: a new manager (a resumed run) can then read a step's item metadata, which
+        # `restore` needs to see what fields the checkpoint holds (orbax gives None for an unregistered item)
+        handlers = dict(zip(ITEMS, (ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()), strict=True))
+        self._manager = ocp.CheckpointManager(outputs.resolve(self.directory), options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""

@@ -235,15 +235,18 @@ def quant_spec(run: dict[str, Any]) -> Any:
 
 
 def model_folder(run: dict[str, Any]) -> str:
-    """The base model's local folder (the demo's is rebuilt from its seed; a hub id is downloaded)."""
+    """The base model's local folder (the demo's is rebuilt from its seed; a hub id is downloaded; a PEFT adapter
+    folder's base for a run started from one)."""
     from rloo_jax import demo
     from rloo_jax.build import CACHE_ROOT
-    from rloo_jax.models.hf import resolve_checkpoint
+    from rloo_jax.models.hf import adapter_base, resolve_checkpoint
 
     name = run["model_name_or_path"]
     if name == "demo":
         return demo.prepare_model(demo.model_dir(CACHE_ROOT, run["seed"]), run["seed"])
-    return str(resolve_checkpoint(name))
+    folder = resolve_checkpoint(name)
+    base = adapter_base(folder)
+    return str(folder if base is None else resolve_checkpoint(base))
 
 
 def load_policy(saved: Saved, with_base: bool = True) -> tuple[Any, str]:

@@ -522,7 +522,7 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
                                          cfg.steps_per_generation_batch)
     lr_at = jax.jit(schedule)  # one dispatch, not a handful of eager ops, per logged step
     lr_at(0)  # compiled here, not at the first logged step (no compile after step 1)
-    pol = policy(cfg, run.model)  # the whole model, or with use_peft adapters on a frozen base
+    pol = policy(cfg, run.model, run.adapter_dir)  # the whole model, or with use_peft adapters on a frozen base
     graphdef = pol.graphdef
     # the sampler's own layout over the same devices (`rollout_mesh`; the training mesh where nothing is gained)
     rollout_mesh = None if place.mesh is None else reshaped(place.mesh, rollout_mesh_shape(cfg, run))

@@ -2,9 +2,11 @@
 args=GRPOConfig(...), train_dataset=...).train()`) on the JAX trainer of `rloo_jax.train`.
 
 It turns TRL's arguments into a run config and the objects the run uses instead of what a config names (`Given`):
-the model as a path or hub id, reward functions as callables and/or strings, datasets as objects, tokenizers,
-a peft `LoraConfig`. `train()` then runs `rloo_jax.train.train`, the same loop as `python -m rloo_jax.train`
-(which is this class on a config read from YAML and the command line), resuming from `args.output_dir`.
+the model as a path or hub id (a loaded `PreTrainedModel` or `PeftModel`, and a loaded reward model, are first
+written once as folders under output_dir: `rloo_jax.models.loaded`), reward functions as callables and/or strings,
+datasets as objects, tokenizers, a peft `LoraConfig`. `train()` then runs `rloo_jax.train.train`, the same loop as
+`python -m rloo_jax.train` (which is this class on a config read from YAML and the command line), resuming from
+`args.output_dir`.
 """
 
 import dataclasses
@@ -24,7 +26,7 @@ from rloo_jax.callbacks import CallbackHandler
 from rloo_jax.config import GRPOConfig, PPOConfig, RLOOConfig, TrainConfig, replace
 from rloo_jax.data import check_prompt_dataset
 from rloo_jax.errors import ConfigError, DataError
-from rloo_jax.models import check_checkpoints
+from rloo_jax.models import check_checkpoints, loaded
 from rloo_jax.rewards import TrainerState
 
 IN_MEMORY = "<train_dataset>"  # dataset_name recorded in config.yaml for a dataset passed as an object
@@ -42,13 +44,20 @@ class _OnlineTrainer:
     """TRL's online-trainer constructor, for any algorithm (`CONFIG`: its config class).
 
     Args:
-      model: the policy, a local Hugging Face folder or a hub id (`demo`: the built-in tiny model). Loaded models
-        (`PreTrainedModel`) are not taken: the safetensors are read into the Flax model.
+      model: the policy: a local Hugging Face folder or a hub id (`demo`: the built-in tiny model); a PEFT adapter
+        folder (its adapters trained from their values, its LoRA options taken, as TRL takes a PeftModel); or a
+        loaded transformers `PreTrainedModel` (a causal LM) or peft `PeftModel` (plain LoRA on one), converted in
+        memory and written once to `<output_dir>/base_model/` (a PeftModel's adapters to
+        `<output_dir>/base_model/adapter/`), which config.yaml then names: resume, final/ and
+        `python -m rloo_jax.export` read it as any folder. Its tokenizer: processing_class, else
+        `model.config._name_or_path`'s, as TRL.
       reward_funcs: one or a list of: a callable called with TRL's keyword arguments (prompts, completions,
         completion_ids, trainer_state, log_extra, log_metric and the dataset's other columns) returning one float or
-        None per completion, sync or async; a reward model's folder or hub id; a built-in name (`accuracy`,
-        `format`, `soft_overlong` or TRL's names); `module:function` or `package.module.function`. Scored in this
-        order (reward_weights follow it).
+        None per completion, sync or async; a reward model's folder or hub id, or a loaded `PreTrainedModel`
+        (`*ForSequenceClassification`, num_labels 1: written once to `<output_dir>/reward_model_<i>/`, i its place
+        in this list, and named so in config.yaml; its tokenizer: reward_processing_classes[i], else its
+        `config._name_or_path`'s, as TRL); a built-in name (`accuracy`, `format`, `soft_overlong` or TRL's names);
+        `module:function` or `package.module.function`. Scored in this order (reward_weights follow it).
       args: the algorithm's config (`RLOOConfig`, `GRPOConfig`; they also take TRL's option names; see the README's
         migration table). None: `<Config>(output_dir="<model name>-<ALGORITHM>")`, as TRL.
       train_dataset / eval_dataset: a `datasets.Dataset`, an `IterableDataset` (read in stream order, up to the
@@ -61,7 +70,7 @@ class _OnlineTrainer:
         entries, and entries of callables, mean the reward model's own.
       peft_config: a peft `LoraConfig` (r, lora_alpha, lora_dropout, target_modules, use_rslora), or a dict with
         those names or ours (lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora): trains LoRA
-        adapters on the frozen base.
+        adapters on the frozen base. Not with a PeftModel or an adapter folder (ConfigError, as TRL refuses it).
       callbacks, optimizers, quantization_config: TRL's torch hooks, refused unless None (the step is one jitted
         program; the optimizer is optax AdamW from args; no quantised base yet).
     """
@@ -70,7 +79,7 @@ class _OnlineTrainer:
 
     def __init__(
         self,
-        model: str,
+        model: Any,
         reward_funcs: Any,
         args: TrainConfig | None = None,
         train_dataset: Any = None,
@@ -82,25 +91,38 @@ class _OnlineTrainer:
         quantization_config: Any = None,
         peft_config: Any = None,
     ) -> None:
-        if not isinstance(model, str | os.PathLike):
-            raise ConfigError(f"model must be a local folder or a hub id (got a {type(model).__name__}): rloo_jax "
-                              "reads the checkpoint's safetensors into its own Flax model; save_pretrained it first")
+        given_model = None if isinstance(model, str | os.PathLike) else loaded_policy(model)
         if quantization_config:
             raise ConfigError("quantization_config is not supported: set load_in_4bit / load_in_8bit in args "
                               "(QLoRA)" if hasattr(args, "load_in_4bit") else "quantization_config is not supported")
         if any(o is not None for o in optimizers):
             raise ConfigError("optimizers is not supported: the optimizer is optax AdamW configured by args "
                               "(learning_rate, lr_scheduler_type, warmup_steps, weight_decay, adam_*)")
-        model = os.fspath(model)
         cls = self.CONFIG
-        if args is None:
-            args = cls(output_dir=f"{os.path.basename(model.rstrip('/'))}-{cls.ALGORITHM.upper()}")
+        if args is None:  # TRL: "<the model's name>-RLOO"
+            name = os.fspath(model) if given_model is None else (loaded.name_or_path(model) or type(model).__name__)
+            args = cls(output_dir=f"{os.path.basename(name.rstrip('/'))}-{cls.ALGORITHM.upper()}")
         if not isinstance(args, cls):
             raise ConfigError(f"{type(self).__name__} takes a {cls.__name__} as args (got a {type(args).__name__})")
         funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-        check_checkpoints(model, funcs)  # an unsupported architecture fails here, before anything is loaded
         tokenizers = reward_tokenizers(reward_processing_classes, len(funcs))
-        overrides: dict[str, Any] = {"model_name_or_path": model, **lora_options(peft_config)}
+        # loaded models: converted and written under output_dir once, then named by their folders like any other
+        funcs = [loaded_reward_model(f, i, args.output_dir, (tokenizers or [None] * len(funcs))[i])
+                 if loaded.is_torch_module(f) else f for i, f in enumerate(funcs)]
+        if peft_config is not None and (loaded.is_peft_model(model) or given_model is None and adapter_folder(model)):
+            raise ConfigError("You passed a PeftModel (or a PEFT adapter folder) together with a peft_config: its "
+                              "adapters are trained with their own LoRA options; pass peft_config=None, or merge "
+                              "them into a base model and pass that with the new peft_config (as TRL asks)")
+        lora_given: dict[str, Any] = {}
+        if given_model is not None:
+            model, lora_given = loaded_policy_folder(model, args.output_dir, processing_class)
+        model = os.fspath(model)
+        if not lora_given and adapter_folder(model) and not args.use_peft:
+            # TRL trains a PeftModel's adapters from where they are, with their options; options set in args (the
+            # CLI's --use_peft --lora_r ...) are checked against the folder's instead (build.check_adapter_options)
+            lora_given = loaded.adapter_lora_options(model)
+        check_checkpoints(model, funcs)  # an unsupported architecture fails here, before anything is loaded
+        overrides: dict[str, Any] = {"model_name_or_path": model, **lora_options(peft_config), **lora_given}
         if funcs != args.reward_sources:  # given here, not named by args (the CLI passes args' own)
             overrides.update(reward_funcs=[describe(f) for f in funcs], reward_model_name_or_path=None)
         if train_dataset is not None:
@@ -288,7 +310,7 @@ class GRPOTrainer(_OnlineTrainer):
 
     def __init__(
         self,
-        model: str,
+        model: Any,
         reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
@@ -438,6 +460,65 @@ class PPOTrainer(_OnlineTrainer):
 
 
 # ------------------------------------------------------------------------------------------------ arguments
+def loaded_policy(model: Any) -> Any:
+    """A `model` that is no path must be a transformers `PreTrainedModel` or a peft `PeftModel` (ConfigError
+    otherwise); returned as it is."""
+    if loaded.is_peft_model(model) or loaded.is_pretrained_model(model):
+        return model
+    kind = "a torch module that is not a transformers PreTrainedModel" if loaded.is_torch_module(model) else \
+        f"type {type(model).__name__}"
+    raise ConfigError(f"model must be a local folder, a hub id, a transformers PreTrainedModel or a peft PeftModel "
+                      f"(got {kind}); save_pretrained a model of a supported architecture and pass its folder")
+
+
+def _local_output_dir(output_dir: str, what: str) -> str:
+    from rloo_jax.outputs import is_remote
+
+    if is_remote(output_dir):
+        raise ConfigError(f"{what} is written to output_dir as a Hugging Face folder, so output_dir must be local "
+                          f"(got {output_dir}); or save_pretrained the model and pass its folder")
+    return os.path.abspath(os.path.expanduser(output_dir))
+
+
+def _loaded_tokenizer(model: Any, given: Any, what: str) -> Any:
+    """The tokenizer written with a loaded model: the one given, else its `config._name_or_path`'s (TRL)."""
+    if given is not None:
+        return given
+    from rloo_jax.models import ModelLoadError, load_tokenizer
+
+    name = loaded.name_or_path(model)
+    try:
+        if not name:
+            raise ModelLoadError("its config has no _name_or_path")
+        return load_tokenizer(name)
+    except ModelLoadError as e:
+        raise ConfigError(f"no tokenizer for the loaded {what} ({e}); pass it "
+                          f"({'processing_class' if what == 'model' else 'reward_processing_classes'})") from None
+
+
+def loaded_policy_folder(model: Any, output_dir: str, tokenizer: Any) -> tuple[str, dict[str, Any]]:
+    """A loaded policy written to `<output_dir>/base_model/` (once: `rloo_jax.models.loaded.save_loaded`); returns
+    the path to train from (a PeftModel: its adapter folder) and, for a PeftModel, its LoRA options."""
+    where = os.path.join(_local_output_dir(output_dir, "a loaded model"), "base_model")
+    return loaded.save_loaded(model, where, "causal_lm", _loaded_tokenizer(model, tokenizer, "model"))
+
+
+def loaded_reward_model(model: Any, index: int, output_dir: str, tokenizer: Any) -> str:
+    """A loaded reward model (reward_funcs[index]) written to `<output_dir>/reward_model_<index>/` (once); its path."""
+    if not loaded.is_pretrained_model(model) or loaded.is_peft_model(model):
+        raise ConfigError(f"reward_funcs[{index}] is a {type(model).__name__}: a reward model must be a transformers "
+                          "PreTrainedModel (*ForSequenceClassification, num_labels=1) or its folder")
+    where = os.path.join(_local_output_dir(output_dir, "a loaded reward model"), f"reward_model_{index}")
+    return loaded.save_loaded(model, where, "reward", _loaded_tokenizer(model, tokenizer, "reward model"))[0]
+
+
+def adapter_folder(path: str) -> bool:
+    """A local PEFT adapter folder (adapter_config.json)."""
+    from rloo_jax.models.hf import ADAPTER_CONFIG
+
+    return os.path.isfile(os.path.join(os.path.expanduser(path), ADAPTER_CONFIG))
+
+
 def describe(func: Any) -> str:
     """A reward for config.yaml: strings as given, callables as `module:qualname` (importable for top-level
     functions, so the recorded config can be rerun with the CLI)."""

@@ -107,7 +107,8 @@ def test_trainer_refuses_what_it_cannot_take(tmp_path):
     with pytest.raises(ConfigError, match="an IterableDataset has no length: set args.max_steps"):
         stream = datasets.IterableDataset.from_generator(lambda: iter(rows))
         rloo_jax.RLOOTrainer("demo", demo.letters_reward, args, stream)
-    with pytest.raises(ConfigError, match="model must be a local folder or a hub id"):
+    with pytest.raises(ConfigError, match="model must be a local folder, a hub id, a transformers PreTrainedModel or "
+                                          "a peft PeftModel \\(got type object\\)"):
         rloo_jax.RLOOTrainer(object(), demo.letters_reward, args, rows)
     with pytest.raises(ConfigError, match=r"reward processing classes \(2\) must match the number of reward"):
         rloo_jax.RLOOTrainer("demo", demo.letters_reward, args, rows, reward_processing_classes=[None, None])

@@ -383,15 +383,24 @@ def _config(
     path_or_hub_id: str | Path, want_task: str, dtype: str, param_dtype: str | None, weights: bool, options: dict
 ) -> tuple[ModelConfig, Path]:
     directory = resolve_checkpoint(path_or_hub_id, weights)
-    hf = read_hf_config(directory)
+    return config_of(read_hf_config(directory), str(directory), want_task, dtype, param_dtype, options), directory
+
+
+def config_of(
+    hf: dict[str, Any], where: str, want_task: str, dtype: str = "float32", param_dtype: str | None = None,
+    options: dict | None = None,
+) -> ModelConfig:
+    """Our `ModelConfig` of a HF config dict (`config.json`, or a loaded model's `config.to_dict()`; `where` names
+    it in errors), checked to be a supported architecture of `want_task` ("causal_lm" | "reward", num_labels 1)."""
     _, task = family_and_task(hf)
     if task is not None and task != want_task:
         kind = "a causal LM" if want_task == "causal_lm" else "a reward model (*ForSequenceClassification)"
-        raise ModelLoadError(f"{directory} holds {hf['architectures'][0]}, not {kind}")
+        raise ModelLoadError(f"{where} holds {hf['architectures'][0]}, not {kind}")
     if want_task == "reward" and int(hf.get("num_labels", len(hf.get("id2label") or {0: 0}))) != 1:
-        raise ModelLoadError(f"{directory}: a reward model needs num_labels=1")
+        raise ModelLoadError(f"{where}: a reward model needs num_labels=1")
+    options = options or {}
     try:
-        return config_from_hf(hf, dtype, param_dtype).replace(**options), directory
+        return config_from_hf(hf, dtype, param_dtype).replace(**options)
     except TypeError as e:  # an unknown execution option
         raise ModelLoadError(f"model options {sorted(options)}: {e}") from None
 
@@ -673,21 +682,49 @@ def load_adapter(
                          targets or None, bool(ac.get("use_rslora", False)))
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{directory / ADAPTER_CONFIG}: {e}") from None
-    model = with_adapters(base, spec, jax.random.key(0))
+    return fill_adapters(with_adapters(base, spec, jax.random.key(0)), TensorReader(directory),
+                         str(directory / ADAPTER_WEIGHTS))
+
+
+def fill_adapters(model: CausalLM, reader: Any, where: str) -> CausalLM:
+    """`model` (with adapters) with every adapter read from `reader` (PEFT's tensor names, `adapter_table`; a
+    `TensorReader` or a loaded PeftModel's `rloo_jax.models.loaded.StateDictReader`), in the adapters' dtype;
+    ModelLoadError naming `where` for a missing tensor or a wrong shape. An abstract model is returned as it is."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model))):
+        return model  # compile-only: the shapes are all there is
     graphdef, state = nnx.split(model)
     pure = nnx.to_pure_dict(state)
     ours = dict(_flat_paths(pure))
-    rows, reader = adapter_table(model.config), TensorReader(directory)
+    rows = adapter_table(model.config)
     missing = sorted({r.hf for r in rows} - reader.names())
     if missing:
-        raise ModelLoadError(f"{directory / ADAPTER_WEIGHTS} lacks {', '.join(missing[:4])}")
+        raise ModelLoadError(f"{where} lacks {', '.join(missing[:4])}")
+    unexpected = sorted(reader.names() - {r.hf for r in rows})
+    if unexpected:  # an adapter on a module we do not adapt (the LM head, the embeddings) is refused, not dropped
+        raise ModelLoadError(f"{where} holds adapters on modules LoRA does not target here: {', '.join(unexpected[:4])}"
+                             " (plain LoRA on the projections of the blocks)")
+    groups: dict[str, list[Row]] = {}
     for r in rows:
         want = r.transform.hf_shape(tuple(_row_shape(ours[p].shape, r) for p in r.ours))
         if reader.shape(r.hf) != want:
             raise ModelLoadError(f"tensor {r.hf}: adapter shape {reader.shape(r.hf)}, expected {want}")
-    _read_rows(rows, reader, pure, ours, jnp.dtype(base.config.param_dtype))
+        groups.setdefault(str(jnp.dtype(ours[r.ours[0]].dtype)), []).append(r)
+    for dt, group in groups.items():  # the adapters' own dtype (param_dtype), not the base's
+        _read_rows(group, reader, pure, ours, jnp.dtype(dt))
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
+
+
+def adapter_base(directory: str | Path) -> str | None:
+    """The base model a PEFT adapter folder names (`base_model_name_or_path` of its adapter_config.json); None for
+    a folder without one (a plain model)."""
+    f = Path(directory) / ADAPTER_CONFIG
+    if not f.is_file():
+        return None
+    base = json.loads(f.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ModelLoadError(f"{f} has no base_model_name_or_path")
+    return str(base)
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
