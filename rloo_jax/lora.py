@@ -208,6 +208,7 @@ def dequantize_base(model: CausalLM, dtype: str | None = None) -> CausalLM:
         if isinstance(stored["codes"], jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(shape, dt)
         with _where(stored["codes"]):
-            return quant.dequantize(stored, spec, dt).reshape(shape)
+            w = quant.dequantize(stored, spec, dt)
+            return (w if spec.kind == "int8" else quant.unblock(w)).reshape(shape)
 
     return _rebuild(model, model.config.replace(quant=None), leaf)

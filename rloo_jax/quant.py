@@ -13,10 +13,13 @@ pass and the update all read the codes; no full-precision copy of the base exist
   W ~ c[code] * s. `nf4`: the NormalFloat4 codebook of QLoRA (Dettmers et al. 2023, appendix E; bitsandbytes'
   values and code order); `fp4`: bitsandbytes' FP4 (e2m1-like: +-{0, 1/192, 1/6, 1/4, 1/3, 1/2, 2/3, 1}). These are
   bitsandbytes' blocks too: it flattens the torch [out, in] weight into runs of 64, i.e. 64 inputs of one output.
-  Codes are `jnp.uint4` [din/K, K, dout] (4 bits each in TPU memory: the compiler packs them two to a byte),
-  scales float32 [din/K, 1, dout]. The block axis leads so that the dequantization fuses into the matmul
-  (`blocked_matmul`: the TPU compiler reads the 4-bit codes from HBM and never writes the bf16 weight back;
-  BENCHMARKS.md, Session 7).
+  Codes are `jnp.uint4` [K, din/K, dout] (4 bits each in TPU memory: the compiler packs them two to a byte),
+  scales float32 [1, din/K, dout]: code [k, b, o] is weight W[b * K + k, o]. The weight is never reshaped, so the
+  dequantization fuses into the matmul (`blocked_matmul`: the TPU compiler reads the 4-bit codes from HBM and
+  never writes the bf16 weight back; BENCHMARKS.md, Session 7), and K leads because that is the layout the TPU
+  compiler gives the codes in every loop that multiplies them (the decode loop, the backward pass): stored
+  [din/K, K, dout], each loop began with a relayouted copy of the whole stacked base, 4.9 GB per chip of
+  Llama-3.1-70B on a v5e-8, twice in the rollout (BENCHMARKS.md, Session 9).
 - **double quantization** (`use_bnb_nested_quant`, bitsandbytes' bnb_4bit_use_double_quant): the 4-bit scales
   themselves as uint8 codes of a float32 scale per group of g = gcd(dout, 256) consecutive output columns:
   s ~ code8 * s2, s2 = max(s) / 255 over the group. 4 -> 1 byte per 64 weights (+ 4 per 64 x 256).
@@ -38,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["FP4", "KINDS", "NF4", "QuantSpec", "block_size", "blocked_matmul", "dequantize", "lookup", "quantize",
-           "stored_bytes"]
+           "stored_bytes", "unblock"]
 
 KINDS = ("int8", "nf4", "fp4")
 BLOCK = 64  # 4-bit: input rows per scale (bitsandbytes' blocksize)
@@ -97,7 +100,7 @@ def nearest_code(x: jax.Array, table: np.ndarray) -> jax.Array:
 
 
 def _double_quantize(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """scale [..., n, 1, dout] (>= 0) -> (uint8 codes [..., n, 1, dout], float32 s2 [..., n, 1, dout / g]) with
+    """scale [..., 1, n, dout] (>= 0) -> (uint8 codes [..., 1, n, dout], float32 s2 [..., 1, n, dout / g]) with
     scale ~ code * s2, s2 = max over each group of g = `group_size(dout)` columns / 255; a nonzero scale never
     rounds to code 0. Example (g = 2): [[[2.0, 1.0]]] -> codes [[[255, 128]]], s2 [[[2/255]]]."""
     *lead, dout = scale.shape
@@ -122,9 +125,10 @@ def quantize(w: jax.Array, spec: QuantSpec) -> dict[str, jax.Array]:
     """A kernel [..., din, dout] -> its stored arrays: {"codes", "scale"} (+ "scale2" with double quantization).
 
     int8: codes int8 [..., din, dout] = round(w / s), s float32 [..., 1, dout] = absmax over din / 127.
-    4-bit: codes uint4 [..., din/K, K, dout] = nearest codebook index of w / s, s float32 [..., din/K, 1, dout] =
-    the block's absmax (uint8 + float32 scale2 with double quantization). Example (int8): w [[1.0], [-0.5]] ->
-    codes [[127], [-64]], scale [[1/127]] (w / s = -63.5 rounds to even, -64).
+    4-bit: codes uint4 [..., K, din/K, dout] = nearest codebook index of w / s (code [k, b, o] for w[b * K + k,
+    o]), s float32 [..., 1, din/K, dout] = the block's absmax (uint8 + float32 scale2 with double quantization).
+    Example (int8): w [[1.0], [-0.5]] -> codes [[127], [-64]], scale [[1/127]] (w / s = -63.5 rounds to even,
+    -64).
     """
     w = w.astype(jnp.float32)
     *lead, din, dout = w.shape
@@ -133,8 +137,8 @@ def quantize(w: jax.Array, spec: QuantSpec) -> dict[str, jax.Array]:
         codes = jnp.clip(jnp.round(w / jnp.where(scale > 0, scale, 1.0)), -127, 127)
         return {"codes": codes.astype(jnp.int8), "scale": scale}
     k = block_size(din)
-    blocks = w.reshape(*lead, din // k, k, dout)
-    out = {"scale": jnp.max(jnp.abs(blocks), axis=-2, keepdims=True)}  # [..., din/K, 1, dout]
+    blocks = jnp.swapaxes(w.reshape(*lead, din // k, k, dout), -3, -2)  # [..., K, din/K, dout]
+    out = {"scale": jnp.max(jnp.abs(blocks), axis=-3, keepdims=True)}  # [..., 1, din/K, dout]
     if spec.double_quant:
         out["scale"], out["scale2"] = _double_quantize(out["scale"])
     scale = _scales(out)
@@ -144,8 +148,8 @@ def quantize(w: jax.Array, spec: QuantSpec) -> dict[str, jax.Array]:
 
 def dequantize(q: dict[str, jax.Array], spec: QuantSpec, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """The stored arrays of `quantize` -> the weight in `dtype`, computed in float32 and rounded once: int8
-    [..., din, dout] = codes * s; 4-bit [..., din/K, K, dout] (blocked: `blocked_matmul` takes it as is,
-    `.reshape(..., din, dout)` gives the kernel) = codebook[codes] * s."""
+    [..., din, dout] = codes * s; 4-bit [..., K, din/K, dout] (blocked: `blocked_matmul` takes it as is,
+    `unblock` gives the kernel) = codebook[codes] * s."""
     scale = _scales(q)
     if spec.kind == "int8":
         return (q["codes"].astype(jnp.float32) * scale).astype(dtype)
@@ -165,15 +169,22 @@ def lookup(codes: jax.Array, table: np.ndarray) -> jax.Array:
     return level[0]
 
 
+def unblock(w: jax.Array) -> jax.Array:
+    """A blocked 4-bit weight [..., K, din/K, dout] (`dequantize`) -> the kernel [..., din, dout]: row b * K + k is
+    w[k, b]. Example: K 2, w[:, :, 0] = [[1, 3], [2, 4]] -> kernel column [1, 2, 3, 4]."""
+    *lead, k, nb, dout = w.shape
+    return jnp.swapaxes(w, -3, -2).reshape(*lead, nb * k, dout)
+
+
 def blocked_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [N, din] @ w, w a kernel [din, dout] or blocked [din/K, K, dout] (4-bit, `dequantize`), accumulated in
+    """x [N, din] @ w, w a kernel [din, dout] or blocked [K, din/K, dout] (4-bit, `dequantize`), accumulated in
     float32: [N, dout] float32. The blocked form contracts both of its leading axes, so the weight is never
     reshaped: a reshape between the dequantization and the dot kept the TPU compiler from fusing them (it wrote the
     bf16 weight to HBM and read it back: 292 against 38 MiB per 8192 x 8192 matrix and call, BENCHMARKS.md)."""
     if w.ndim == 2:
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
-    nb, k, _ = w.shape
-    return jnp.einsum("nbk,bko->no", x.reshape(x.shape[0], nb, k), w, preferred_element_type=jnp.float32)
+    k, nb, _ = w.shape
+    return jnp.einsum("nbk,kbo->no", x.reshape(x.shape[0], nb, k), w, preferred_element_type=jnp.float32)
 
 
 def stored_axes(axes: tuple, spec: QuantSpec) -> dict[str, tuple]:
@@ -182,8 +193,8 @@ def stored_axes(axes: tuple, spec: QuantSpec) -> dict[str, tuple]:
     a_in, a_out = axes
     if spec.kind == "int8":
         return {"codes": (a_in, a_out), "scale": (None, a_out)}
-    out = {"codes": (a_in, None, a_out), "scale": (a_in, None, a_out)}
-    return out | ({"scale2": (a_in, None, a_out)} if spec.double_quant else {})
+    out = {"codes": (None, a_in, a_out), "scale": (None, a_in, a_out)}
+    return out | ({"scale2": (None, a_in, a_out)} if spec.double_quant else {})
 
 
 def stored_bytes(din: int, dout: int, spec: QuantSpec | None, itemsize: int = 2) -> float:

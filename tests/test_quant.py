@@ -62,7 +62,7 @@ def test_4bit_hand_golden():
     [1, -0.5, 0.3, 0] -> NF4 [1, -0.5251, 0.3379, 0] (codes 15, 2, 11, 7), FP4 [1, -1/2, 1/3, 0]."""
     w = jnp.array([[2.0], [-1.0], [0.6], [0.0]])  # absmax 2
     q = quantize(w, QuantSpec("nf4"))
-    assert q["codes"].dtype == jnp.uint4 and q["codes"].shape == (1, 4, 1) and q["scale"].shape == (1, 1, 1)
+    assert q["codes"].dtype == jnp.uint4 and q["codes"].shape == (4, 1, 1) and q["scale"].shape == (1, 1, 1)
     assert q["codes"].astype(int).ravel().tolist() == [15, 2, 11, 7] and float(q["scale"][0, 0, 0]) == 2.0
     np.testing.assert_allclose(_np(dequantize(q, QuantSpec("nf4"))).ravel(), [2, 2 * NF4[2], 2 * NF4[11], 0])
     f = dequantize(quantize(w, QuantSpec("fp4")), QuantSpec("fp4"))
@@ -78,7 +78,7 @@ def test_double_quant_hand_golden():
     assert q["scale"].dtype == jnp.uint8 and q["scale"].tolist() == [[[255, 64]]]
     np.testing.assert_allclose(_np(q["scale2"]), [[[2 / 255]]], rtol=1e-6)
     s = 64 * 2 / 255
-    np.testing.assert_allclose(_np(dequantize(q, QuantSpec("nf4", True)))[0, :, 1], [s, s * NF4[10]], rtol=1e-6)
+    np.testing.assert_allclose(_np(dequantize(q, QuantSpec("nf4", True)))[:, 0, 1], [s, s * NF4[10]], rtol=1e-6)
 
 
 def test_zero_weights_dequantize_to_zero():
@@ -96,14 +96,14 @@ def test_round_trip_error_bound(spec):
     grids: fp4's is wider where Gaussian weights are dense (NF4 is their quantiles)."""
     w = jax.random.normal(jax.random.key(0), (512, 256)) * 0.02
     q = quantize(w, spec)
-    d = _np(dequantize(q, spec)).reshape(512, 256)
+    d = _np(dequantize(q, spec) if spec.kind == "int8" else quant.unblock(dequantize(q, spec)))
     err = np.abs(d - _np(w))
     if spec.kind == "int8":
         assert np.all(err <= _np(q["scale"]) / 2 * (1 + 1e-6))
     else:
         table = np.asarray(quant.codebook(spec.kind), np.float64)
-        scale = _np(quant._scales(q))  # as stored: [din/K, 1, dout]
-        assert np.all(err.reshape(8, 64, 256) <= scale * np.diff(table).max() / 2 * (1 + 1e-6) + 1e-12)
+        scale = _np(quant._scales(q))  # as stored: [1, din/K, dout]
+        assert np.all(err.reshape(8, 64, 256).swapaxes(0, 1) <= scale * np.diff(table).max() / 2 * (1 + 1e-6) + 1e-12)
     rel = np.sqrt(np.mean(err**2) / np.mean(_np(w) ** 2))
     assert rel == pytest.approx({"int8": 0.00736, "nf4": 0.09196, "fp4": 0.12177}[spec.kind], abs=1e-5)
 
@@ -118,9 +118,9 @@ def test_matches_bitsandbytes():
     ref = np.load(DATA / "bnb_quant.npz")
     w = jnp.asarray(ref["weight"].astype(np.float32).T)  # torch [out, in] -> our kernel [in, out]
     for kind in ("nf4", "fp4"):
-        ours = _np(dequantize(quantize(w, QuantSpec(kind)), QuantSpec(kind))).reshape(128, 64).T
+        ours = _np(quant.unblock(dequantize(quantize(w, QuantSpec(kind)), QuantSpec(kind)))).T
         np.testing.assert_array_equal(ours, ref[kind], err_msg=kind)
-        nested = _np(dequantize(quantize(w, QuantSpec(kind, True)), QuantSpec(kind, True))).reshape(128, 64).T
+        nested = _np(quant.unblock(dequantize(quantize(w, QuantSpec(kind, True)), QuantSpec(kind, True)))).T
         plain = np.abs(ref[kind]).mean()
         mine = np.abs(nested - ref[kind]).mean() / plain
         theirs = np.abs(ref[f"{kind}_nested"] - ref[kind]).mean() / plain
@@ -166,8 +166,10 @@ def test_decode_floor_counts_codes_at_their_bits():
 def test_blocked_matmul_is_the_matmul():
     x = jax.random.normal(jax.random.key(2), (5, 128))
     w = dequantize(quantize(jax.random.normal(jax.random.key(3), (128, 96)), QuantSpec("nf4")), QuantSpec("nf4"))
-    assert w.shape == (2, 64, 96)
-    np.testing.assert_allclose(_np(blocked_matmul(x, w)), _np(x) @ _np(w).reshape(128, 96), rtol=1e-5, atol=1e-5)
+    assert w.shape == (64, 2, 96)  # [K, din/K, dout]: row b * 64 + k of the kernel is w[k, b]
+    kernel = np.concatenate([_np(w)[:, 0], _np(w)[:, 1]])  # rows 0..63, then 64..127
+    np.testing.assert_array_equal(_np(quant.unblock(w)), kernel)
+    np.testing.assert_allclose(_np(blocked_matmul(x, w)), _np(x) @ kernel, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ in the model
@@ -213,7 +215,7 @@ def test_quantized_base_built_or_quantized_scanned_or_not():
 
 
 def test_quantized_kernels_shard_by_the_rule_table():
-    """Codes [L, din/64, 64, dout] and scales [L, din/64, 1, dout] split as the kernel [L, din, dout] would: the
+    """Codes [L, 64, din/64, dout] and scales [L, 1, din/64, dout] split as the kernel [L, din, dout] would: the
     block axis takes the input's mesh axis (fsdp for embed, tensor for mlp/heads), the output's its own; int8
     scales [L, 1, dout] only on the output's."""
     from jax.sharding import AbstractMesh, AxisType
@@ -228,11 +230,11 @@ def test_quantized_kernels_shard_by_the_rule_table():
         model = nnx.eval_shape(lambda s=spec: CausalLM(cfg.replace(quant=s), nnx.Rngs(0)))
         specs = nnx.to_pure_dict(jax.tree.map(lambda s: s.spec, rmesh.param_shardings(model, mesh)))["model"]
         up, down, k = specs["layers"]["mlp"]["up"], specs["layers"]["mlp"]["down"], specs["layers"]["attn"]["k"]
-        if spec.kind == "nf4":  # up [2, 4, 64, 512]: embed on the 4 blocks, mlp; down [2, 8, 64, 256]: mlp, embed
-            assert up["qkernel"] == up["qscale"] == P(None, "fsdp", None, "tensor")
-            assert down["qkernel"] == down["qscale"] == P(None, "tensor", None, "fsdp")
-            assert up["qscale2"] == P(None, "fsdp", None, "tensor")  # [2, 4, 1, 2]: 512 / 256 groups
-            assert k["qkernel"] == P(None, "fsdp", None, "tensor")  # kv 128 over tensor 2
+        if spec.kind == "nf4":  # up [2, 64, 4, 512]: embed on the 4 blocks, mlp; down [2, 64, 8, 256]: mlp, embed
+            assert up["qkernel"] == up["qscale"] == P(None, None, "fsdp", "tensor")
+            assert down["qkernel"] == down["qscale"] == P(None, None, "tensor", "fsdp")
+            assert up["qscale2"] == P(None, None, "fsdp", "tensor")  # [2, 1, 4, 2]: 512 / 256 groups
+            assert k["qkernel"] == P(None, None, "fsdp", "tensor")  # kv 128 over tensor 2
         else:
             assert up["qkernel"] == P(None, "fsdp", "tensor") and up["qscale"] == P(None, None, "tensor")
             assert down["qscale"] == P(None, None, "fsdp")
@@ -435,3 +437,57 @@ def test_tpu_decodes_from_4bit_codes_at_their_floor():
             assert (cost.hbm_bytes + cost.ici_bytes) / (weights + caches) <= 1.2
             assert ici[spec] == pytest.approx(0.75, abs=0.05)  # 3 of 4 shards of the codes arrive
     assert ici[None] > 0.7  # the bf16 weights, 4x the codes' bytes, gathered alike
+
+
+@pytest.mark.slow
+def test_tpu_decode_loop_reads_the_stored_codes_in_place():
+    """The decode loop multiplies each layer's codes as they are stored: no copy of a stacked [L, ...] array of the
+    base before the loop (Session 9: stored [din/K, K, dout], the TPU compiler relayouted the whole stacked base to
+    [L, K, din/K, dout] before every loop that multiplied it, 4.9 GB per chip of Llama-3.1-70B on a v5e-8, twice in
+    the rollout). Compiled for a v5e-4, fsdp over its 4 chips, a loop of decode steps of a 4-layer nf4 model."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from rloo_jax import hlo
+    from rloo_jax.mesh import param_shardings
+    from rloo_jax.models.attention import compile_target
+    from rloo_jax.models.config import ModelConfig
+    from rloo_jax.models.transformer import CausalLM, DecodeCache, PromptCache
+    from rloo_jax.tpu import parse_slice, quiet_stderr, topology_devices
+
+    # Llama-3.1-8B's widths: at 2048 x 8192 (and on a v5e-4) the compiler kept every stack in place, old storage too
+    layers, rows, heads, slots, dh, p, d, f = 4, 64, 32, 256, 128, 64, 4096, 14336
+    mesh = Mesh(np.array(topology_devices(parse_slice("v5e-8"))).reshape(1, 8, 1), ("data", "fsdp", "tensor"))
+
+    def sds(shape, dtype, *spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+
+    rs = (None, ("data", "fsdp"))
+    kv = [sds((layers, rows, 8, n, dh), jnp.bfloat16, *rs) for n in (p, p, slots, slots)]
+    cache = DecodeCache(prompt=PromptCache(k=kv[0], v=kv[1], mask=sds((rows, p), jnp.int32, rs[1]),
+                                           lengths=sds((rows,), jnp.int32, rs[1])), k=kv[2], v=kv[3])
+    cfg = ModelConfig(family="llama", model_type="llama", vocab_size=256, hidden_size=d, num_layers=layers,
+                      num_heads=heads, num_kv_heads=8, head_dim=dh, intermediate_size=f, norm_eps=1e-5,
+                      hidden_act="silu", rope_theta=1e4, rotary_dim=dh, dtype="bfloat16", param_dtype="bfloat16",
+                      quant=QuantSpec("nf4"))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))))
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                          param_shardings(params, mesh))
+    stacked = {x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(params) if x.ndim == 4}  # [L, ...] per chip
+    assert len(stacked) >= 3
+
+    def loop(params, tokens, cache):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            model = nnx.merge(graphdef, params)
+
+            def body(i, carry):
+                logits, cache = model.decode_step(carry[0], i, carry[1])
+                return jnp.argmax(logits, -1).astype(jnp.int32).reshape(rows), cache
+
+            return jax.lax.fori_loop(0, 8, body, (tokens, cache))
+
+    with quiet_stderr(), compile_target("tpu"):  # the TPU's attention kernels, as the trainer compiles
+        text = jax.jit(loop, donate_argnums=2).lower(params, sds((rows,), jnp.int32, rs[1]), cache).compile().as_text()
+    # (a stack small enough for on-chip VMEM may be staged there whole, `S(1)`: no HBM)
+    copies = [i.shape for i in hlo.parse(text)["ENTRY"]
+              if i.opcode == "copy" and i.shape in stacked and any(space == 0 for _, space in i.leaves)]
+    assert copies == []

@@ -236,7 +236,7 @@ class Dense(nnx.Module):
         self.lora_dropout = cfg.lora.dropout if r else 0.0
 
     def weight(self) -> jax.Array:
-        """The kernel in the compute dtype: [din, dout], or dequantized from its codes ([din/K, K, dout] for 4-bit,
+        """The kernel in the compute dtype: [din, dout], or dequantized from its codes ([K, din/K, dout] for 4-bit,
         `quant.blocked_matmul` takes either). Codes and scales are gathered whole over fsdp first: left to itself
         the partitioner dequantized the shards and gathered the bf16 weight, 4x the bytes over ICI (BENCHMARKS.md)."""
         if self.quant is None:
