@@ -51,7 +51,9 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True
         )
-        self._manager = ocp.CheckpointManager(outputs.resolve(self.directory), options=options, item_names=ITEMS)
+        # the handlers named up front: a fresh process reads a checkpoint's item metadata before restoring it
+        handlers = dict(zip(ITEMS, (ocp.StandardCheckpointHandler(), ocp.JsonCheckpointHandler()), strict=True))
+        self._manager = ocp.CheckpointManager(outputs.resolve(self.directory), options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""

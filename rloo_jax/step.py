@@ -71,7 +71,7 @@ class Accumulator:
     micro-batches it holds is static (``UpdatePlan.carried``, the host's count)."""
 
     grads: Any
-    stats: dict[str, Array]
+    stats: dict[str, Array] | None  # None for an algorithm without statistics (a checkpoint holds no empty dict)
     loss: Array  # [] float32
 
 
@@ -711,7 +711,7 @@ class Step:
         """An empty ``Accumulator`` for ``trained``: float32 zeros, the algorithm's zero statistics."""
         init_stats = getattr(self.algorithm, "init_stats", dict)  # an algorithm without statistics: none
         return Accumulator(grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained),
-                           stats=init_stats(), loss=jnp.zeros((), jnp.float32))
+                           stats=init_stats() or None, loss=jnp.zeros((), jnp.float32))
 
     def _planned(self, carry: tuple, acc: Accumulator | None, plan: UpdatePlan, micro_grads: Callable,
                  optimizer_step: Callable) -> tuple[tuple, dict, dict, Accumulator | None]:
@@ -731,15 +731,16 @@ class Step:
 
             def one(acc: Accumulator, k: Array) -> tuple[Accumulator, dict]:
                 grads, m, stats = micro_grads(trained, algo_state, k)
+                summed = None if acc.stats is None else jax.tree.map(jnp.add, acc.stats, stats)
                 acc = Accumulator(grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc.grads, grads),
-                                  stats=jax.tree.map(jnp.add, acc.stats, stats), loss=acc.loss + m.pop("loss"))
+                                  stats=summed, loss=acc.loss + m.pop("loss"))
                 return acc, m
 
             return jax.lax.scan(one, acc, ks)
 
         def step(carry: tuple, acc: Accumulator) -> tuple[tuple, dict]:
             grads = jax.tree.map(lambda a, p: (a / gas).astype(p.dtype), acc.grads, carry[0])
-            return optimizer_step(carry, grads, acc.stats, acc.loss)
+            return optimizer_step(carry, grads, {} if acc.stats is None else acc.stats, acc.loss)
 
         micro, updates = [], []
         k = 0

@@ -341,7 +341,7 @@ def test_killed_runs_resume_a_carried_step_bit_identical(cache, tmp_path):
     model = "final/model.safetensors"
     assert sha256(out / model) == sha256(tmp_path / "straight" / model)
     got = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 6]  # the last: the final evaluation
     assert without_wall_time(got) == without_wall_time(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
 
 
