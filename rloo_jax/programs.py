@@ -25,6 +25,7 @@ Shapes: B prompts, G generations, N = B*G completions, P prompt length, C comple
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -351,7 +352,7 @@ class Programs:
             n, rep = ro.completion_ids, self._replicated()
             ordered = self.cfg.row_order
             fn = self._jit(("update", n, plan), lambda: jax.jit(
-                self._on_mesh(lambda *args: self.step.update(*args, plan=plan)),
+                self._on_mesh(functools.partial(self.step.update, plan=plan)),  # named `update` (logs, reports)
                 in_shardings=None if self.mesh is None else (self.state_shardings, ro, n, rep) + (rep,) * ordered,
                 out_shardings=None if self.mesh is None else (self.state_shardings, rep),
                 donate_argnums=0,
