@@ -66,6 +66,7 @@ class TrainConfig:
     ALGORITHM: ClassVar[str] = ""
     """The algorithm's name on the command line (`python -m rloo_jax.train grpo`) and in config.yaml."""
     MIN_GENERATIONS: ClassVar[int] = 2
+    STEPS_SPAN_GENERATIONS: ClassVar[bool] = True  # an optimizer step may span two generation batches (TRL's Trainer)
     """The fewest completions per prompt the algorithm takes (2: a baseline within each group; PPO: 1)."""
 
     # --- model
@@ -390,10 +391,10 @@ class TrainConfig:
         "Where the old (behaviour) log-probs come from. True: a training forward over the completions at the "
         "sampling parameters, next to the reference pass (as TRL's RLOO always does): the clipped ratio and the "
         "KL in the reward then never see the sampler/trainer rounding gap. False: the sampler's own log-probs. "
-        "None: True when the run is off-policy (steps_per_generation > gradient_accumulation_steps or "
-        "num_iterations > 1) or LoRA dropout is on, else False: on-policy the update's forward itself runs at "
-        "the sampling parameters (ratio exactly 1), so no extra forward is needed. Costs one no-gradient forward "
-        "per generation batch when on. docs/numerics.md.",
+        "None: True when the run is off-policy (gradient_accumulation_steps not a multiple of "
+        "steps_per_generation x num_iterations, TRL's rule) or LoRA dropout is on, else False: on-policy the "
+        "update's forward itself runs at the sampling parameters (ratio exactly 1), so no extra forward is needed. "
+        "Costs one no-gradient forward per generation batch when on. docs/numerics.md.",
     )
     importance_sampling_correction: bool = _opt(
         False,
@@ -747,10 +748,15 @@ class TrainConfig:
         return self.generation_batch_size // self.num_generations
 
     @property
+    def micro_per_generation(self) -> int:
+        """Micro-batch calls per generation batch (TRL's generate_every): steps_per_generation x num_iterations."""
+        return self.resolved_steps_per_generation * self.resolved_num_iterations
+
+    @property
     def on_policy(self) -> bool:
-        """One optimizer update per generation batch: the update's forward runs at the sampling parameters."""
-        return (self.resolved_num_iterations == 1
-                and self.resolved_steps_per_generation == self.gradient_accumulation_steps)
+        """Every micro-batch's forward runs at the parameters it was sampled with (TRL's rule:
+        gradient_accumulation_steps a multiple of steps_per_generation x num_iterations)."""
+        return self.gradient_accumulation_steps % self.micro_per_generation == 0
 
     @property
     def resolved_num_iterations(self) -> int:
@@ -776,8 +782,10 @@ class TrainConfig:
     def steps_per_generation_batch(self) -> int:
         """What one generation batch advances the step counter (max_steps, save_steps, logging_steps, the learning
         rate schedule) by: its optimizer steps (TRL's Trainer), or 1 where a step is a generation batch (TRL 1.12's
-        PPO counts updates)."""
-        return self.resolved_steps_per_generation // self.gradient_accumulation_steps * self.resolved_num_iterations
+        PPO counts updates). Where steps_per_generation x num_iterations is not a multiple of
+        gradient_accumulation_steps a step may span two generation batches (`rloo_jax.step.UpdatePlan`): the
+        whole steps a generation batch holds, at least 1 (what the timings are divided by)."""
+        return max(1, self.micro_per_generation // self.gradient_accumulation_steps)
 
     def total_steps(self, num_prompts: int) -> int:
         """Steps of the run: max_steps, else num_train_epochs passes over `num_prompts` prompts (the partial batch
@@ -785,7 +793,9 @@ class TrainConfig:
         if self.max_steps > 0:
             return self.max_steps
         batches = num_prompts // self.prompts_per_generation
-        return int(math.ceil(self.num_train_epochs * batches)) * self.steps_per_generation_batch
+        # the micro-batches of the run's generation batches, gradient_accumulation_steps per optimizer step
+        return int(math.ceil(self.num_train_epochs * batches)) * self.micro_per_generation \
+            // self.gradient_accumulation_steps
 
     def step_options(self) -> dict[str, Any]:
         """`rloo_jax.step.StepConfig` options the algorithm sets beyond the shared ones (none here)."""
@@ -893,7 +903,7 @@ class TrainConfig:
                 "per_device_train_batch_size * data_parallel * fsdp * steps_per_generation / num_generations a "
                 f"multiple of {self.process_count}"
             )
-        if self.resolved_steps_per_generation % self.gradient_accumulation_steps:
+        if not self.STEPS_SPAN_GENERATIONS and self.resolved_steps_per_generation % self.gradient_accumulation_steps:
             raise ConfigError(
                 f"steps_per_generation ({self.resolved_steps_per_generation}) must be a multiple of "
                 f"gradient_accumulation_steps ({self.gradient_accumulation_steps}): an optimizer step cannot "
@@ -1056,9 +1066,9 @@ class TrainConfig:
         """Old log-probs and importance-sampling options are consistent (TRL GRPO's checks, plus ours)."""
         if self.recompute_old_logps is False and not self.on_policy:
             raise ConfigError(
-                "recompute_old_logps false: this run is off-policy (num_iterations > 1 or steps_per_generation > "
-                "gradient_accumulation_steps), so its clipped ratio needs old log-probs from the training forward; "
-                "drop --recompute_old_logps (None decides) or set it true"
+                "recompute_old_logps false: this run is off-policy (gradient_accumulation_steps is not a multiple "
+                "of steps_per_generation x num_iterations), so its clipped ratio needs old log-probs from the training "
+                "forward; drop --recompute_old_logps (None decides) or set it true"
             )
         lo, hi = self.importance_sampling_clip_min, self.importance_sampling_clip_max
         _check(lo is None or lo >= 0, "importance_sampling_clip_min", "must be >= 0 or None", lo)
@@ -1325,6 +1335,7 @@ class PPOConfig(TrainConfig):
 
     ALGORITHM: ClassVar[str] = "ppo"
     MIN_GENERATIONS: ClassVar[int] = 1
+    STEPS_SPAN_GENERATIONS: ClassVar[bool] = False  # its optimizer steps stay inside a PPO update
 
     # --- TRL 1.12 PPOConfig's defaults for shared fields
     learning_rate: float = _opt(3e-6, "optimization", "The initial learning rate for AdamW (TRL 1.12 PPO's default).")

@@ -28,11 +28,42 @@ def steps(metrics: dict[str, dict[str, Any]]) -> Iterator[dict[str, list[float]]
     kl: [1, 2], loss: [5]}, step 1: {kl: [3, 4], loss: [6]}.
     """
     updates = next(iter(metrics["update"].values())).shape[0]
-    for u in range(updates):
-        values = {name: [float(v)] for name, v in metrics["generation"].items()} if u == 0 else {}
-        values.update({name: [float(v) for v in np.ravel(vs[u])] for name, vs in metrics["micro"].items()})
-        values.update({name: [float(vs[u])] for name, vs in metrics["update"].items()})
-        yield values
+    micro = int(np.size(next(iter(metrics["micro"].values())))) if metrics["micro"] else updates
+    records, _ = planned_steps(metrics, carried=0, gas=micro // updates, pending={}, run=micro)
+    yield from records
+
+
+def planned_steps(metrics: dict[str, dict[str, Any]], carried: int, gas: int, pending: dict[str, list[float]],
+                  run: int) -> tuple[list[dict[str, list[float]]], dict[str, list[float]]]:
+    """``steps`` for an update program run under an ``rloo_jax.step.UpdatePlan``: its ``run`` micro-batch values
+    (``micro``, ``[U, M]`` or ``[run]``, taken in order) belong to the optimizer steps they accumulate into, the first
+    ``gas - carried`` to the step begun earlier (whose values so far are ``pending``); the generation metrics go
+    with the step holding the generation's first micro-batch (TRL appends them when it generates); ``update``
+    ``[S]`` are the S completed steps' own. Returns (the completed steps' values, the values of the step still
+    open: pending for the next generation batch's program).
+
+    Example: gas 2, carried 1, pending {kl: [1]}, generation {reward: 7}, micro {kl: [2, 3, 4]}, update {loss: [5,
+    6]}, run 3 -> steps [{kl: [1, 2], reward: [7], loss: [5]}, {kl: [3, 4], loss: [6]}], pending {}.
+    """
+    micro = {name: [float(v) for v in np.ravel(vs)] for name, vs in metrics["micro"].items()}
+    updates = {name: [float(v) for v in np.ravel(vs)] for name, vs in metrics["update"].items()}
+    current = {name: list(vs) for name, vs in pending.items()}
+
+    def add(values: dict[str, list[float]]) -> None:
+        for name, vs in values.items():
+            current.setdefault(name, []).extend(vs)
+
+    add({name: [float(v)] for name, v in metrics["generation"].items()})
+    records, start, u = [], 0, 0
+    while start < run:
+        end = min(run, (u + 1) * gas - carried)
+        add({name: vs[start:end] for name, vs in micro.items()})
+        if end == (u + 1) * gas - carried:  # the step's last micro-batch: it completed here
+            add({name: [vs[u]] for name, vs in updates.items()})
+            records.append(current)
+            current, u = {}, u + 1
+        start = end
+    return records, current
 
 
 class LogWindow:
@@ -61,7 +92,16 @@ class LogWindow:
     def state_dict(self) -> dict[str, Any]:
         """The unread window (NaN/inf as strings: not JSON numbers), so a checkpoint taken between two logged steps
         resumes to the same logged means."""
-        return {"values": {k: [v if math.isfinite(v) else repr(v) for v in vs] for k, vs in self.values.items()}}
+        return {"values": values_to_json(self.values)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.values = {k: [float(v) for v in vs] for k, vs in state.get("values", {}).items()}
+        self.values = values_from_json(state.get("values", {}))
+
+
+def values_to_json(values: dict[str, list[float]]) -> dict[str, list[Any]]:
+    """Metric values for a checkpoint's JSON meta: NaN/inf as strings (not JSON numbers)."""
+    return {k: [v if math.isfinite(v) else repr(v) for v in vs] for k, vs in values.items()}
+
+
+def values_from_json(values: dict[str, list[Any]]) -> dict[str, list[float]]:
+    return {k: [float(v) for v in vs] for k, vs in values.items()}

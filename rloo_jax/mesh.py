@@ -333,7 +333,8 @@ def state_shardings(
     ``opt_state``: every subtree with the trained parameters' structure (optax moments mirror them: ``params``, or
     ``(params, value_params)`` with a value model) takes their sharding leaf by leaf where the shapes agree
     (factored statistics of another shape are replicated); everything else, e.g. ``count``, ``step``, is
-    replicated.
+    replicated. ``grad_acc`` (carried gradients, ``rloo_jax.step.Accumulator``): its gradients as the trained
+    parameters, the rest replicated.
     """
     params = train_state.params
     if getattr(train_state, "value_params", None) is not None:  # one optimizer over policy and value model
@@ -358,6 +359,9 @@ def state_shardings(
             fields[name] = param_shardings(value, mesh, rules)
         elif name == "opt_state":
             fields[name] = jax.tree.map(opt, value, is_leaf=lambda t: _param_like(t, params))
+        elif name == "grad_acc" and value is not None:  # carried gradients: laid out as the trained parameters
+            fields[name] = value.replace(grads=mirror(value.grads), stats=jax.tree.map(lambda _: rep, value.stats),
+                                         loss=rep)
         else:
             fields[name] = jax.tree.map(lambda _: rep, value)
     return train_state.replace(**fields)

@@ -25,6 +25,7 @@ Shapes: B prompts, G generations, N = B*G completions, P prompt length, C comple
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,7 @@ from jax.sharding import NamedSharding
 
 from rloo_jax.mesh import LOGICAL_RULES, Rules, batch_sharding, replicate, replicated, shard_params, state_shardings
 from rloo_jax.sampling import SamplingConfig
-from rloo_jax.step import Rollout, Step, StepConfig, TrainState
+from rloo_jax.step import Rollout, Step, StepConfig, TrainState, UpdatePlan
 
 Array = jax.Array
 
@@ -129,6 +130,9 @@ class Programs:
             value_params=value_params,
             reward_params=None if reward_params is None else shard_params(reward_params, shardings.reward_params),
         )
+        if self.cfg.carries:  # the carried optimizer step's partial sums, laid out as the parameters
+            state = state.replace(grad_acc=jax.jit(self.step.new_accumulator, out_shardings=shardings.grad_acc)(
+                state.trained))
         return state.replace(opt_state=jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(state.trained))
 
     def abstract_state(
@@ -335,17 +339,20 @@ class Programs:
 
         return self._program(("score", num_prompts, prompt_len, width, num_rewards), make)
 
-    def update_program(self, num_prompts: int, prompt_len: int, width: int, num_rewards: int) -> Program:
+    def update_program(self, num_prompts: int, prompt_len: int, width: int, num_rewards: int,
+                       plan: UpdatePlan | None = None) -> Program:
         """``(state, rollout, rewards_per_func [N, F], reward_weights [R + F][, order]) -> (state, metrics)``;
         donates the state. ``order`` (``cfg.row_order``): ``[updates x gradient_accumulation_steps, rows]`` int32.
+        ``plan``: which micro-batches run (``Step.update``; None: all of them, none carried): one program per plan.
         ``metrics``: ``Step.update``'s (``generation`` / ``micro`` / ``update``)."""
+        plan = None if plan == self.cfg.default_plan() else plan
 
         def make() -> Program:
             ro = self._rollout_shardings(num_prompts, finished=True)
             n, rep = ro.completion_ids, self._replicated()
             ordered = self.cfg.row_order
-            fn = self._jit(("update", n), lambda: jax.jit(
-                self._on_mesh(self.step.update),
+            fn = self._jit(("update", n, plan), lambda: jax.jit(
+                self._on_mesh(functools.partial(self.step.update, plan=plan)),  # named `update` (logs, reports)
                 in_shardings=None if self.mesh is None else (self.state_shardings, ro, n, rep) + (rep,) * ordered,
                 out_shardings=None if self.mesh is None else (self.state_shardings, rep),
                 donate_argnums=0,
@@ -355,7 +362,7 @@ class Programs:
             return Program("update", fn, (self._state(), self._abstract_rollout(num_prompts, prompt_len, width, True),
                                           rewards, weights, *order))
 
-        return self._program(("update", num_prompts, prompt_len, width, num_rewards), make)
+        return self._program(("update", num_prompts, prompt_len, width, num_rewards, plan), make)
 
     def device_scores_program(self, num_prompts: int, prompt_len: int, sampling: SamplingConfig | None = None
                               ) -> Program:
@@ -414,9 +421,9 @@ class Programs:
         return program(rollout, rewards_per_func, reward_weights)
 
     def update(self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array,
-               order: Array | None = None) -> tuple[TrainState, dict[str, Any]]:
+               order: Array | None = None, plan: UpdatePlan | None = None) -> tuple[TrainState, dict[str, Any]]:
         b, p = rollout.prompt_ids.shape
-        program = self.update_program(b, p, rollout.completion_ids.shape[1], rewards_per_func.shape[1])
+        program = self.update_program(b, p, rollout.completion_ids.shape[1], rewards_per_func.shape[1], plan)
         return program(state, rollout, rewards_per_func, reward_weights, *(() if order is None else (order,)))
 
     def device_scores(self, state: TrainState, rollout: Rollout, sampling: SamplingConfig | None = None) -> Array:
@@ -425,12 +432,13 @@ class Programs:
     def sync_reference(self, state: TrainState, alpha: float) -> TrainState:
         return self.sync_reference_program(alpha)(state)
 
-    def compile_update(self, prompt_shape: tuple[int, int], num_rewards: int, width: int | None = None) -> None:
+    def compile_update(self, prompt_shape: tuple[int, int], num_rewards: int, width: int | None = None,
+                       plan: UpdatePlan | None = None) -> None:
         """Compile ``update`` for prompts ``[B, P]`` (completions ``width`` wide, default ``max_new_tokens``) before
         its first call; that call then reuses the executable. The trainer runs this in a thread while the first
         rollout compiles and runs: XLA compiles the two programs on two cores at once."""
         width = width or self.cfg.sampling.max_new_tokens
-        self.update_program(*prompt_shape, width, num_rewards).lower().compile()
+        self.update_program(*prompt_shape, width, num_rewards, plan).lower().compile()
 
 
 def flat_metrics(metrics: dict[str, Any]) -> dict[str, Array]:

@@ -54,12 +54,57 @@ class TrainState:
     algo_state: Any = None  # what the algorithm carries between optimizer steps (GRPO: its entropy controller)
     value_params: nnx.State | None = None  # a value model's nnx.Param state, trained with `params` (PPO); else None
     reward_params: nnx.State | None = None  # reward models scored on the device (frozen), else None
+    grad_acc: Any = None  # an optimizer step begun in an earlier generation batch (`Accumulator`), else None
 
     @property
     def trained(self) -> Any:
         """What the optimizer steps: ``params``, or ``(params, value_params)`` with a value model (one AdamW over
         both, as TRL's PPO)."""
         return self.params if self.value_params is None else (self.params, self.value_params)
+
+
+@struct.dataclass
+class Accumulator:
+    """The micro-batches of an optimizer step that one generation batch began and the next one completes (when
+    ``steps_per_generation x num_iterations`` is not a multiple of ``gradient_accumulation_steps``): their summed
+    gradients (float32, the trained pytree's structure), summed algorithm statistics and summed losses. How many
+    micro-batches it holds is static (``UpdatePlan.carried``, the host's count)."""
+
+    grads: Any
+    stats: dict[str, Array] | None  # None for an algorithm without statistics (a checkpoint holds no empty dict)
+    loss: Array  # [] float32
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatePlan:
+    """Which micro-batches of a generation batch one update program runs (static: one compiled program each).
+
+    TRL's stream: micro-batch calls k = 0, 1, ...; a generation every ``spg x num_iterations`` calls (call k of a
+    generation reads its micro-batch ``k % spg``); an optimizer step every ``gas`` calls, across generations.
+    ``carried``: micro-batches of the current optimizer step already accumulated (``TrainState.grad_acc``) before
+    this generation's first; ``run``: this generation's micro-batches to run (all ``spg x num_iterations``, or fewer
+    where ``max_steps`` ends the run). Example: spg 3, gas 2: generation 0 runs (0, 3): one step, one micro-batch
+    carried; generation 1 (1, 3): two steps, none carried; the phases repeat every gas / gcd(3, 2) = 2 generations.
+    """
+
+    carried: int
+    run: int
+
+    def steps(self, gas: int) -> int:
+        """Optimizer steps the program completes: (carried + run) // gas."""
+        return (self.carried + self.run) // gas
+
+    def carried_out(self, gas: int) -> int:
+        """Micro-batches left for the next generation's program: (carried + run) % gas."""
+        return (self.carried + self.run) % gas
+
+
+def plan_update(carried: int, remaining_steps: int, micro_per_generation: int, gas: int) -> UpdatePlan:
+    """The next generation's ``UpdatePlan``: all its micro-batches, or only those the run's last
+    ``remaining_steps`` optimizer steps need (TRL stops exactly at ``max_steps``). Example: carried 1, gas 2,
+    3 micro-batches per generation: 5 steps left -> (1, 3); 1 left -> (1, 1)."""
+    need = remaining_steps * gas - carried
+    return UpdatePlan(carried, max(0, min(micro_per_generation, need)))
 
 
 @struct.dataclass
@@ -125,10 +170,10 @@ class StepConfig:
     see BENCHMARKS.md). Completions no longer than this are unembedded in one piece."""
 
     def __post_init__(self) -> None:
-        if self.steps_per_generation % self.gradient_accumulation_steps:
+        if self.row_order and self.micro_per_generation % self.gradient_accumulation_steps:
             raise ValueError(
-                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of "
-                f"gradient_accumulation_steps ({self.gradient_accumulation_steps})"
+                f"row_order: steps_per_generation x num_iterations ({self.micro_per_generation}) must be a multiple "
+                f"of gradient_accumulation_steps ({self.gradient_accumulation_steps})"
             )
         if self.recompute_old_logps is False and not self.on_policy:
             raise ValueError("an off-policy step needs recomputed old log-probs (recompute_old_logps None or True)")
@@ -144,8 +189,10 @@ class StepConfig:
 
     @property
     def on_policy(self) -> bool:
-        """One update per generation batch: old = stop_gradient(current), the ratio is exactly 1."""
-        return self.num_iterations == 1 and self.steps_per_generation == self.gradient_accumulation_steps
+        """Every micro-batch runs at the parameters it was sampled with: old = stop_gradient(current), the ratio is
+        exactly 1. TRL's rule: gradient_accumulation_steps a multiple of steps_per_generation x num_iterations
+        (one optimizer step holds whole generation batches)."""
+        return self.gradient_accumulation_steps % self.micro_per_generation == 0
 
     @property
     def recompute(self) -> bool:
@@ -158,8 +205,24 @@ class StepConfig:
         return not self.on_policy or self.dropout_seed is not None or self.importance_sampling is not None
 
     @property
+    def micro_per_generation(self) -> int:
+        """Micro-batch calls per generation batch (TRL's ``generate_every``): steps_per_generation x
+        num_iterations."""
+        return self.num_iterations * self.steps_per_generation
+
+    @property
     def updates_per_generation(self) -> int:
-        return self.num_iterations * self.steps_per_generation // self.gradient_accumulation_steps
+        """Optimizer steps of a whole generation batch's default program (``UpdatePlan`` (0, micro_per_generation));
+        rounded down where they do not divide."""
+        return self.micro_per_generation // self.gradient_accumulation_steps
+
+    @property
+    def carries(self) -> bool:
+        """Whether an optimizer step can span two generation batches (``TrainState.grad_acc`` then holds it)."""
+        return self.micro_per_generation % self.gradient_accumulation_steps != 0
+
+    def default_plan(self) -> UpdatePlan:
+        return UpdatePlan(0, self.micro_per_generation)
 
 
 # ----------------------------------------------------------------------------------------------- pure pieces
@@ -344,6 +407,8 @@ class Step:
                   value_params: nnx.State | None = None, reward_params: nnx.State | None = None) -> TrainState:
         state = TrainState(params, None, ref_params, jnp.zeros((), jnp.int32), frozen, self.algorithm.init_state(),
                            value_params, reward_params)
+        if self.cfg.carries:  # an optimizer step can span two generation batches: its partial sum is state
+            state = state.replace(grad_acc=self.new_accumulator(state.trained))
         return state.replace(opt_state=self.optimizer.init(state.trained))
 
     @property
@@ -537,19 +602,28 @@ class Step:
 
     def update(
         self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array,
-        order: Array | None = None,
+        order: Array | None = None, plan: UpdatePlan | None = None,
     ) -> tuple[TrainState, dict[str, dict[str, Array]]]:
-        """Score the generation batch, then ``updates_per_generation`` optimizer steps over its micro-batches.
+        """Score the generation batch, then the optimizer steps over its micro-batches.
 
         ``order`` (``cfg.row_order``): ``[updates_per_generation * gradient_accumulation_steps, n]`` int32, the rows
         of each micro-batch in the order they run (e.g. a shuffle per PPO epoch); None: the generation batch cut
         into ``steps_per_generation`` micro-batches in order (repeated ``num_iterations`` times).
 
+        ``plan`` (static; None: ``cfg.default_plan()``, every micro-batch, none carried): the micro-batches to run
+        and those of an optimizer step an earlier generation batch began (``UpdatePlan``; their gradients in
+        ``state.grad_acc``). Micro-batch k of the generation (k < plan.run) is its micro-batch ``k % spg`` and
+        belongs to optimizer step ``(plan.carried + k) // gas`` of the program; the step's gradient is the mean of
+        its ``gas`` micro-batches' (carried ones included); the micro-batches after the last complete step are
+        summed into the returned ``grad_acc``.
+
         Returns the new state and the metrics as the algorithm logs them (``algorithm.summarize`` of: ``generation``
-        (scalars, once per generation batch: rewards, lengths, tokens, the sampler gap), ``micro`` (``[U, M]``: per
-        micro-batch, what the loss logs) and ``update`` (``[U]``: per optimizer step, ``loss`` (the mean of its
-        micro-batch losses) and ``grad_norm`` (pre-clip) and what the algorithm's state logs))."""
+        (scalars, once per generation batch: rewards, lengths, tokens, the sampler gap), ``micro`` (per micro-batch,
+        what the loss logs: ``[U, M]`` for the default plan, else ``[plan.run]`` in order) and ``update`` (``[S]``:
+        per optimizer step completed, ``loss`` (the mean of its micro-batch losses) and ``grad_norm`` (pre-clip) and
+        what the algorithm's state logs))."""
         cfg = self.cfg
+        plan = cfg.default_plan() if plan is None else plan
         targets, gen_metrics = self.score(rollout, rewards_per_func, reward_weights)
         spg, gas = cfg.steps_per_generation, cfg.gradient_accumulation_steps
         batch = {"completion_ids": rollout.completion_ids, "mask": rollout.completion_mask,
@@ -563,62 +637,143 @@ class Step:
         if order is None:
             micro = self.micro_batches(rollout.prompt_ids, rollout.prompt_mask, batch)
 
-            def micro_batch(u: Array, j: Array) -> dict[str, Array]:
-                i = (u % (spg // gas)) * gas + j
-                return jax.tree.map(lambda x: self._rows(x[i]), micro)
+            def micro_batch(k: Array) -> dict[str, Array]:  # call k of the generation: its micro-batch k % spg
+                return jax.tree.map(lambda x: self._rows(x[k % spg]), micro)
         else:
             rows = self.per_completion(rollout.prompt_ids, rollout.prompt_mask, batch)
 
-            def micro_batch(u: Array, j: Array) -> dict[str, Array]:
-                idx = order[u * gas + j]
-                return jax.tree.map(lambda x: self._rows(x[idx]), rows)
+            def micro_batch(k: Array) -> dict[str, Array]:
+                return jax.tree.map(lambda x: self._rows(x[order[k]]), rows)
 
         grad_fn = jax.value_and_grad(self._trained_loss, has_aux=True)
 
-        def micro_grads(trained: Any, algo_state: Any, u: Array, j: Array) -> tuple[Any, dict, dict]:
-            mb = micro_batch(u, j)
+        def micro_grads(trained: Any, algo_state: Any, k: Array) -> tuple[Any, dict, dict]:
+            mb = micro_batch(k)
             key = None
             if cfg.dropout_seed is not None:  # a fresh mask per update and micro-batch, reproducible on resume
-                i = (u % (spg // gas)) * gas + j if order is None else u * gas + j
-                key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.dropout_seed), state.step + u), i)
+                c = plan.carried + k  # (step, call within it mod max(spg, gas)): distinct in a step
+                i = c % max(spg, gas) if order is None else k
+                key = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.dropout_seed), state.step + c // gas),
+                                         i)
             (loss, (m, stats)), grads = grad_fn(trained, state.frozen, mb, key, algo_state, num_items)
             if self.grad_shardings is not None:  # gradients reduce-scattered to the params' layout (FSDP)
                 grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
             return grads, dict(m, loss=loss), stats
 
-        def one_update(carry: tuple, u: Array) -> tuple[tuple, dict[str, Any]]:
+        def optimizer_step(carry: tuple, grads: Any, stats: dict, losses: Array) -> tuple[tuple, dict[str, Any]]:
+            """One optimizer step from its micro-batches' mean gradient, summed statistics and losses' mean."""
             trained, opt_state, algo_state = carry
-            if gas == 1:  # no zeros + add + divide over every parameter
-                grads, m, stats = micro_grads(trained, algo_state, u, jnp.zeros((), jnp.int32))
-                m, stats = jax.tree.map(lambda x: x[None], (m, stats))
-            else:
-
-                def accumulate(grads_sum: Any, j: Array) -> tuple[Any, tuple[dict, dict]]:
-                    grads, m, stats = micro_grads(trained, algo_state, u, j)
-                    return jax.tree.map(jnp.add, grads_sum, grads), (m, stats)
-
-                grads, (m, stats) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, trained), jnp.arange(gas))
-                grads = jax.tree.map(lambda x: x / gas, grads)
             grad_norm = optax.global_norm(grads)
             updates, opt_state = self.optimizer.update(grads, opt_state, trained)
             trained = optax.apply_updates(trained, updates)
             # the algorithm's state moves once per optimizer step, from its micro-batches' summed statistics
-            algo_state, step_metrics = self.algorithm.next_state(algo_state, jax.tree.map(jnp.sum, stats))
-            loss = jnp.mean(m.pop("loss"))  # TRL logs an optimizer step's loss: the mean of its micro-batches'
-            return (trained, opt_state, algo_state), {"micro": m, "update": dict(step_metrics, loss=loss,
-                                                                                   grad_norm=grad_norm)}
+            algo_state, step_metrics = self.algorithm.next_state(algo_state, stats)
+            # TRL logs an optimizer step's loss: the mean of its micro-batches'
+            return (trained, opt_state, algo_state), dict(step_metrics, loss=losses / gas, grad_norm=grad_norm)
+
+        def one_update(carry: tuple, u: Array) -> tuple[tuple, dict[str, Any]]:
+            trained, opt_state, algo_state = carry
+            if gas == 1:  # no zeros + add + divide over every parameter
+                grads, m, stats = micro_grads(trained, algo_state, u)
+                m, stats = jax.tree.map(lambda x: x[None], (m, stats))
+            else:
+
+                def accumulate(grads_sum: Any, j: Array) -> tuple[Any, tuple[dict, dict]]:
+                    grads, m, stats = micro_grads(trained, algo_state, u * gas + j)
+                    return jax.tree.map(jnp.add, grads_sum, grads), (m, stats)
+
+                grads, (m, stats) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, trained), jnp.arange(gas))
+                grads = jax.tree.map(lambda x: x / gas, grads)
+            carry, step_metrics = optimizer_step(carry, grads, jax.tree.map(jnp.sum, stats), jnp.sum(m.pop("loss")))
+            return carry, {"micro": m, "update": step_metrics}
 
         carry = (state.trained, state.opt_state, state.algo_state)
-        (trained, opt_state, algo_state), ms = _scan(one_update, carry, cfg.updates_per_generation)
-        micro_metrics = ms["micro"]
+        grad_acc = state.grad_acc
+        if plan == cfg.default_plan() and not cfg.carries:  # whole optimizer steps (today's common case)
+            carry, ms = _scan(one_update, carry, cfg.updates_per_generation)
+            micro_metrics, update_metrics = ms["micro"], ms["update"]
+            steps = cfg.updates_per_generation
+        else:
+            carry, micro_metrics, update_metrics, grad_acc = self._planned(
+                carry, grad_acc, plan, micro_grads, optimizer_step)
+            steps = plan.steps(gas)
+        trained, opt_state, algo_state = carry
         # the on-policy sampler/trainer gap, measured in the micro-batches: one value for the generation batch
         for name in [n for n in micro_metrics if n.startswith("sampling/")]:
             gen_metrics[name] = reduce_metric(name, micro_metrics.pop(name))
         params, value_params = trained if state.value_params is not None else (trained, None)
         new_state = state.replace(params=params, value_params=value_params, opt_state=opt_state,
-                                  algo_state=algo_state, step=state.step + cfg.updates_per_generation)
+                                  algo_state=algo_state, step=state.step + steps, grad_acc=grad_acc)
         return new_state, self.algorithm.summarize({"generation": gen_metrics, "micro": micro_metrics,
-                                                    "update": ms["update"]})
+                                                    "update": update_metrics})
+
+    def new_accumulator(self, trained: Any) -> Accumulator:
+        """An empty ``Accumulator`` for ``trained``: float32 zeros, the algorithm's zero statistics."""
+        init_stats = getattr(self.algorithm, "init_stats", dict)  # an algorithm without statistics: none
+        return Accumulator(grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained),
+                           stats=init_stats() or None, loss=jnp.zeros((), jnp.float32))
+
+    def _planned(self, carry: tuple, acc: Accumulator | None, plan: UpdatePlan, micro_grads: Callable,
+                 optimizer_step: Callable) -> tuple[tuple, dict, dict, Accumulator | None]:
+        """``update`` under an ``UpdatePlan``, in three static segments: the head (the micro-batches completing the
+        carried step), the whole steps (a scan), the tail (summed into the returned accumulator). Returns (carry,
+        micro metrics ``[plan.run]``, update metrics ``[plan.steps]``, accumulator)."""
+        gas = self.cfg.gradient_accumulation_steps
+        if plan.carried and acc is None:
+            raise ValueError(f"{plan} carries micro-batches but the state has no grad_acc (StepConfig.carries)")
+        if plan.carried_out(gas) and acc is None:
+            raise ValueError(f"{plan} leaves micro-batches for the next generation but the state has no grad_acc")
+        empty = self.new_accumulator(carry[0])
+
+        def accumulate(carry: tuple, acc: Accumulator, ks: Array) -> tuple[Accumulator, dict]:
+            """``acc`` plus micro-batches ``ks`` (gradients in float32), at the carry's parameters."""
+            trained, _, algo_state = carry
+
+            def one(acc: Accumulator, k: Array) -> tuple[Accumulator, dict]:
+                grads, m, stats = micro_grads(trained, algo_state, k)
+                summed = None if acc.stats is None else jax.tree.map(jnp.add, acc.stats, stats)
+                acc = Accumulator(grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc.grads, grads),
+                                  stats=summed, loss=acc.loss + m.pop("loss"))
+                return acc, m
+
+            return jax.lax.scan(one, acc, ks)
+
+        def step(carry: tuple, acc: Accumulator) -> tuple[tuple, dict]:
+            grads = jax.tree.map(lambda a, p: (a / gas).astype(p.dtype), acc.grads, carry[0])
+            return optimizer_step(carry, grads, {} if acc.stats is None else acc.stats, acc.loss)
+
+        micro, updates = [], []
+        k = 0
+        if plan.carried:  # the head: complete the step an earlier generation began (if this one gets that far)
+            head = min(plan.run, gas - plan.carried)
+            acc, m = accumulate(carry, acc, jnp.arange(head))
+            micro.append(m)
+            k = head
+            if plan.carried + head == gas:
+                carry, u = step(carry, acc)
+                updates.append(jax.tree.map(lambda x: x[None], u))
+                acc = empty
+        whole = (plan.run - k) // gas
+        if whole:
+
+            def one_step(carry: tuple, u: Array) -> tuple[tuple, tuple[dict, dict]]:
+                acc, m = accumulate(carry, empty, k + u * gas + jnp.arange(gas))
+                carry, metrics = step(carry, acc)
+                return carry, (m, metrics)
+
+            carry, (m, u) = _scan(one_step, carry, whole)
+            micro.append(jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), m))
+            updates.append(u)
+            k += whole * gas
+        if plan.run > k:  # the tail: summed for the next generation's program
+            acc, m = accumulate(carry, acc if plan.carried else empty, k + jnp.arange(plan.run - k))
+            micro.append(m)
+        if not updates:  # no step completes: the update metrics' names, with no values
+            shapes = jax.eval_shape(step, carry, empty)[1]
+            updates.append(jax.tree.map(lambda x: jnp.zeros((0, *x.shape), x.dtype), shapes))
+        cat = lambda parts: jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)  # noqa: E731
+        out_acc = None if acc is None and not plan.carried_out(gas) else (acc if plan.carried_out(gas) else empty)
+        return carry, cat(micro), cat(updates), out_acc
 
     def per_completion(self, prompt_ids: Array, prompt_mask: Array, batch: dict[str, Array]) -> dict[str, Array]:
         """The generation batch row by row (``[N, ...]``), each completion with its own copy of its prompt, for

@@ -91,7 +91,7 @@ from rloo_jax.rewards import (
     place_reward_models,
     repeat_per_generation,
 )
-from rloo_jax.step import completion_width
+from rloo_jax.step import UpdatePlan, completion_width, plan_update
 
 logger = logging.getLogger("rloo_jax")
 __all__ = ["CACHE_ROOT", "eos_token_ids", "lr_schedule", "make_optimizer", "train"]  # re-exported: old paths
@@ -101,18 +101,20 @@ __all__ = ["CACHE_ROOT", "eos_token_ids", "lr_schedule", "make_optimizer", "trai
 fold_in = jax.jit(jax.random.fold_in)  # the per-step key: one dispatch instead of eager ops (~1 ms a step)
 
 
-def compile_quietly(programs: Programs, prompt_shape: tuple[int, int], num_rewards: int, width: int
-                    ) -> threading.Thread:
+def compile_quietly(programs: Programs, prompt_shape: tuple[int, int], num_rewards: int, width: int,
+                    plan: UpdatePlan | None = None) -> threading.Thread:
     """`Programs.compile_update` in a background thread (started): a failure there is left to the real call,
     which compiles again and raises it with its own message."""
-    thread = threading.Thread(target=_compile_update, args=(programs, prompt_shape, num_rewards, width), daemon=True)
+    thread = threading.Thread(target=_compile_update, args=(programs, prompt_shape, num_rewards, width, plan),
+                              daemon=True)
     thread.start()
     return thread
 
 
-def _compile_update(programs: Programs, prompt_shape: tuple[int, int], num_rewards: int, width: int) -> None:
+def _compile_update(programs: Programs, prompt_shape: tuple[int, int], num_rewards: int, width: int,
+                    plan: UpdatePlan | None) -> None:
     try:
-        programs.compile_update(prompt_shape, num_rewards, width)
+        programs.compile_update(prompt_shape, num_rewards, width, plan)
     except Exception:  # noqa: BLE001 -- reported by the update call itself
         logging.getLogger(__name__).debug("ahead-of-time compile of update failed", exc_info=True)
 
@@ -452,6 +454,8 @@ class Session:
     num_tokens: int = 0  # host counters, carried in the checkpoint's meta
     truncated_prompts: int = 0
     saved: int | None = None  # the step of the newest checkpoint
+    carried: int = 0  # micro-batches of an optimizer step begun in the last generation batch (state.grad_acc)
+    pending: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # that step's metric values so far
     stopped_by: str | None = None  # the signal that stopped the loop
     window: logwindow.LogWindow = dataclasses.field(default_factory=logwindow.LogWindow)
     trainer_state: TrainerState = dataclasses.field(default_factory=TrainerState)  # reward functions' view
@@ -477,7 +481,8 @@ class StepOutcome:
     end: float  # when the update's results were read (time.perf_counter): the end of the step's wall time
     consecutive_skips: int  # updates skipped for non-finite values: in a row, and in all
     skipped: int
-    metrics: dict[str, Any]  # Step.update's, on the host: generation scalars, micro [U, M], update [U]
+    metrics: dict[str, Any]  # Step.update's, on the host: generation scalars, micro [U, M] (or [run]), update [U]
+    steps: int = 1  # the optimizer steps it completed (the share of its wall time each step's record shows)
 
 
 @dataclasses.dataclass
@@ -518,8 +523,8 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
     scfg = step_config(cfg, run)
     total = cfg.total_steps(len(run.train_ds))
     # optimizer updates per step share its learning rate (PPO: the scheduler steps once per PPO update, as TRL)
-    optimizer, schedule = make_optimizer(cfg, total, updates_per_step=scfg.updates_per_generation //
-                                         cfg.steps_per_generation_batch)
+    optimizer, schedule = make_optimizer(cfg, total, updates_per_step=max(1, scfg.updates_per_generation) //
+                                         max(1, cfg.steps_per_generation_batch))
     lr_at = jax.jit(schedule)  # one dispatch, not a handful of eager ops, per logged step
     lr_at(0)  # compiled here, not at the first logged step (no compile after step 1)
     pol = policy(cfg, run.model, run.adapter_dir)  # the whole model, or with use_peft adapters on a frozen base
@@ -596,6 +601,9 @@ def resume(s: Session) -> None:
         s.num_tokens = int(counters.get("num_tokens", 0))
         s.truncated_prompts = int(counters.get("num_truncated_prompts", 0))
         s.window.load_state_dict(meta.get("window", {}))
+        carried = meta.get("carried", {})
+        s.carried = int(carried.get("micro_batches", 0))
+        s.pending = logwindow.values_from_json(carried.get("pending", {}))
     if not s.place.is_main:
         return
     # records logged after the checkpoint (or, with none, by a run killed before its first one) are redone
@@ -659,6 +667,8 @@ def save(s: Session) -> None:
         "step": s.step,
         "counters": {"num_tokens": s.num_tokens, "num_truncated_prompts": s.truncated_prompts},
         "window": s.window.state_dict(),  # the unlogged values, log_metric's among them
+        # an optimizer step begun and not completed (its gradients are in the state's grad_acc)
+        "carried": {"micro_batches": s.carried, "pending": logwindow.values_to_json(s.pending)},
     }
     if s.order_rng is not None:  # the shuffles' generator, so a resumed run draws the next ones
         meta["order_rng"] = rng_json(s.order_rng.get_state())
@@ -688,10 +698,12 @@ def loop(s: Session, stop: "StopRequest") -> bool:
         task = progress.add_task("train", total=s.total_steps, completed=s.step)
         while s.step < s.total_steps and not stop_requested():
             t0, prev = time.perf_counter(), s.step
-            for _ in range(s.programs.cfg.updates_per_generation):  # this generation batch's optimizer steps
+            plan = next_plan(s)
+            gas = s.cfg.gradient_accumulation_steps
+            for _ in range(sum((plan.carried + k) % gas == 0 for k in range(plan.run))):  # the steps begun here
                 control._new_step()
                 s.callbacks.call("on_step_begin", s.cfg, s.trainer_state)
-            out = train_step(s, t0, first=s.step == start)
+            out = train_step(s, t0, first=s.step == start, plan=plan)
             diverged = out.consecutive_skips >= s.cfg.max_consecutive_nonfinite
             if s.cfg.sync_ref_model and crossed(prev, s.step, s.cfg.ref_model_sync_steps):
                 s.state = s.programs.sync_reference(s.state, s.cfg.ref_model_mixup_alpha)
@@ -700,8 +712,11 @@ def loop(s: Session, stop: "StopRequest") -> bool:
             # a record per optimizer step as TRL logs them (every logging_steps, the last step, a divergence, or
             # a callback's should_log); PPO: one record per generation batch, as TRL 1.12 logs its updates
             logged, evaluate_now, save_now = False, False, False
-            records = logwindow.steps(out.metrics) if not per_generation(s) else [
-                {name: [float(v)] for name, v in out.metrics["generation"].items()}]  # one record per batch
+            last = s.step >= s.total_steps
+            if per_generation(s):
+                records = [{name: [float(v)] for name, v in out.metrics["generation"].items()}]  # one per batch
+            else:  # each micro-batch's values with the optimizer step it accumulates into (rloo_jax.logwindow)
+                records, s.pending = logwindow.planned_steps(out.metrics, plan.carried, gas, s.pending, plan.run)
             for k, values in enumerate(records, start=prev + 1):
                 s.window.add(values)
                 s.loss_sum += sum(values.get("loss", []))
@@ -739,9 +754,20 @@ def loop(s: Session, stop: "StopRequest") -> bool:
     return stopped
 
 
-def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
+def next_plan(s: Session) -> UpdatePlan | None:
+    """The next generation batch's micro-batches (`rloo_jax.step.UpdatePlan`): the optimizer step the last one
+    began is completed, and the run stops exactly at total_steps (TRL); None where a step is a generation batch
+    (PPO: whole generation batches)."""
+    if per_generation(s):
+        return None
+    pc = s.programs.cfg
+    return plan_update(s.carried, s.total_steps - s.step, pc.micro_per_generation, pc.gradient_accumulation_steps)
+
+
+def train_step(s: Session, t0: float, first: bool, plan: UpdatePlan | None = None) -> StepOutcome:
     """One generation batch: prompts -> sample -> (reference pass on the device while the host decodes and
-    rewards) -> update(s), timed where the host waits anyway (`phase_timings`)."""
+    rewards) -> update(s) (`plan`: which micro-batches; None: all), timed where the host waits anyway
+    (`phase_timings`)."""
     cfg, place = s.cfg, s.place
     idx = next(s.iterator)  # the same global batch on every process; each one handles its rows
     batch = encode_rows(s.run, place, s.run.train_ds[idx[place.rows(len(idx))]])
@@ -753,13 +779,13 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
     # the first step compiles update in a thread while the rollout compiles and runs (from the start when its
     # width is known: one completion width; else once the samples tell it)
     num_rewards = len(s.names) - len(s.run.device_reward_names)  # the host's reward functions
-    compiling = compile_quietly(s.programs, ids.shape, num_rewards, longest) if first and one_width else None
+    compiling = compile_quietly(s.programs, ids.shape, num_rewards, longest, plan) if first and one_width else None
     sampled = s.programs.sample(s.state, ids, mask, key)
     if not one_width:
         longest = s.programs.longest(sampled)  # waits for the sampler
     width = completion_width(longest, cfg.max_completion_length, cfg.completion_bucket)
     if first and compiling is None:
-        compiling = compile_quietly(s.programs, ids.shape, num_rewards, width)
+        compiling = compile_quietly(s.programs, ids.shape, num_rewards, width, plan)
     rollout = s.programs.finish(s.state, sampled, width)  # cut to `width`, reference log-probs (dispatched)
     reference = ReadyTime(rollout.ref_logps)  # when the reference pass ends, seen from a watcher thread
     # the sampler's own completion ids: on the host as soon as sampling ends, while the reference pass runs
@@ -783,14 +809,17 @@ def train_step(s: Session, t0: float, first: bool) -> StepOutcome:
         shape = s.programs.order_shape(len(idx))
         order = place.replicate(jnp.asarray(micro_batch_order(s.order_rng, len(idx) * pc.num_generations,
                                                               pc.num_iterations, shape[1])))
-    s.state, metrics = s.programs.update(s.state, rollout, rewards, s.weights, order)
-    s.step += cfg.steps_per_generation_batch
+    s.state, metrics = s.programs.update(s.state, rollout, rewards, s.weights, order, plan)
+    gas = cfg.gradient_accumulation_steps
+    s.step += cfg.steps_per_generation_batch if plan is None else plan.steps(gas)
+    s.carried = 0 if plan is None else plan.carried_out(gas)
     s.trainer_state.global_step, s.trainer_state.epoch = s.step, epoch_of(s.iterator)  # what rewards see next
     consecutive, skipped = skipped_updates(s.state.opt_state)  # waits for the update; skipped ones changed nothing
     t_reference, end = reference.join(), time.perf_counter()
     timings = phase_timings(t0, t_sampled, t_rewarded, t_reference, end)
     metrics = jax.device_get(metrics)  # one transfer: every optimizer step's values
-    return StepOutcome(idx, rollout, scored, rewards, extra, timings, end, consecutive, skipped, metrics)
+    steps = cfg.steps_per_generation_batch if plan is None else plan.steps(gas)
+    return StepOutcome(idx, rollout, scored, rewards, extra, timings, end, consecutive, skipped, metrics, steps)
 
 
 class ReadyTime:
@@ -870,7 +899,7 @@ def log_step(s: Session, progress: Progress, step: int, t0: float, out: StepOutc
     (`step_time` and the phases that partition it, divided among the batch's steps), to every sink (process 0) and
     the console. Where a step is a generation batch (PPO), TRL 1.12's `lr` and `episode` (completions so far)."""
     logged = rename_reward_metrics(s.window.read(), s.names)
-    per_gen = s.cfg.steps_per_generation_batch
+    per_gen = max(1, out.steps)
     rate = {"learning_rate": float(s.lr_at(step - 1))}
     if per_generation(s):
         rate = {"lr": rate["learning_rate"], "episode": step * s.cfg.generation_batch_size}

@@ -594,8 +594,9 @@ def prompts_needed(cfg: TrainConfig) -> int | None:
     if cfg.max_steps <= 0:
         return None
     cfg = training.for_this_machine(cfg)
-    updates = cfg.resolved_steps_per_generation // cfg.gradient_accumulation_steps * cfg.num_iterations
-    return math.ceil(cfg.max_steps / updates) * cfg.prompts_per_generation
+    # max_steps x gradient_accumulation_steps micro-batches, steps_per_generation x num_iterations per generation
+    micro = cfg.resolved_steps_per_generation * cfg.num_iterations
+    return math.ceil(cfg.max_steps * cfg.gradient_accumulation_steps / micro) * cfg.prompts_per_generation
 
 
 def prompt_dataset(data: Any, name: str, cfg: TrainConfig, stream_rows: int | None = None) -> datasets.Dataset:

@@ -196,7 +196,15 @@ _GROUPS: list[tuple[str, str, Decision]] = [
     ("reference sync (TR-DPO)", "sync_ref_model ref_model_mixup_alpha ref_model_sync_steps",
      supported("not with use_peft (the reference is the base with adapters off)")),
     ("generation", "num_generations num_generations_eval max_completion_length temperature top_p top_k min_p "
-     "repetition_penalty steps_per_generation chat_template_kwargs shuffle_dataset", supported()),
+     "repetition_penalty chat_template_kwargs shuffle_dataset", supported()),
+    ("micro-batches and optimizer steps", "steps_per_generation gradient_accumulation_steps", supported(
+        "TRL's stream of micro-batches: a generation every steps_per_generation x num_iterations of them, an "
+        "optimizer step every gradient_accumulation_steps, so a step may hold the end of one generation batch and "
+        "the start of the next (any two values; the partial gradient sum is carried in the train state and its "
+        "checkpoints), and the run stops exactly at max_steps, inside a generation batch if need be. Differences: "
+        "the generation batch is cut into micro-batches in order, where TRL first shuffles it with torch's RNG; "
+        "and where a dataloader epoch's micro-batches are not a multiple of gradient_accumulation_steps, TRL's "
+        "Trainer cuts the epoch's last optimizer step short, where here steps run on across epochs")),
     ("completion logging", "log_completions num_completions_to_print",
      supported("completions go to rollouts.jsonl (and a printed sample)")),
     ("trust_remote_code", "trust_remote_code",
@@ -226,7 +234,7 @@ _GROUPS: list[tuple[str, str, Decision]] = [
     ("completion table extras", "log_multimodal log_unique_prompts",
      accepted("text only; rollouts.jsonl keeps every completion of a recorded step")),
     # --- TrainingArguments: optimisation
-    ("optimisation", "learning_rate per_device_train_batch_size gradient_accumulation_steps num_train_epochs "
+    ("optimisation", "learning_rate per_device_train_batch_size num_train_epochs "
      "max_steps weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm seed output_dir",
      supported("optax AdamW, weight decay on matrices only (as transformers)")),
     ("lr_scheduler_type", "lr_scheduler_type", supported("linear, cosine, constant, constant_with_warmup")),
@@ -408,6 +416,8 @@ _PPO_GROUPS: list[tuple[str, str, Decision]] = [
     ("max_grad_norm", "max_grad_norm", accepted(
         "TRL 1.12's PPOTrainer never clips gradients (its max_grad_norm is read by nothing): neither does this",
         takes_text="any value (no clipping, as TRL 1.12's PPO)", translate=_max_grad_norm_unused)),
+    ("gradient_accumulation_steps", "gradient_accumulation_steps", supported(
+        "micro-batches per optimizer step, inside one PPO update (see num_mini_batches)")),
     ("logging_steps", "logging_steps", supported(
         "counted in PPO updates (default 1 here: TRL 1.12's PPO logs every update, whatever logging_steps)")),
 ]

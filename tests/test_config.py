@@ -151,10 +151,6 @@ def test_derived_values():
         ({"num_generations": 1}, "num_generations must be >= 2"),
         ({"per_device_train_batch_size": 6, "num_generations": 4}, "must be divisible by num_generations = 4"),
         ({"per_device_eval_batch_size": 5, "eval_steps": 2}, "per_device_eval_batch_size .5. must be divisible"),
-        (
-            {"steps_per_generation": 3, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
-            "must be a multiple of gradient_accumulation_steps",
-        ),
         ({"learning_rate": 0}, "learning_rate must be > 0"),
         ({"temperature": -1}, "temperature must be >= 0"),
         ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
@@ -197,6 +193,15 @@ def test_derived_values():
 def test_validation_messages(overrides, message):
     with pytest.raises(ConfigError, match=message):
         make(**overrides)
+
+
+def test_steps_per_generation_need_not_be_a_multiple_of_gradient_accumulation_steps():
+    """TRL runs any two values: an optimizer step may span generation batches (rloo_jax.step.UpdatePlan)."""
+    cfg = make(steps_per_generation=3, gradient_accumulation_steps=2, per_device_train_batch_size=4, max_steps=-1)
+    assert not cfg.on_policy and cfg.micro_per_generation == 3 and cfg.steps_per_generation_batch == 1
+    assert cfg.total_steps(num_prompts=12) == 9  # 3 epochs x 2 generation batches x 3 micro-batches / 2
+    # TRL's on-policy rule: gradient_accumulation_steps a multiple of steps_per_generation x num_iterations
+    assert make(steps_per_generation=1, gradient_accumulation_steps=2, per_device_train_batch_size=4).on_policy
 
 
 def test_tfds_name_and_data_dir_pass_validation_unchanged():

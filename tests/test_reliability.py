@@ -311,6 +311,40 @@ def test_killed_lora_runs_resume_bit_identical(cache, tmp_path):
     assert "lora_b" in listed and not any(name in listed for name in ("kernel", "embedding", "scale"))
 
 
+# an optimizer step spanning two generation batches (steps_per_generation 3, gradient_accumulation_steps 2): the
+# checkpoints after generations 1 and 3 (steps 1 and 4) hold a carried micro-batch's gradients (TrainState.grad_acc)
+ACCUM_RUN = [
+    "--max_steps", "6", "--save_steps", "1", "--logging_steps", "1", "--per_device_train_batch_size", "4",
+    "--num_generations", "4", "--steps_per_generation", "3", "--gradient_accumulation_steps", "2",
+    "--max_completion_length", "6", "--max_prompt_length", "5", "--full_determinism", "true",
+    "--reward_funcs", "rloo_jax.demo:letters_reward",
+]  # fmt: skip
+
+
+def test_killed_runs_resume_a_carried_step_bit_identical(cache, tmp_path):
+    """SIGKILL once step 2 is logged, then once checkpoint 4 (one micro-batch carried) is complete; the last run
+    resumes from checkpoint 4 and ends with the uninterrupted run's weights and records."""
+    straight = Launch(tmp_path / "straight", cache, tmp_path / "straight", ACCUM_RUN)
+    assert straight.wait() == 0, straight.output()[1][-3000:]
+    out = tmp_path / "run"
+    for i, condition in enumerate([logged(out, 2), lambda: "4" in checkpoint_names(out)]):
+        launch = Launch(out, cache, tmp_path / f"log{i}", ACCUM_RUN)
+        try:
+            assert wait_for(launch.proc, condition), f"run {i} ended before its kill point"
+            launch.proc.send_signal(signal.SIGKILL)
+            assert launch.wait() == -signal.SIGKILL
+        finally:
+            launch.close()
+    last = Launch(out, cache, tmp_path / "last", ACCUM_RUN)
+    assert last.wait() == 0, last.output()[1][-3000:]
+    assert re.findall(r"Resuming from checkpoint .*/(\d+) ", last.output()[0]) == ["4"]
+    model = "final/model.safetensors"
+    assert sha256(out / model) == sha256(tmp_path / "straight" / model)
+    got = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6, 6]  # the last: the final evaluation
+    assert without_wall_time(got) == without_wall_time(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+
+
 # ------------------------------------------------------------------------------------------------ non-finite
 def extreme_reward(completions, **kwargs):
     """Finite rewards whose leave-one-out advantages overflow float32: non-finite loss and gradients."""

@@ -8,6 +8,8 @@ An algorithm is a small frozen value (``RLOO(...)``, ``GRPO(...)``) holding its 
   update; ``stats`` are summed over the step's micro-batches and handed to ``next_state``;
 - ``init_state() -> state`` and ``next_state(state, stats) -> (state, step_metrics)``: what the algorithm carries
   from one optimizer step to the next in the train state (GRPO's adaptive entropy coefficient; None for RLOO);
+  optionally ``init_stats()``: zero ``stats`` (their structure), for a step begun in one generation batch and
+  completed in the next (default: no statistics);
 - ``summarize(metrics) -> metrics``: once per generation batch, inside the update program, the update's metrics
   (``{"generation", "micro" [U, M], "update" [U]}``) as the algorithm logs them (PPO: TRL 1.12's per-update record;
   RLOO, GRPO: unchanged);

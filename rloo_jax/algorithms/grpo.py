@@ -377,6 +377,12 @@ class GRPO:
         return {"entropy_coef": jnp.asarray(self.entropy_coef, jnp.float32),
                 "last_entropy": jnp.asarray(jnp.finfo(jnp.float32).max, jnp.float32)}
 
+    def init_stats(self) -> dict[str, Array]:
+        """Zero ``loss`` statistics, the sum an optimizer step begins from (``rloo_jax.step.Accumulator``)."""
+        if not self.entropy_bonus:
+            return {}
+        return {"entropy_sum": jnp.zeros((), jnp.float32), "entropy_count": jnp.zeros((), jnp.float32)}
+
     def next_state(self, state: dict[str, Array], stats: dict[str, Array]) -> tuple[dict[str, Array], dict]:
         """After an optimizer step: the adaptive update from the step's token-weighted mean entropy (``stats``: its
         sum and count over the step's micro-batches); returns ``(state, step metrics)`` (``entropy_coef``)."""
