@@ -58,13 +58,16 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 
-
-# PPO on the same task: one completion per prompt, a value model (the demo policy's backbone with a new score head),
-# the letters reward as the score; generation stops at EOS (TRL's stop_token). A step is one PPO update.
+# PPO on the same prompts: one completion per prompt, a value model (the demo policy's backbone with a new score
+# head), the dense letters reward as the score (the echo task's reward is ~0 for most single random completions: PPO
+# measured 0.004 -> 0.04 in 70 updates on it), 12-token completions; generation stops at EOS (TRL's stop_token). A
+# step is one PPO update.
 PPO_CONFIG: dict[str, Any] = {
     **{k: v for k, v in DEFAULT_CONFIG.items() if k not in ("num_generations", "beta", "max_grad_norm",
                                                              "num_generations_eval")},
     "output_dir": "outputs/demo-ppo",
+    "reward_funcs": ["rloo_jax.demo:letters_reward"],
+    "max_completion_length": 12,
     "value_model_path": "demo",
     "stop_token": "eos",
     "kl_coef": 0.02,

@@ -700,7 +700,8 @@ def loop(s: Session, stop: "StopRequest") -> bool:
             t0, prev = time.perf_counter(), s.step
             plan = next_plan(s)
             gas = s.cfg.gradient_accumulation_steps
-            for _ in range(sum((plan.carried + k) % gas == 0 for k in range(plan.run))):  # the steps begun here
+            begun = 1 if plan is None else sum((plan.carried + k) % gas == 0 for k in range(plan.run))  # PPO: 1
+            for _ in range(begun):  # the steps begun here
                 control._new_step()
                 s.callbacks.call("on_step_begin", s.cfg, s.trainer_state)
             out = train_step(s, t0, first=s.step == start, plan=plan)
