@@ -188,8 +188,8 @@ else:
     # the loss and its gradients, jitted with sharded params/batch vs on one device
     graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
     sp = M.shard_params(params, M.param_shardings(params, mesh))
-    ro = Programs(graphdef, optax.sgd(0.0), CFG).rollout(
-        Programs(graphdef, optax.sgd(0.0), CFG).init_state(params, params), IDS, MASK, jax.random.key(1))
+    one_device = Programs(graphdef, optax.sgd(0.0), CFG)
+    ro = one_device.rollout(one_device.init_state(params, params), IDS, MASK, jax.random.key(1))
     rewards = rewards_of(np.asarray(ro.completion_ids))
     def loss_fn(p, ro, rewards):
         lp = completion_logps(graphdef, p, jnp.repeat(ro.prompt_ids, G, 0), jnp.repeat(ro.prompt_mask, G, 0),

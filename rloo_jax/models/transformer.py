@@ -679,6 +679,25 @@ class Transformer(nnx.Module):
         return self.final_norm(x)[:, 0], DecodeCache(prompt=p, k=gk, v=gv)
 
 
+def prompt_and_completion_states(
+    model: Transformer,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    completion_ids: jax.Array,
+    completion_mask: jax.Array,
+    dropout_key: jax.Array | None = None,
+) -> jax.Array:
+    """Final-norm hidden states at each prompt's last real token, then at every completion token: [B*G, C + 1, D]
+    (prompts [B, P] run once for their G completions [B*G, C], `Transformer.forward_shared_prompt`)."""
+    # left-aligned prompts (what the sampler feeds): then each [prompt; completion] row's real tokens are one
+    # contiguous run, as the fused attention implementations take them; nothing else depends on the padding
+    prompt_ids, prompt_mask = left_align(prompt_ids, prompt_mask)
+    hp, hc = model.forward_shared_prompt(prompt_ids, prompt_mask, completion_ids, completion_mask, dropout_key)
+    g = completion_ids.shape[0] // prompt_ids.shape[0]
+    last = hp[jnp.arange(hp.shape[0]), last_token_index(prompt_mask)]  # [B, D]
+    return jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc], axis=1)
+
+
 class CausalLM(nnx.Module):
     """Decoder-only causal LM. `model(ids, mask) -> logits [B, T, V] float32`; KV-cache methods for sampling."""
 
@@ -715,14 +734,8 @@ class CausalLM(nnx.Module):
         for t = 0, completion token t - 1 otherwise; `unembed` of it scores completion token t. `dropout_key`: LoRA
         dropout (training forwards; no effect without adapters or with lora dropout 0).
         """
-        # left-aligned prompts (what the sampler feeds): then each [prompt; completion] row's real tokens are one
-        # contiguous run, as the fused attention implementations take them; nothing else depends on the padding
-        prompt_ids, prompt_mask = left_align(prompt_ids, prompt_mask)
-        hp, hc = self.model.forward_shared_prompt(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                                  dropout_key)
-        g = completion_ids.shape[0] // prompt_ids.shape[0]
-        last = hp[jnp.arange(hp.shape[0]), last_token_index(prompt_mask)]  # [B, D]
-        return jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc[:, :-1]], axis=1)
+        return prompt_and_completion_states(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                            dropout_key)[:, :-1]
 
     def unembed(self, h: jax.Array) -> jax.Array:
         """h [..., D] -> logits [..., V] float32 (lm head, or the tied embedding transposed), soft-capped with
@@ -820,12 +833,8 @@ class RewardModel(nnx.Module):
         t, TRL's value model read at `[P - 1 : -1]`), and `out[r, n_r]` with n_r the row's real completion tokens
         is the reward model's score of prompt + completion (its last real token; the prompt's for an empty one).
         """
-        prompt_ids, prompt_mask = left_align(prompt_ids, prompt_mask)
-        hp, hc = self.model.forward_shared_prompt(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                                  dropout_key)
-        g = completion_ids.shape[0] // prompt_ids.shape[0]
-        last = hp[jnp.arange(hp.shape[0]), last_token_index(prompt_mask)]  # [B, D]
-        return self.head(jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc], axis=1))
+        return self.head(prompt_and_completion_states(self.model, prompt_ids, prompt_mask, completion_ids,
+                                                      completion_mask, dropout_key))
 
 
 def logical_axes(model: nnx.Module) -> nnx.State:
