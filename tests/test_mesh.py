@@ -117,8 +117,9 @@ def scenario(mesh, lora=False):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     state, metrics = step.update(state, ro, rewards, w)
-    metrics = flat_metrics(metrics)
+    jax.block_until_ready(state)
     jax.monitoring.unregister_event_duration_listener(listener)
+    metrics = flat_metrics(metrics)  # eager reductions compile their own small programs: not the update's
     sums = jax.jit(lambda t: [jnp.sum(x) for x in jax.tree.leaves(t)])
     return {
         "completions": local.tolist(),
