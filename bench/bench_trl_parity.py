@@ -1,7 +1,8 @@
-"""Whole-trainer parity with TRL 1.16 for every GRPO loss type, on and off policy, and RLOO (tests/trainer_parity.py):
-prints the largest per-step difference of each compared metric and of the final weights.
+"""Whole-trainer parity with TRL 1.16 for every GRPO loss type, on and off policy, RLOO, and both given a PeftModel
+with non-zero adapters (tests/trainer_parity.py): prints the largest per-step difference of each compared metric
+and of the final weights.
 
-    .venv/bin/python bench/bench_trl_parity.py [--steps 8] [--lr 2e-3] [--only dapo]
+    .venv/bin/python bench/bench_trl_parity.py [--steps 8] [--lr 2e-3] [--only dapo|vespo|peft]
 """
 
 import argparse
@@ -31,6 +32,9 @@ def cases() -> dict[str, tuple[str, dict]]:
                                                gradient_accumulation_steps=4, by_position=False, **extra))
     out["rloo/off"] = ("rloo", dict(beta=0.05))
     out["rloo/on"] = ("rloo", dict(beta=0.05, gradient_accumulation_steps=4, by_position=False))
+    # a PeftModel with non-zero adapters: the reference is a frozen copy of them (TRL's "ref" adapter)
+    out["rloo/peft/off"] = ("rloo", dict(beta=0.05, peft_model=True))
+    out["grpo/dapo/peft/off"] = ("grpo", dict(loss_type="dapo", beta=0.04, peft_model=True))
     return out
 
 
@@ -38,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--only", default="")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this (e.g. vespo, peft)")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp()
     model = tp.build_model(os.path.join(tmp, "m"))

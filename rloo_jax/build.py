@@ -183,17 +183,23 @@ class Policy:
 
     graphdef: nnx.GraphDef
     params: nnx.State  # trained: the whole policy, or with LoRA its adapters only
-    ref_params: nnx.State | None  # full fine-tuning with a reference (beta > 0, PPO): the frozen reference copy
-    frozen: nnx.State | None = None  # LoRA: the base, in the compute dtype or quantized (QLoRA); also the reference
-    ref_graphdef: nnx.GraphDef | None = None  # LoRA: the model without its adapters
+    # the frozen reference copy (beta > 0, PPO): of the whole policy, or with LoRA from given adapters (a PEFT
+    # adapter folder, a PeftModel) a copy of those adapters, TRL's "ref" adapter; None otherwise
+    ref_params: nnx.State | None
+    frozen: nnx.State | None = None  # LoRA: the base, in the compute dtype or quantized (QLoRA)
+    ref_graphdef: nnx.GraphDef | None = None  # LoRA: the model without its adapters (the reference of new adapters)
 
 
 def policy(cfg: TrainConfig, model: Any, adapter_dir: str | None = None) -> Policy:
     """The policy to train from the loaded (or abstract) model: the whole model and a reference copy, or with
-    `use_peft` adapters on a frozen base (loaded in the compute dtype by `prepare`) that is also the reference;
-    with `load_in_4bit` / `load_in_8bit` that base is quantized first (`rloo_jax.lora.quantize_base`).
-    `adapter_dir`: the policy is a PEFT adapter folder on `model`: its adapters are the starting ones (use_peft on,
-    its LoRA options the run's: `check_adapter_options`)."""
+    `use_peft` adapters on a frozen base (loaded in the compute dtype by `prepare`); with `load_in_4bit` /
+    `load_in_8bit` that base is quantized first (`rloo_jax.lora.quantize_base`). `adapter_dir`: the policy is a
+    PEFT adapter folder on `model`: its adapters are the starting ones (use_peft on, its LoRA options the run's:
+    `check_adapter_options`).
+
+    The reference with LoRA is TRL 1.16's: new adapters (B = 0) start as the base, whose forward with the adapters
+    off is the reference (no copy); given adapters start elsewhere, so a frozen copy of them is the reference
+    (TRL copies a PeftModel's adapter into a "ref" adapter)."""
     abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
     if adapter_dir is not None:
         check_adapter_options(cfg, model.config.family, adapter_dir)
@@ -217,7 +223,10 @@ def policy(cfg: TrainConfig, model: Any, adapter_dir: str | None = None) -> Poli
         lora_model = fill_adapters(lora_model, TensorReader(Path(adapter_dir)), os.path.join(adapter_dir,
                                                                                             ADAPTER_WEIGHTS))
     graphdef, adapters, _ = split_adapters(lora_model)
-    return Policy(graphdef, adapters, None, base, ref_graphdef)
+    ref = None
+    if adapter_dir is not None and cfg.uses_reference:  # a copy: update() donates the adapters
+        ref = adapters if abstract else jax.tree.map(jnp.copy, adapters)
+    return Policy(graphdef, adapters, ref, base, ref_graphdef)
 
 
 def check_adapter_options(cfg: TrainConfig, family: str, adapter_dir: str) -> None:

@@ -175,7 +175,9 @@ class TrainConfig:
         False,
         "peft",
         "Train LoRA adapters on a frozen base instead of the whole model. The base is stored once, in the compute "
-        "dtype, and is also the reference model (adapters off: no reference copy; the KL at the first step is 0); "
+        "dtype, and is also the reference model (adapters off: no reference copy; the KL at the first step is 0; "
+        "starting from given adapters, a PEFT adapter folder or PeftModel, the reference is the base with a frozen "
+        "copy of them, as TRL's); "
         "only the adapters are in the gradients, the optimizer state and the checkpoints. final/ is then a PEFT "
         "adapter folder (adapter_config.json + adapter_model.safetensors).",
     )
@@ -983,8 +985,9 @@ class TrainConfig:
                               "drop --merge_adapter_on_export")
         if self.use_peft and self.sync_ref_model:
             raise ConfigError(
-                "sync_ref_model cannot be used with use_peft: the reference is the frozen base with the adapters off "
-                "(no copy of the weights is kept to sync); drop --sync_ref_model, or train without --use_peft"
+                "sync_ref_model cannot be used with use_peft (as in TRL): the reference is the frozen base with the "
+                "adapters off, or a frozen copy of the starting adapters; drop --sync_ref_model, or train without "
+                "--use_peft"
             )
         if self.sync_ref_model and self.beta == 0:
             raise ConfigError(

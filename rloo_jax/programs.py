@@ -66,7 +66,8 @@ class Programs:
     the arguments' shapes).
 
     LoRA: ``graphdef`` is the model with adapters, ``ref_graphdef`` the same model without them; ``init_state``
-    then takes the adapters as ``params`` and the base as ``frozen`` (also the reference). ``rollout_mesh``: the
+    then takes the adapters as ``params`` and the base as ``frozen`` (with ``ref_graphdef`` the reference, or
+    with ``ref_params``, a copy of the starting adapters). ``rollout_mesh``: the
     sampler's own mesh over the mesh's devices (``rloo_jax.mesh.reshaped``, e.g. tensor-parallel decode where
     training is FSDP); the sampling program moves the policy's weights into its layout once per call and hands its
     outputs back in the training layout. None: the training mesh. ``value_graphdef`` / ``reward_graphdef``: a value
@@ -110,8 +111,9 @@ class Programs:
     ) -> TrainState:
         """A fresh state; ``ref_params`` is required when the algorithm needs a reference (usually a copy of the
         initial policy), unless ``frozen`` is given (LoRA: ``params`` are the adapters, ``frozen`` the base, which
-        is the reference); ``value_params`` / ``reward_params`` with a value / device reward model. With a mesh the
-        state is created directly on its shardings."""
+        with the adapters off is the reference unless ``ref_params`` holds a copy of the starting adapters);
+        ``value_params`` / ``reward_params`` with a value / device reward model. With a mesh the state is created
+        directly on its shardings."""
         ref_params = self._check_reference(ref_params, frozen)
         self._check_models(value_params, reward_params)
         self.abstract_state(params, ref_params, frozen, value_params, reward_params)
@@ -143,7 +145,7 @@ class Programs:
         for ahead-of-time compilation without any parameter in memory. ``params``/``ref_params``/``frozen`` (and
         the value and reward models') may themselves be abstract (``nnx.eval_shape``). Fixes the state's shardings
         the programs take."""
-        ref_params = ref_params if self.step.keeps_reference(frozen) else None
+        ref_params = ref_params if self.step.keeps_reference(frozen, ref_params) else None
         self._check_models(value_params, reward_params)
         abstract = jax.eval_shape(self.step.new_state, params, ref_params, frozen, value_params, reward_params)
         if self.mesh is not None:
@@ -163,8 +165,9 @@ class Programs:
                                  f"{'with' if graphdef is not None else 'without'} its model")
 
     def _check_reference(self, ref_params: nnx.State | None, frozen: nnx.State | None) -> nnx.State | None:
-        """The reference to keep: None when the algorithm needs none or the frozen base is the reference (LoRA)."""
-        if not self.step.keeps_reference(frozen):
+        """The reference to keep: None when the algorithm needs none or the frozen base is the reference (LoRA
+        without a copy of the starting adapters)."""
+        if not self.step.keeps_reference(frozen, ref_params):
             return None
         if ref_params is None:
             raise ValueError("this algorithm (beta != 0) needs ref_params (a frozen copy of the initial policy)")

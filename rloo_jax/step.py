@@ -48,9 +48,9 @@ class TrainState:
 
     params: nnx.State  # what is trained: the policy's nnx.Param state, or with LoRA its adapters only
     opt_state: optax.OptState
-    ref_params: nnx.State | None  # frozen reference policy; None without a reference or with LoRA
+    ref_params: nnx.State | None  # frozen reference: the policy's copy, with LoRA the starting adapters' or None
     step: Array  # [] int32, optimizer updates applied so far
-    frozen: nnx.State | None = None  # LoRA: the base model (never trained; also the reference); else None
+    frozen: nnx.State | None = None  # LoRA: the base model (never trained; adapters off: new adapters' reference)
     algo_state: Any = None  # what the algorithm carries between optimizer steps (GRPO: its entropy controller)
     value_params: nnx.State | None = None  # a value model's nnx.Param state, trained with `params` (PPO); else None
     reward_params: nnx.State | None = None  # reward models scored on the device (frozen), else None
@@ -367,7 +367,8 @@ class Step:
     ``StepConfig`` with its algorithm, the meshes). ``rloo_jax.programs.Programs`` jits them.
 
     LoRA: ``graphdef`` is the model with adapters, ``ref_graphdef`` the same model without them; the state trains
-    the adapters (``params``) on a ``frozen`` base, which with ``ref_graphdef`` is also the reference (no copy).
+    the adapters (``params``) on a ``frozen`` base. The reference is then the base with ``ref_graphdef`` (new
+    adapters: no copy), or the base with a frozen copy of the starting adapters (``ref_params``: given adapters).
     ``mesh``: the training mesh (None: one device); ``rollout_mesh``: the sampler's own layout over the same devices
     (None: the training mesh). ``grad_shardings``: the parameters' shardings, which each micro-batch's gradients
     are reduce-scattered to (set by ``Programs`` on a mesh).
@@ -416,10 +417,20 @@ class Step:
         """Reward columns scored on the device (``Rollout.scores``), ahead of the host's reward functions."""
         return 0 if self.reward_graphdef is None else 1
 
-    def keeps_reference(self, frozen: nnx.State | None) -> bool:
-        """Whether the state holds a reference copy: the algorithm needs reference log-probs and there is no
-        frozen base to be the reference (LoRA)."""
-        return self.algorithm.needs_reference and frozen is None
+    def keeps_reference(self, frozen: nnx.State | None, ref_params: nnx.State | None = None) -> bool:
+        """Whether the state holds a reference copy: the algorithm needs reference log-probs, and either there is
+        no frozen base (full fine-tuning: a copy of the policy) or, with LoRA, one is given (of the starting
+        adapters; without it the base with the adapters off is the reference)."""
+        return self.algorithm.needs_reference and (frozen is None or ref_params is not None)
+
+    def reference(self, state: TrainState) -> tuple[nnx.GraphDef, nnx.State]:
+        """The reference policy's (graphdef, parameters): the frozen copy; with LoRA the base with the adapters
+        off, or the base with the frozen copy of the starting adapters."""
+        if state.frozen is None:
+            return self.graphdef, state.ref_params
+        if state.ref_params is None:
+            return self.ref_graphdef, state.frozen
+        return self.graphdef, nnx.merge_state(state.frozen, state.ref_params)
 
     def _rows(self, x: Array, axis: int = 0) -> Array:
         """Keep a batch dimension split over data x fsdp after reshapes/repeats (no-op without a mesh)."""
@@ -478,8 +489,7 @@ class Step:
         micro = self.micro_batches(
             rollout.prompt_ids, rollout.prompt_mask, {"completion_ids": rollout.completion_ids, "mask": mask}
         )
-        ref = state.frozen if state.ref_params is None else state.ref_params  # LoRA: the base, adapters off
-        passes = {"ref": (self.ref_graphdef, ref)} if needs_ref else {}
+        passes = {"ref": self.reference(state)} if needs_ref else {}
         if cfg.recompute:  # the policy exactly as it sampled (same parameters; training forward, no dropout)
             passes["old"] = (self.graphdef, policy_params(state))
 
@@ -802,8 +812,8 @@ class Step:
         return jax.tree.map(lambda x: self._rows(x.reshape(spg, x.shape[0] // spg, *x.shape[1:]), axis=1), batch)
 
     def sync_reference(self, state: TrainState, alpha: float) -> TrainState:
-        if state.frozen is not None:
-            raise ValueError("with LoRA the reference is the frozen base (adapters off): there is no copy to sync")
+        if state.frozen is not None:  # as TRL: its reference is the base, or a frozen copy of the given adapters
+            raise ValueError("with LoRA the reference is not synced (TRL refuses sync_ref_model with PEFT)")
         return state.replace(ref_params=sync_reference(state.params, state.ref_params, alpha))
 
 

@@ -207,7 +207,8 @@ class _OnlineTrainer:
     @property
     def ref_model(self) -> Any:
         """The reference policy (a Flax `CausalLM`: the initial model), None without one (beta 0) or with LoRA
-        (the base with its adapters off is the reference), as TRL."""
+        (the base with its adapters off, or with a frozen copy of given starting adapters, is the reference), as
+        TRL."""
         if self.args.beta == 0 or self.args.use_peft:
             return None
         if "ref_model" not in self._loaded:

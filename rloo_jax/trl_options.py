@@ -194,7 +194,8 @@ _GROUPS: list[tuple[str, str, Decision]] = [
     ("algorithm", "beta num_iterations epsilon epsilon_high mask_truncated_completions reward_weights",
      supported("TRL 1.16's math (docs/research_api.md)")),
     ("reference sync (TR-DPO)", "sync_ref_model ref_model_mixup_alpha ref_model_sync_steps",
-     supported("not with use_peft (the reference is the base with adapters off)")),
+     supported("not with use_peft, as TRL (the reference is the frozen base, adapters off or a copy of "
+               "given starting adapters)")),
     ("generation", "num_generations num_generations_eval max_completion_length temperature top_p top_k min_p "
      "repetition_penalty chat_template_kwargs shuffle_dataset", supported()),
     ("micro-batches and optimizer steps", "steps_per_generation gradient_accumulation_steps", supported(
@@ -345,7 +346,8 @@ _GROUPS: list[tuple[str, str, Decision]] = [
         "and soft_overlong_cache, where TRL's script fixes 1280 / 256) and dotted paths work; "
         "reward_model_name_or_path is scored first, as TRL's script does")),
     ("LoRA", "use_peft lora_r lora_alpha lora_dropout lora_target_modules use_rslora",
-     supported("the reference is the base with adapters off; final/ is a PEFT adapter folder (docs/lora.md)")),
+     supported("the reference is the base with adapters off (a PeftModel or adapter folder: with a frozen copy "
+               "of its adapters, as TRL); final/ is a PEFT adapter folder (docs/lora.md)")),
     ("lora_task_type", "lora_task_type", accepted("causal LMs only", is_one_of("causal_lm"), "CAUSAL_LM")),
     ("LoRA extras", "use_dora lora_modules_to_save lora_target_parameters",
      refused("DoRA, trained full modules and parameter targets are not implemented", off, "false / None")),

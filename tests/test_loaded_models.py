@@ -166,7 +166,9 @@ def test_peft_model_trains_as_its_adapter_folder(models, tmp_path):
                          train_dataset=ROWS).train()
     got, expected = records(loaded / "metrics.jsonl"), records(folder / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2] and got == expected
-    assert got[0]["kl"] > 0  # the reference is the base, adapters off: the non-zero adapters move the policy from it
+    # the reference is the base with a frozen copy of the starting adapters (TRL's): the first policy is the reference
+    # (measured 9.4e-8: sampler vs training forward; then 0.081). The base with the adapters off gave 0.20, 0.34
+    assert abs(got[0]["kl"]) < 1e-6 < got[1]["kl"]
     name = "adapter_model.safetensors"
     same_tensors(tensors(loaded / "final", name), tensors(folder / "final", name))
     start = tensors(loaded / "base_model" / "adapter", name)

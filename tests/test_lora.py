@@ -205,6 +205,32 @@ def test_base_is_the_reference_and_only_adapters_train():
     assert jax.tree.structure(state.opt_state[0].mu) == jax.tree.structure(state.params)  # adapters only
 
 
+def test_given_adapters_keep_a_frozen_copy_as_the_reference():
+    """Adapters that start non-zero (a PEFT adapter folder, a PeftModel): the reference is the base with a frozen
+    copy of them (TRL 1.16's "ref" adapter), not the base with the adapters off; the copy never moves."""
+    step, state = _step(recompute_old_logps=True)
+    key = jax.random.key(3)
+    given = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(key, x.shape, x.dtype), state.params)  # B != 0
+    copy = jax.tree.map(jnp.copy, given)
+    kept = jax.tree.map(np.asarray, given)
+    with_copy = step.init_state(given, ref_params=copy, frozen=state.frozen)
+    assert jax.tree.structure(with_copy.ref_params) == jax.tree.structure(with_copy.params)
+    ids, mask = _prompts()
+    rollout = step.rollout(with_copy, ids, mask, jax.random.key(0))
+    off = step.rollout(step.init_state(jax.tree.map(jnp.copy, kept), frozen=state.frozen), ids, mask,
+                       jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(rollout.completion_ids), np.asarray(off.completion_ids))
+    # the copy's reference = the policy's own log-probs (one program, one forward); adapters off: another policy
+    np.testing.assert_array_equal(np.asarray(rollout.ref_logps), np.asarray(rollout.old_logps))
+    assert np.abs(np.asarray(off.ref_logps) - np.asarray(rollout.ref_logps)).max() > 0.1
+    state, metrics = step.update(with_copy, rollout, _rewards(rollout), jnp.ones((1,)))
+    assert float(flat_metrics(metrics)["kl"]) == 0.0
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(state.ref_params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))  # the reference copy never moves
+    assert any(np.abs(a - np.asarray(b)).max() > 0 for a, b in zip(jax.tree.leaves(kept),
+                                                                     jax.tree.leaves(state.params), strict=True))
+
+
 def test_lora_dropout_changes_the_update_deterministically():
     ids, mask = _prompts()
     outs = []

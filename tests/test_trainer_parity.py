@@ -31,6 +31,10 @@ CASES = {
                                                  gradient_accumulation_steps=2, max_steps=4)),
     # max_steps 6 with 4 optimizer steps per generation: the second generation runs 2 of its 4 (TRL stops exactly)
     "rloo_stops_inside_a_generation": ("rloo", dict(beta=0.05, max_steps=6)),
+    # a PeftModel with non-zero adapters: TRL's reference is a frozen copy of the starting adapters (not the base; with
+    # it the kl of step 1 is 0 on both sides). lr 5e-4: at 2e-3 the moved adapters clip every token of step 3's
+    # micro-batch (grad_norm 0.0 on both sides)
+    "rloo_peft_model_reference": ("rloo", dict(beta=0.05, peft_model=True, learning_rate=5e-4)),
 }
 # float32 on both sides, 8 steps at lr 2e-3: measured worst 4.5e-6 abs on the losses, 1e-4 rel on grad norms
 # (2.7e-4 on 2.34 after 8 steps at lr 5e-3), 7e-5 on the final weights
@@ -45,7 +49,7 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_trainer_equals_trl(case, model_dir, tmp_path):
     kind, options = CASES[case]
-    options = dict(options, learning_rate=2e-3)
+    options = dict(dict(learning_rate=2e-3), **options)
     theirs = tp.run_trl(kind, model_dir, str(tmp_path / "trl"), **options)
     ours = tp.run_ours(kind, model_dir, str(tmp_path / "ours"), **options)
     result = tp.compare(theirs, ours)

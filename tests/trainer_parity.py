@@ -70,6 +70,26 @@ def position_reward(prompts: list[Any], completions: list[Any], completion_ids: 
             for i, ids in enumerate(completion_ids)]
 
 
+# LoRA on q/v with random A and B (peft's init_lora_weights=False): a PeftModel whose adapters start non-zero
+PEFT = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+
+def peft_policy(model: str) -> Any:
+    """The model at `model` as a peft PeftModel with non-zero adapters (the same for every call: seeded)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    return peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model), peft.LoraConfig(**PEFT))
+
+
+def _adapters(named: dict[str, Any]) -> dict[str, Any]:
+    """A PeftModel's trained adapters by their adapter-file names (`...lora_A.weight`; TRL's frozen "ref" copy
+    and the base left out)."""
+    return {k.replace(".default.", "."): v for k, v in named.items() if ".default." in k}
+
+
 def _common(out: str, **options: Any) -> dict[str, Any]:
     base = dict(
         output_dir=out, per_device_train_batch_size=2, num_generations=G, max_completion_length=C, top_k=1,
@@ -81,8 +101,10 @@ def _common(out: str, **options: Any) -> dict[str, Any]:
     return base
 
 
-def run_trl(kind: str, model: str, out: str, by_position: bool = True, **options: Any) -> dict[str, Any]:
-    """TRL 1.16's trainer `kind` (rloo, grpo) on CPU with its generation-batch shuffle made the identity."""
+def run_trl(kind: str, model: str, out: str, by_position: bool = True, peft_model: bool = False,
+            **options: Any) -> dict[str, Any]:
+    """TRL 1.16's trainer `kind` (rloo, grpo) on CPU with its generation-batch shuffle made the identity.
+    `peft_model`: the policy is `peft_policy(model)`, and the weights compared are its adapters."""
     import datasets
     import torch
     import trl
@@ -102,17 +124,22 @@ def run_trl(kind: str, model: str, out: str, by_position: bool = True, **options
     module.shuffle_sequence_dict = lambda d: d  # our order: the generation batch as generated
     try:
         torch.manual_seed(0)
-        trainer = trainer_cls(model=model, reward_funcs=[reward], args=args, processing_class=tokenizer(),
+        policy = peft_policy(model) if peft_model else model
+        torch.manual_seed(0)
+        trainer = trainer_cls(model=policy, reward_funcs=[reward], args=args, processing_class=tokenizer(),
                               train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}))
         trainer.train()
     finally:
         module.shuffle_sequence_dict = keep
     weights = {name: p.detach().numpy().copy() for name, p in trainer.model.named_parameters()}
+    if peft_model:
+        weights = _adapters(weights)
     records = [r for r in trainer.state.log_history if "loss" in r]
     return {"records": records, "completions": seen, "weights": weights}
 
 
-def run_ours(kind: str, model: str, out: str, by_position: bool = True, **options: Any) -> dict[str, Any]:
+def run_ours(kind: str, model: str, out: str, by_position: bool = True, peft_model: bool = False,
+             **options: Any) -> dict[str, Any]:
     """rloo_jax's trainer `kind` on the same run (float32 on CPU)."""
     import datasets
     from safetensors.numpy import load_file
@@ -127,12 +154,14 @@ def run_ours(kind: str, model: str, out: str, by_position: bool = True, **option
 
     reward.__name__ = "position_reward"
     cfg_cls, trainer_cls = (rj.GRPOConfig, rj.GRPOTrainer) if kind == "grpo" else (rj.RLOOConfig, rj.RLOOTrainer)
-    trainer = trainer_cls(model=model, reward_funcs=[reward], args=cfg_cls(**_common(out, **options)),
+    trainer = trainer_cls(model=peft_policy(model) if peft_model else model, reward_funcs=[reward],
+                          args=cfg_cls(**_common(out, **options)),
                           processing_class=tokenizer(),
                           train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}))
     trainer.train()
     records = [r for r in trainer.state.log_history if "loss" in r]
-    weights = load_file(os.path.join(out, "final", "model.safetensors"))  # float32 checkpoint: exported as is
+    # float32 checkpoint: exported as is (LoRA: the adapters, as a PEFT adapter folder)
+    weights = load_file(os.path.join(out, "final", "adapter_model.safetensors" if peft_model else "model.safetensors"))
     return {"records": records, "completions": seen, "weights": weights}
 
 
