@@ -1,12 +1,12 @@
 """`RLOOTrainer` and `GRPOTrainer`: TRL 1.16's Python API (`GRPOTrainer(model=..., reward_funcs=...,
-args=GRPOConfig(...), train_dataset=...).train()`) on the JAX trainer of `rloo_jax.train`.
+args=GRPOConfig(...), train_dataset=...).train()`) on the JAX trainer of `rloo_jax.train`; `PPOTrainer`: TRL 1.12's.
 
 It turns TRL's arguments into a run config and the objects the run uses instead of what a config names (`Given`):
-the model as a path or hub id (a loaded `PreTrainedModel` or `PeftModel`, and a loaded reward model, are first
-written once as folders under output_dir: `rloo_jax.models.loaded`), reward functions as callables and/or strings,
-datasets as objects, tokenizers, a peft `LoraConfig`. `train()` then runs `rloo_jax.train.train`, the same loop as
-`python -m rloo_jax.train` (which is this class on a config read from YAML and the command line), resuming from
-`args.output_dir`.
+the model as a path or hub id (a loaded `PreTrainedModel` or `PeftModel`, and loaded reward and PPO value models,
+are first written once as folders under output_dir: `rloo_jax.models.loaded`), reward functions as callables and/or
+strings, datasets as objects, tokenizers, a peft `LoraConfig`. `train()` then runs `rloo_jax.train.train`, the same
+loop as `python -m rloo_jax.train` (which is this class on a config read from YAML and the command line), resuming
+from `args.output_dir`.
 """
 
 import dataclasses
@@ -109,18 +109,7 @@ class _OnlineTrainer:
         # loaded models: converted and written under output_dir once, then named by their folders like any other
         funcs = [loaded_reward_model(f, i, args.output_dir, (tokenizers or [None] * len(funcs))[i])
                  if loaded.is_torch_module(f) else f for i, f in enumerate(funcs)]
-        if peft_config is not None and (loaded.is_peft_model(model) or given_model is None and adapter_folder(model)):
-            raise ConfigError("You passed a PeftModel (or a PEFT adapter folder) together with a peft_config: its "
-                              "adapters are trained with their own LoRA options; pass peft_config=None, or merge "
-                              "them into a base model and pass that with the new peft_config (as TRL asks)")
-        lora_given: dict[str, Any] = {}
-        if given_model is not None:
-            model, lora_given = loaded_policy_folder(model, args.output_dir, processing_class)
-        model = os.fspath(model)
-        if not lora_given and adapter_folder(model) and not args.use_peft:
-            # TRL trains a PeftModel's adapters from where they are, with their options; options set in args (the
-            # CLI's --use_peft --lora_r ...) are checked against the folder's instead (build.check_adapter_options)
-            lora_given = loaded.adapter_lora_options(model)
+        model, lora_given = policy_folder(model, args, processing_class, peft_config)
         check_checkpoints(model, funcs)  # an unsupported architecture fails here, before anything is loaded
         overrides: dict[str, Any] = {"model_name_or_path": model, **lora_options(peft_config), **lora_given}
         if funcs != args.reward_sources:  # given here, not named by args (the CLI passes args' own)
@@ -341,23 +330,33 @@ class GRPOTrainer(_OnlineTrainer):
 
 
 class PPOTrainer(_OnlineTrainer):
-    """PPO with TRL 1.12's `PPOTrainer` constructor (`trl.experimental.ppo`) and math (`PPOConfig`); models are
-    folders or hub ids, as for the other trainers.
+    """PPO with TRL 1.12's `PPOTrainer` constructor (`trl.experimental.ppo`) and math (`PPOConfig`). Its models are
+    what TRL's takes (loaded transformers models) or their folders / hub ids, as for the other trainers; a loaded
+    model is converted in memory and written once under `args.output_dir` (a local one), which config.yaml then
+    names like any folder: `base_model/` (a PeftModel's adapters in `base_model/adapter/`), `reward_model/`,
+    `value_model/` (`rloo_jax.models.loaded`; a second construction with the same objects, a resume, writes nothing).
 
     Args:
       args: a `PPOConfig` (TRL 1.12's option names too). None: `PPOConfig(output_dir="<model name>-PPO")`.
-      processing_class: the policy's tokenizer (None: read from `args.model_name_or_path`, else the policy's folder).
-        Its pad token must differ from its EOS (TRL's masks treat every pad id as padding): add one, as TRL's
-        scripts do (`tokenizer.add_special_tokens({"pad_token": "[PAD]"})`, or `args.pad_token`).
-      model: the policy (None: `args.sft_model_path`, else `args.model_name_or_path`).
-      ref_model: None (a frozen copy of the policy; with `peft_config`, the base with the adapters off) or the
-        policy's own folder again (TRL's scripts load it twice); another reference is refused.
-      reward_model: a sequence-classification checkpoint (one label) of the policy's tokenizer, scored on the token
-        ids on the device (None: `args.reward_model_path`).
+      processing_class: the policy's tokenizer (None: read from `args.model_name_or_path`, else the policy's folder;
+        a loaded policy's: its `config._name_or_path`'s). Its pad token must differ from its EOS (TRL's masks treat
+        every pad id as padding): add one, as TRL's scripts do (`tokenizer.add_special_tokens({"pad_token":
+        "[PAD]"})`, or `args.pad_token`).
+      model: the policy (None: `args.sft_model_path`, else `args.model_name_or_path`): a folder or hub id, a PEFT
+        adapter folder, a loaded causal LM `PreTrainedModel` or a peft `PeftModel` (its adapters trained from their
+        values with its LoRA options, as `RLOOTrainer` takes one; not with `peft_config`).
+      ref_model: None (a frozen copy of the policy; with LoRA, the base with the adapters off), the policy's own
+        folder again, or a loaded model with the policy's weights (a PeftModel policy: its base's), compared tensor
+        by tensor (TRL's scripts load the policy twice); a reference with other weights is refused: only the initial
+        policy is supported as the reference.
+      reward_model: a sequence-classification model (one label) of the policy's tokenizer, scored on the token ids
+        on the device (None: `args.reward_model_path`): a folder or hub id, or loaded (written to `reward_model/`).
       train_dataset / eval_dataset: as TRL's PPO takes them (pre-tokenized `input_ids`) or with a `prompt` column
         (text or chat messages), a `datasets.Dataset` or a list of dicts.
-      value_model: a sequence-classification checkpoint, or a causal LM's folder (its backbone with a new score
-        head) (None: `args.value_model_path`, else the reward model's).
+      value_model: a sequence-classification model (one label), or a causal LM (its backbone with a new score head),
+        as a folder / hub id or loaded (written to `value_model/`, unless it holds the same model as the loaded
+        reward model or policy, as when TRL's scripts load the reward and the value model from one checkpoint: that
+        folder is named then) (None: `args.value_model_path`, else the reward model's).
       data_collator: None or a `DataCollatorWithPadding` (prompts are always left-padded here).
       peft_config: LoRA on the policy (as `GRPOTrainer`'s); the value model is trained whole.
       reward_funcs: (not in TRL) Python reward functions (or their names) added to the reward model's score,
@@ -372,11 +371,11 @@ class PPOTrainer(_OnlineTrainer):
         self,
         args: PPOConfig | None = None,
         processing_class: Any = None,
-        model: str | None = None,
-        ref_model: str | None = None,
-        reward_model: str | None = None,
+        model: Any = None,
+        ref_model: Any = None,
+        reward_model: Any = None,
         train_dataset: Any = None,
-        value_model: str | None = None,
+        value_model: Any = None,
         data_collator: Any = None,
         eval_dataset: Any = None,
         optimizers: tuple[Any, Any] = (None, None),
@@ -384,12 +383,12 @@ class PPOTrainer(_OnlineTrainer):
         peft_config: Any = None,
         reward_funcs: Any = None,
     ) -> None:
-        for name, value in (("model", model), ("ref_model", ref_model), ("reward_model", reward_model),
-                            ("value_model", value_model)):
-            if value is not None and not isinstance(value, str | os.PathLike):
-                raise ConfigError(f"{name} must be a local folder or a hub id (got a {type(value).__name__}): "
-                                  "rloo_jax reads the checkpoint's safetensors into its own Flax model; "
-                                  "save_pretrained it first")
+        given_policy = None if model is None or isinstance(model, str | os.PathLike) else loaded_policy(model)
+        for name, value, what in (("ref_model", ref_model, "the policy's weights"),
+                                  ("reward_model", reward_model, "*ForSequenceClassification, num_labels=1"),
+                                  ("value_model", value_model, "*ForSequenceClassification with num_labels=1, or a "
+                                                               "causal LM")):
+            check_model_argument(name, value, what)
         if any(o is not None for o in optimizers):
             raise ConfigError("optimizers is not supported: the optimizer is optax AdamW configured by args "
                               "(learning_rate, lr_scheduler_type, warmup_steps, weight_decay, adam_*), over the "
@@ -398,24 +397,43 @@ class PPOTrainer(_OnlineTrainer):
             raise ConfigError(f"data_collator {type(data_collator).__name__} is not supported: prompts are "
                               "left-padded here, as TRL's DataCollatorWithPadding does; pass None")
         if args is None:
-            args = PPOConfig(output_dir=f"{os.path.basename(str(model or 'policy').rstrip('/'))}-PPO",
-                             **({"sft_model_path": os.fspath(model)} if model is not None else {}))
+            name = "policy" if model is None else os.fspath(model) if given_policy is None else \
+                loaded.name_or_path(model) or type(model).__name__
+            args = PPOConfig(output_dir=f"{os.path.basename(name.rstrip('/'))}-PPO",
+                             **({"sft_model_path": os.fspath(model)} if model is not None and given_policy is None
+                                else {}))
         if not isinstance(args, PPOConfig):
             raise ConfigError(f"PPOTrainer takes a PPOConfig as args (got a {type(args).__name__})")
-        overrides: dict[str, Any] = lora_options(peft_config)
-        policy = args.policy_path if model is None else os.fspath(model)
-        if policy != args.policy_path:
-            overrides["sft_model_path"] = policy
-        if ref_model is not None and os.fspath(ref_model) != policy:
-            raise ConfigError("ref_model: only the initial policy is supported as the reference; pass None (a frozen "
-                              "copy of the policy, or with peft_config the base with the adapters off)")
-        if reward_model is not None:
-            overrides["reward_model_path"] = os.fspath(reward_model)
-        if value_model is not None:
-            overrides["value_model_path"] = os.fspath(value_model)
         funcs = None
         if reward_funcs is not None:
             funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+            for i, f in enumerate(funcs):
+                if loaded.is_torch_module(f):
+                    raise ConfigError(f"reward_funcs[{i}] is a {type(f).__name__}: PPO's reward_funcs are Python "
+                                      "functions; pass a reward model as reward_model")
+        policy = args.policy_path if model is None else model
+        check_reference(ref_model, policy, args.seed)  # before anything is written
+        overrides: dict[str, Any] = lora_options(peft_config)
+        written: list[str] = []  # folders written from loaded models, which a loaded value model may share
+        if policy is not None:
+            policy, lora_given = policy_folder(policy, args, processing_class, peft_config)
+            overrides.update(lora_given)
+            if given_policy is not None:
+                written.append(policy)
+        if policy != args.policy_path:
+            overrides["sft_model_path"] = policy
+        if isinstance(reward_model, str | os.PathLike):
+            overrides["reward_model_path"] = os.fspath(reward_model)
+        elif reward_model is not None:
+            overrides["reward_model_path"] = loaded_model_folder(
+                reward_model, args.output_dir, "reward_model", "reward", own_tokenizer(reward_model),
+                "a loaded reward model")[0]
+            written.append(overrides["reward_model_path"])
+        if isinstance(value_model, str | os.PathLike):
+            overrides["value_model_path"] = os.fspath(value_model)
+        elif value_model is not None:
+            overrides["value_model_path"] = loaded_value_model(value_model, args.output_dir, written)
+        if funcs is not None:
             overrides["reward_funcs"] = [describe(f) for f in funcs]
         if train_dataset is not None:
             overrides["dataset_name"] = IN_MEMORY
@@ -497,11 +515,40 @@ def _loaded_tokenizer(model: Any, given: Any, what: str) -> Any:
                           f"({'processing_class' if what == 'model' else 'reward_processing_classes'})") from None
 
 
+def loaded_model_folder(model: Any, output_dir: str, name: str, task: str, tokenizer: Any, what: str,
+                        print_: str | None = None) -> tuple[str, dict[str, Any]]:
+    """A loaded model written once to `<output_dir>/<name>/` (`rloo_jax.models.loaded.save_loaded`, task "causal_lm"
+    | "reward"; `what` names it in errors); returns the path to train from (a PeftModel: its adapter folder) and, for
+    a PeftModel, its LoRA options."""
+    where = os.path.join(_local_output_dir(output_dir, what), name)
+    return loaded.save_loaded(model, where, task, tokenizer, print_)
+
+
 def loaded_policy_folder(model: Any, output_dir: str, tokenizer: Any) -> tuple[str, dict[str, Any]]:
-    """A loaded policy written to `<output_dir>/base_model/` (once: `rloo_jax.models.loaded.save_loaded`); returns
-    the path to train from (a PeftModel: its adapter folder) and, for a PeftModel, its LoRA options."""
-    where = os.path.join(_local_output_dir(output_dir, "a loaded model"), "base_model")
-    return loaded.save_loaded(model, where, "causal_lm", _loaded_tokenizer(model, tokenizer, "model"))
+    """A loaded policy written to `<output_dir>/base_model/` (once); returns the path to train from (a PeftModel:
+    its adapter folder) and, for a PeftModel, its LoRA options."""
+    return loaded_model_folder(model, output_dir, "base_model", "causal_lm",
+                               _loaded_tokenizer(model, tokenizer, "model"), "a loaded model")
+
+
+def policy_folder(model: Any, args: TrainConfig, tokenizer: Any, peft_config: Any) -> tuple[str, dict[str, Any]]:
+    """The policy (a path, or a loaded model checked by `loaded_policy`) as the path to train from, and the LoRA
+    options it brings: a loaded model is written to `<output_dir>/base_model/` (`loaded_policy_folder`); a PeftModel
+    or a PEFT adapter folder brings its own (TRL trains a PeftModel's adapters from where they are, with their
+    options), unless args sets use_peft (the CLI's --use_peft --lora_r ...: checked against the folder's instead,
+    `build.check_adapter_options`). Either one with a peft_config is refused, as TRL refuses it."""
+    given = not isinstance(model, str | os.PathLike)
+    if peft_config is not None and (loaded.is_peft_model(model) or not given and adapter_folder(model)):
+        raise ConfigError("You passed a PeftModel (or a PEFT adapter folder) together with a peft_config: its "
+                          "adapters are trained with their own LoRA options; pass peft_config=None, or merge "
+                          "them into a base model and pass that with the new peft_config (as TRL asks)")
+    lora_given: dict[str, Any] = {}
+    if given:
+        model, lora_given = loaded_policy_folder(model, args.output_dir, tokenizer)
+    model = os.fspath(model)
+    if not lora_given and adapter_folder(model) and not args.use_peft:
+        lora_given = loaded.adapter_lora_options(model)
+    return model, lora_given
 
 
 def loaded_reward_model(model: Any, index: int, output_dir: str, tokenizer: Any) -> str:
@@ -509,8 +556,93 @@ def loaded_reward_model(model: Any, index: int, output_dir: str, tokenizer: Any)
     if not loaded.is_pretrained_model(model) or loaded.is_peft_model(model):
         raise ConfigError(f"reward_funcs[{index}] is a {type(model).__name__}: a reward model must be a transformers "
                           "PreTrainedModel (*ForSequenceClassification, num_labels=1) or its folder")
-    where = os.path.join(_local_output_dir(output_dir, "a loaded reward model"), f"reward_model_{index}")
-    return loaded.save_loaded(model, where, "reward", _loaded_tokenizer(model, tokenizer, "reward model"))[0]
+    return loaded_model_folder(model, output_dir, f"reward_model_{index}", "reward",
+                               _loaded_tokenizer(model, tokenizer, "reward model"), "a loaded reward model")[0]
+
+
+def check_model_argument(name: str, value: Any, what: str) -> None:
+    """PPO's ref_model, reward_model and value_model: None, a folder or hub id, or a loaded transformers
+    `PreTrainedModel` (`what` it must be); a ConfigError naming `name` for anything else (a PeftModel too: LoRA is
+    for the policy)."""
+    if value is None or isinstance(value, str | os.PathLike) or (
+            loaded.is_pretrained_model(value) and not loaded.is_peft_model(value)):
+        return
+    kind = "a peft PeftModel (LoRA is for the policy only)" if loaded.is_peft_model(value) else \
+        "a torch module that is not a transformers PreTrainedModel" if loaded.is_torch_module(value) else \
+        f"a {type(value).__name__}"
+    raise ConfigError(f"{name} must be a local folder, a hub id or a loaded transformers PreTrainedModel ({what}); "
+                      f"got {kind}")
+
+
+def _weights(source: Any, seed: int) -> tuple[Any, bool]:
+    """The weights of a PPO policy or reference, to compare (`check_reference`): a loaded model's state dict (a
+    PeftModel: its base's, the adapters cut out), else its folder's tensors (a PEFT adapter folder: its base's; read
+    one at a time); and whether its LM head is tied (a folder's is then left out of the file)."""
+    if not isinstance(source, str | os.PathLike):
+        tensors = loaded.peft_parts(source)[1] if loaded.is_peft_model(source) else source.state_dict()
+        return loaded.StateDictReader(tensors), loaded.tied(source)
+    from rloo_jax import demo
+    from rloo_jax.build import CACHE_ROOT
+    from rloo_jax.models.hf import TensorReader, adapter_base, resolve_checkpoint
+
+    path = os.fspath(source)
+    if path == "demo":
+        path = demo.prepare_model(demo.model_dir(CACHE_ROOT, seed), seed)
+    folder = resolve_checkpoint(path)
+    base = adapter_base(folder)
+    return TensorReader(resolve_checkpoint(base) if base else folder), False
+
+
+def check_reference(ref_model: Any, policy: Any, seed: int) -> None:
+    """PPO's `ref_model` must be the initial policy, the only reference supported (with LoRA: the base with the
+    adapters off): None, the policy's own path again, or, when either is a loaded model, weights equal to the
+    policy's (a PeftModel: its base's) tensor by tensor (`loaded.first_difference`); a ConfigError otherwise. TRL's
+    scripts load the policy twice, as `model` and `ref_model`."""
+    if ref_model is None or policy is None:
+        return
+    if isinstance(ref_model, str | os.PathLike) and isinstance(policy, str | os.PathLike):
+        if os.fspath(ref_model) == os.fspath(policy):
+            return
+        why = f"{os.fspath(ref_model)} is not the policy's folder {os.fspath(policy)}"
+    else:
+        (ref, ref_tied), (ours, our_tied) = _weights(ref_model, seed), _weights(policy, seed)
+        name = loaded.first_difference(ref, ours, ref_tied or our_tied)
+        if name is None:
+            return
+        why = f"its weights are not the policy's: {name} differs"
+    raise ConfigError(f"ref_model: only the initial policy is supported as the reference ({why}); pass None (a frozen "
+                      "copy of the policy; with LoRA the base with the adapters off), the policy's folder, or the "
+                      "policy loaded again")
+
+
+def own_tokenizer(model: Any) -> Any:
+    """The tokenizer written with a loaded PPO reward or value model: its `config._name_or_path`'s when that loads,
+    else none. PPO scores the policy's token ids with it: a tokenizer in its folder is checked to have the policy's
+    vocabulary, and without one its vocab_size is (`build.check_same_tokenizer`)."""
+    from rloo_jax.models import ModelLoadError, load_tokenizer
+
+    name = loaded.name_or_path(model)
+    try:
+        return load_tokenizer(name) if name else None
+    except (ModelLoadError, OSError, ValueError):
+        return None
+
+
+def loaded_value_model(model: Any, output_dir: str, written: list[str]) -> str:
+    """A loaded PPO value model as a folder: one of `written` (folders this run wrote from its loaded policy and
+    reward model) when that holds the same model (the same `loaded.fingerprint`: class, config, every tensor), as
+    when TRL's scripts load the reward and the value model from one checkpoint; else `<output_dir>/value_model/`,
+    written once: a `*ForSequenceClassification` model as one, a causal LM as one (the run gives its backbone a new
+    score head, as for a causal LM's folder)."""
+    from rloo_jax.models.config import family_and_task
+
+    print_ = loaded.fingerprint(model)
+    for folder in written:
+        if loaded.held_fingerprint(folder) == print_:
+            return folder
+    task = family_and_task(loaded.hf_config(model))[1] or "reward"
+    return loaded_model_folder(model, output_dir, "value_model", task, own_tokenizer(model), "a loaded value model",
+                               print_)[0]
 
 
 def adapter_folder(path: str) -> bool:

@@ -138,6 +138,29 @@ def test_a_loaded_model_is_written_as_transformers_writes_it(models, tmp_path, d
         save_loaded(models["policy"], tmp_path / "ours", "causal_lm", models["tok"])
 
 
+def test_first_difference_compares_weights_exactly(models):
+    """`first_difference` (PPO's reference check): a tied model's state dict equals its folder (which leaves the LM
+    head out) only when told the head is tied; one ulp apart in one tensor names that tensor; the same numbers held
+    in bfloat16 and in float32 are equal."""
+    from rloo_jax.models.loaded import StateDictReader, first_difference
+
+    policy = models["policy"]  # tied
+    ours, folder = StateDictReader(policy.state_dict()), TensorReader(models["policy_dir"])
+    assert "lm_head.weight" in ours.names() and "lm_head.weight" not in folder.names()
+    assert first_difference(ours, folder, tied_head=True) is None
+    assert first_difference(ours, folder) == "lm_head.weight"
+    copy = transformers.Qwen2ForCausalLM(qwen2_config(tied=True)).eval()
+    copy.load_state_dict(policy.state_dict())
+    with torch.no_grad():
+        weight = copy.model.layers[1].self_attn.o_proj.weight
+        weight[2, 3] = torch.nextafter(weight[2, 3], torch.tensor(float("inf")))
+    assert first_difference(StateDictReader(copy.state_dict()), folder, tied_head=True) == \
+        "model.layers.1.self_attn.o_proj.weight"
+    half = copy.to(torch.bfloat16)
+    assert first_difference(StateDictReader(half.state_dict()),
+                            StateDictReader({k: v.float() for k, v in half.state_dict().items()})) is None
+
+
 def _peft_model(models, **lora):
     torch.manual_seed(0)
     base = transformers.Qwen2ForCausalLM(qwen2_config(tied=True)).eval()

@@ -183,3 +183,175 @@ def test_ppo_demo_learns(tmp_path):
     scores = [m["objective/scores"] for m in read_jsonl(out / "metrics.jsonl") if "objective/scores" in m]
     assert len(scores) == 14
     assert np.mean(scores[:2]) < 0.1 and np.mean(scores[-2:]) > 0.4, scores
+
+
+# ------------------------------------------------------------------------------------------------ loaded models
+# TRL 1.12's PPOTrainer takes loaded models (its example script: the policy and the reference loaded from one folder,
+# the reward and the value model from another); ours writes them once under output_dir and names those folders.
+LOADED_RUN = dict(total_episodes=8, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=1,
+                  num_ppo_epochs=1, response_length=6, stop_token="eos", missing_eos_penalty=1.0, learning_rate=1e-3,
+                  seed=5, bf16=False, report_to="none", logging_steps=1, save_steps=1000, log_completions=True)
+# (the persistent compilation cache on, as in pp.run_ours: the second run of the same programs reuses the first's
+# executables; measured on the loaded 2-core machine: 42 s for the first run, 6 s for the second instead of 38 s)
+
+
+@pytest.fixture(scope="module")
+def loaded_models(tmp_path_factory):
+    """pp's tiny Qwen2 policy, reward and value models saved (the reward and value folders named as the loaded ones'
+    are, so the metric names agree), and loaded back with transformers as TRL's example script loads them."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    root = tmp_path_factory.mktemp("ppo_loaded")
+    paths = pp.build_models(str(root / "built"))
+    folders = {"policy": root / "policy", "reward": root / "reward_model", "value": root / "value_model"}
+    for name, folder in folders.items():
+        shutil.move(paths[name], folder)
+    return dict(
+        folders=folders,
+        policy=AutoModelForCausalLM.from_pretrained(folders["policy"]),
+        ref=AutoModelForCausalLM.from_pretrained(folders["policy"]),
+        reward=AutoModelForSequenceClassification.from_pretrained(folders["reward"], num_labels=1),
+        value=AutoModelForSequenceClassification.from_pretrained(folders["value"], num_labels=1),
+        data=[{"input_ids": ids} for ids in pp.prompts(12)],
+    )
+
+
+def _ppo(out, loaded_models, **models):
+    from rloo_jax import PPOConfig, PPOTrainer
+
+    args = PPOConfig(output_dir=str(out), **LOADED_RUN)
+    return PPOTrainer(args=args, processing_class=None, train_dataset=loaded_models["data"], **models)
+
+
+def _state_dict(model):
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+def _same_tensors(a, b):
+    import numpy as np
+
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.slow  # two 2-update runs, the second from the compilation cache: 53 s on the loaded 2-core machine
+def test_ppo_loaded_models_train_as_their_folders(loaded_models, tmp_path, capsys):
+    """PPOTrainer(model, ref_model, reward_model, value_model loaded) = PPOTrainer(their folders), 2 updates: the
+    same metrics.jsonl records (timings aside), completions and final policy and value weights, bit for bit; the
+    written folders hold the objects' state dicts and config.yaml names them; a second construction with the same
+    objects (a resume) writes nothing and resumes."""
+    import yaml
+    from safetensors.numpy import load_file
+
+    from rloo_jax.metrics import read_jsonl
+
+    m, f = loaded_models, loaded_models["folders"]
+    loaded, folder = tmp_path / "loaded", tmp_path / "folder"
+    _ppo(loaded, m, model=m["policy"], ref_model=m["ref"], reward_model=m["reward"], value_model=m["value"]).train()
+    _ppo(folder, m, model=str(f["policy"]), ref_model=None, reward_model=str(f["reward"]),
+         value_model=str(f["value"])).train()
+
+    def records(out):
+        return [{k: v for k, v in r.items() if not k.startswith("timing/") and k not in ("step_time", "eps")}
+                for r in read_jsonl(out / "metrics.jsonl")]
+
+    got = records(loaded)
+    assert [r["step"] for r in got if "objective/kl" in r] == [1, 2]
+    assert got == records(folder)
+    assert read_jsonl(loaded / "rollouts.jsonl") == read_jsonl(folder / "rollouts.jsonl")
+    for name in ("final", "final_value"):
+        _same_tensors(load_file(str(loaded / name / "model.safetensors")),
+                      load_file(str(folder / name / "model.safetensors")))
+    trained = load_file(str(loaded / "final" / "model.safetensors"))["lm_head.weight"]
+    assert not (trained == m["policy"].lm_head.weight.detach().numpy()).all()  # it trained
+
+    config = yaml.safe_load((loaded / "config.yaml").read_text())
+    written = {"sft_model_path": ("base_model", m["policy"]), "reward_model_path": ("reward_model", m["reward"]),
+               "value_model_path": ("value_model", m["value"])}
+    for option, (name, model) in written.items():
+        assert config[option] == str(loaded / name), option
+        _same_tensors(load_file(str(loaded / name / "model.safetensors")), _state_dict(model))
+    assert (loaded / "base_model" / "tokenizer.json").is_file()
+
+    mtimes = {p: p.stat().st_mtime_ns for name, _ in written.values() for p in (loaded / name).iterdir()}
+    capsys.readouterr()
+    again = _ppo(loaded, m, model=m["policy"], ref_model=m["ref"], reward_model=m["reward"], value_model=m["value"])
+    assert {k: getattr(again.args, k) for k in written} == {k: config[k] for k in written}
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+    assert again.train().global_step == 2  # resumed at its end: nothing left to run
+    assert "Resuming from checkpoint" in capsys.readouterr().out
+
+
+def test_ppo_loaded_models_checked_and_shared(loaded_models, tmp_path):
+    """No training: a reference with other weights than the policy's (a PeftModel's: its base's) and objects of
+    the wrong kind are refused before anything is written; a loaded reference is compared with a policy folder (and
+    a reference folder with a loaded policy); a value model holding the same model as the loaded reward model (or
+    policy) names that folder instead of writing another; a loaded causal LM value model is written as one."""
+    import json
+
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rloo_jax.errors import ConfigError
+    from rloo_jax.models import ModelLoadError
+
+    m, f = loaded_models, loaded_models["folders"]
+    out = tmp_path / "run"
+    changed = AutoModelForCausalLM.from_pretrained(f["policy"])
+    with torch.no_grad():
+        changed.model.layers[1].mlp.up_proj.weight[0, 0] += 1e-6
+    for ref in (changed, f["reward"]):
+        with pytest.raises(ConfigError, match="ref_model: only the initial policy is supported as the reference"):
+            _ppo(out, m, model=m["policy"], ref_model=ref, reward_model=m["reward"])
+    with pytest.raises(ConfigError, match="model.layers.1.mlp.up_proj.weight differs"):
+        _ppo(out, m, model=str(f["policy"]), ref_model=changed, reward_model=str(f["reward"]))
+    for kwargs, match in (
+        (dict(model=torch.nn.Linear(2, 2)), "model must be a local folder, a hub id, a transformers PreTrainedModel "
+                                            "or a peft PeftModel"),
+        (dict(reward_model=torch.nn.Linear(2, 2)), "reward_model must be a local folder, a hub id or a loaded "
+                                                   "transformers PreTrainedModel .*got a torch module that is not"),
+        (dict(value_model=3), "value_model must be .*causal LM\\); got a int"),
+        (dict(ref_model=peft.get_peft_model(AutoModelForCausalLM.from_pretrained(f["policy"]),
+                                            peft.LoraConfig(r=2, target_modules=["q_proj"]))),
+         "ref_model must be .*got a peft PeftModel"),
+        (dict(reward_funcs=[m["reward"]]), "reward_funcs\\[0\\] is a Qwen2ForSequenceClassification: .*pass a "
+                                           "reward model as reward_model"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            _ppo(out, m, **{"model": m["policy"], "reward_model": m["reward"], **kwargs})
+    assert not out.exists()  # nothing written by a refused construction
+    with pytest.raises(ModelLoadError, match="holds Qwen2ForCausalLM, not a reward model"):
+        _ppo(out, m, model=str(f["policy"]), reward_model=changed)
+
+    # a loaded reference against the policy's folder, a reference folder against a loaded policy; the reward model
+    # loaded twice (TRL's script): one folder
+    second_reward = AutoModelForSequenceClassification.from_pretrained(f["reward"], num_labels=1)
+    a = _ppo(tmp_path / "a", m, model=str(f["policy"]), ref_model=m["ref"], reward_model=m["reward"],
+             value_model=second_reward)
+    assert a.args.value_model_path == a.args.reward_model_path == str(tmp_path / "a" / "reward_model")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["reward_model"]
+    # a causal LM value model (its backbone gets a new head): the policy's weights share base_model/, others written
+    b = _ppo(tmp_path / "b", m, model=m["policy"], ref_model=str(f["policy"]), reward_model=str(f["reward"]),
+             value_model=AutoModelForCausalLM.from_pretrained(f["policy"]))
+    assert b.args.value_model_path == b.args.sft_model_path == str(tmp_path / "b" / "base_model")
+    c = _ppo(tmp_path / "c", m, model=m["policy"], reward_model=str(f["reward"]), value_model=changed)
+    assert c.args.value_model_path == str(tmp_path / "c" / "value_model")
+    written = json.loads((tmp_path / "c" / "value_model" / "config.json").read_text())
+    assert written["architectures"] == ["Qwen2ForCausalLM"]
+
+    # a PeftModel policy: its adapters trained, its options taken; the reference must be its base
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(f["policy"])
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False))
+    d = _ppo(tmp_path / "d", m, model=model, ref_model=m["ref"], reward_model=str(f["reward"]))
+    assert d.args.sft_model_path == str(tmp_path / "d" / "base_model" / "adapter")
+    assert (d.args.use_peft, d.args.lora_r, d.args.lora_alpha) == (True, 2, 4)
+    merged = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(f["policy"]), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with pytest.raises(ConfigError, match="q_proj.weight differs"):
+        _ppo(tmp_path / "e", m, model=model, ref_model=merged.merge_and_unload(), reward_model=str(f["reward"]))

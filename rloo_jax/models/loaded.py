@@ -28,9 +28,18 @@ import numpy as np
 
 from rloo_jax.errors import ConfigError
 from rloo_jax.models.config import ModelConfig, ModelLoadError, lora_spec
-from rloo_jax.models.hf import ADAPTER_CONFIG, _fill, config_of, fill_adapters, save_adapter, save_pretrained
+from rloo_jax.models.hf import (
+    _IGNORED,
+    ADAPTER_CONFIG,
+    _fill,
+    config_of,
+    fill_adapters,
+    save_adapter,
+    save_pretrained,
+)
 from rloo_jax.models.transformer import CausalLM, RewardModel
 
+TIED_HEADS = ("lm_head.weight", "embed_out.weight")  # the LM head a tied model's folder leaves out
 MARKER = "loaded_from.json"  # in a folder written from a loaded model: its class and fingerprint
 # torch dtype -> (the Flax storage dtype that holds it exactly, the dtype the folder is written in)
 _DTYPES = {"torch.float32": ("float32", "float32"), "torch.bfloat16": ("bfloat16", "bfloat16"),
@@ -200,6 +209,34 @@ def strip_adapters(model: CausalLM) -> CausalLM:
     return nnx.merge(nnx.graphdef(plain), split_adapters(model)[2])
 
 
+def tied(model: Any) -> bool:
+    """A loaded model (a PeftModel: its base) whose LM head is its input embedding (`tie_word_embeddings`)."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    return bool(getattr(base.config, "tie_word_embeddings", False))
+
+
+def first_difference(a: Any, b: Any, tied_head: bool = False) -> str | None:
+    """The first tensor name (in sorted order) at which two sets of weights differ, None when they are equal. `a`
+    and `b`: anything with `names()` and `get(name)` (a `StateDictReader` over a loaded model's state dict, a
+    folder's `hf.TensorReader`). Shapes and values are compared exactly, values as float32 (which holds float32,
+    bfloat16 and float16 exactly: the same numbers stored in two dtypes are equal). A name held by one side only is
+    a difference, except buffers the loaders ignore and, with `tied_head`, the LM head (a tied model's folder leaves
+    it out: it is the embedding, compared under its own name). E.g. a model and a copy with one layer's q_proj
+    changed: "model.layers.0.self_attn.q_proj.weight"; a float32 model and its bfloat16 folder: None exactly when
+    every float32 weight is a bfloat16 number.
+    """
+    names_a, names_b = a.names(), b.names()
+    for name in sorted(names_a | names_b):
+        if name not in names_a or name not in names_b:
+            if _IGNORED.search(name) or (tied_head and name in TIED_HEADS):
+                continue
+            return name
+        x, y = np.asarray(a.get(name), np.float32), np.asarray(b.get(name), np.float32)
+        if x.shape != y.shape or not np.array_equal(x, y):
+            return name
+    return None
+
+
 # ------------------------------------------------------------------------------------------------ writing
 def fingerprint(model: Any) -> str:
     """sha256 of a loaded model's class, config and every tensor (name, dtype, shape, values)."""
@@ -227,7 +264,8 @@ def held_fingerprint(folder: str | os.PathLike) -> str | None:
     return json.loads(f.read_text()).get("fingerprint") if f.is_file() else None
 
 
-def save_loaded(model: Any, folder: str | os.PathLike, task: str, tokenizer: Any) -> tuple[str, dict[str, Any]]:
+def save_loaded(model: Any, folder: str | os.PathLike, task: str, tokenizer: Any, print_: str | None = None
+                ) -> tuple[str, dict[str, Any]]:
     """Write a loaded model as a Hugging Face folder at `folder` (task "causal_lm" | "reward"), unless it already
     holds that model (same fingerprint: a resume); returns (the path to train from, LoRA options or {}).
 
@@ -235,9 +273,10 @@ def save_loaded(model: Any, folder: str | os.PathLike, task: str, tokenizer: Any
     tokenizer). A PeftModel: `folder` holds its base and `folder/adapter` its adapters (a PEFT adapter folder
     naming `folder` as its base), which is the path returned. The folder is written next to its place and renamed
     into it, so a run killed while writing leaves no half folder. A folder holding another model is a
-    ModelLoadError (this output_dir was started from another model)."""
+    ModelLoadError (this output_dir was started from another model). `print_`: the model's `fingerprint` when the
+    caller has it already (it reads every tensor)."""
     folder = Path(folder).absolute()
-    print_ = fingerprint(model)
+    print_ = print_ or fingerprint(model)
     peft = is_peft_model(model)
     options = peft_lora_options(peft_parts(model)[3]) if peft else {}
     path = folder / "adapter" if peft else folder
@@ -265,5 +304,5 @@ def save_loaded(model: Any, folder: str | os.PathLike, task: str, tokenizer: Any
     return str(path), options
 
 
-__all__ = ["StateDictReader", "adapter_lora_options", "convert", "convert_peft", "is_peft_model", "is_pretrained_model",
-           "is_torch_module", "save_loaded"]
+__all__ = ["StateDictReader", "adapter_lora_options", "convert", "convert_peft", "first_difference", "is_peft_model",
+           "is_pretrained_model", "is_torch_module", "save_loaded"]
