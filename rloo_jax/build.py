@@ -197,9 +197,9 @@ def policy(cfg: TrainConfig, model: Any, adapter_dir: str | None = None) -> Poli
     PEFT adapter folder on `model`: its adapters are the starting ones (use_peft on, its LoRA options the run's:
     `check_adapter_options`).
 
-    The reference with LoRA is TRL 1.16's: new adapters (B = 0) start as the base, whose forward with the adapters
-    off is the reference (no copy); given adapters start elsewhere, so a frozen copy of them is the reference
-    (TRL copies a PeftModel's adapter into a "ref" adapter)."""
+    The reference with LoRA is TRL's: new adapters (B = 0) start as the base, whose forward with the adapters off
+    is the reference (no copy); given adapters start elsewhere, and TRL 1.16's RLOO / GRPO copy them into a frozen
+    "ref" adapter, the reference here too (`cfg.reference_copies_given_adapters`; TRL 1.12's PPO disables them)."""
     abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
     if adapter_dir is not None:
         check_adapter_options(cfg, model.config.family, adapter_dir)
@@ -224,8 +224,8 @@ def policy(cfg: TrainConfig, model: Any, adapter_dir: str | None = None) -> Poli
                                                                                             ADAPTER_WEIGHTS))
     graphdef, adapters, _ = split_adapters(lora_model)
     ref = None
-    if adapter_dir is not None and cfg.uses_reference:  # a copy: update() donates the adapters
-        ref = adapters if abstract else jax.tree.map(jnp.copy, adapters)
+    if adapter_dir is not None and cfg.uses_reference and cfg.reference_copies_given_adapters:
+        ref = adapters if abstract else jax.tree.map(jnp.copy, adapters)  # a copy: update() donates the adapters
     return Policy(graphdef, adapters, ref, base, ref_graphdef)
 
 

@@ -771,6 +771,13 @@ class TrainConfig:
         return self.beta > 0
 
     @property
+    def reference_copies_given_adapters(self) -> bool:
+        """LoRA from given adapters (a PeftModel, a PEFT adapter folder): whether the reference is the base with a
+        frozen copy of them (TRL 1.16's RLOO / GRPO: its "ref" adapter) rather than the base with the adapters off
+        (TRL 1.12's PPO: `disable_adapter()`)."""
+        return True
+
+    @property
     def policy_path(self) -> str | None:
         """The policy's checkpoint (PPO: sft_model_path when set, as TRL's scripts)."""
         return self.model_name_or_path
@@ -1487,6 +1494,10 @@ class PPOConfig(TrainConfig):
     @property
     def uses_reference(self) -> bool:
         return True
+
+    @property
+    def reference_copies_given_adapters(self) -> bool:
+        return False
 
     @property
     def policy_path(self) -> str | None:

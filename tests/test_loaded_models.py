@@ -4,6 +4,7 @@ output_dir are what config.yaml names, a resume reuses them, and what we cannot 
 
 import json
 
+import jax
 import ml_dtypes
 import numpy as np
 import peft
@@ -211,6 +212,26 @@ def test_peft_model_trains_as_its_adapter_folder(models, tmp_path):
         check_adapter_options(mismatched, family, str(adapter_dir))
     with pytest.raises(ConfigError, match="is a PEFT adapter folder: set use_peft"):
         check_adapter_options(rloo_jax.RLOOConfig(output_dir=str(tmp_path / "cli"), **args), family, str(adapter_dir))
+
+
+def test_the_reference_of_given_adapters_follows_each_trl(models, tmp_path):
+    """Given adapters (a PEFT adapter folder, as a PeftModel is written): RLOO / GRPO (TRL 1.16) keep a frozen copy
+    of them as the reference (their "ref" adapter), PPO (TRL 1.12) the base with the adapters off (no copy); new
+    adapters and beta 0 keep none."""
+    from rloo_jax.build import policy
+
+    adapter_dir = tmp_path / "adapter"
+    _peft_model(models).save_pretrained(adapter_dir)
+    lora = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"])
+    base = load_causal_lm(models["policy_dir"])
+    rloo = policy(rloo_jax.RLOOConfig(output_dir=str(tmp_path), beta=0.05, **lora), base, str(adapter_dir))
+    assert jax.tree.structure(rloo.ref_params) == jax.tree.structure(rloo.params)
+    for a, b in zip(jax.tree.leaves(rloo.ref_params), jax.tree.leaves(rloo.params), strict=True):
+        assert a is not b and np.array_equal(np.asarray(a), np.asarray(b)) and np.abs(np.asarray(a)).max() > 0
+    assert policy(rloo_jax.RLOOConfig(output_dir=str(tmp_path), beta=0.0, **lora), base,
+                  str(adapter_dir)).ref_params is None
+    assert policy(rloo_jax.RLOOConfig(output_dir=str(tmp_path), beta=0.05, **lora), base).ref_params is None
+    assert policy(rloo_jax.PPOConfig(output_dir=str(tmp_path), **lora), base, str(adapter_dir)).ref_params is None
 
 
 def test_what_is_refused(models, tmp_path):
