@@ -38,10 +38,11 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check rloo_jax tests bench notebooks scripts
 
 # JAX_PLATFORMS=cpu: libtpu (test extra) is installed, but tests run on the CPU and compile for TPUs ahead of time.
-# Two workers, each taking whole test files (their module fixtures build once); PYTEST_WORKERS=0 runs serially.
+# Two workers, each taking whole test files (their module fixtures build once); PYTEST_WORKERS=0 runs serially; the
+# 15 slowest tests are listed at the end (CI's budget: well under 25 minutes on the 2-core machine).
 PYTEST_WORKERS ?= 2
 test: lint
-	$(OFFLINE) JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(OFFLINE) JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations 15 $(PYTEST_ARGS)
 
 # The suite on the accelerator JAX finds (JAX_PLATFORMS empty): float32 tests compute at `highest` matmul precision
 # and XLA's deterministic GPU ops are on (tests/conftest.py); tests marked cpu_only are skipped, each with its reason;
