@@ -498,7 +498,7 @@ def test_tpu_logprob_loop_reads_the_stored_codes_in_place():
     """The rollout's log-prob passes (`Step.finish`: a loop over micro-batches around the layers' scan) multiply
     each layer's codes where they are stored: no copy of a stacked [L, ...] array of the base before the loop.
     Left free, the TPU compiler met the layout its matmul over many rows asks for ([din/K, K, dout]) by relayouting
-    the whole stacked codes before the loop (Session 11: 2.3 GB per chip of Llama-3.1-70B on a v5e-16, live
+    the whole stacked codes before the loop (Session 11: 2.1 GB per chip of Llama-3.1-70B on a v5e-16, live
     through the decode loop); `transformer._codes` pins the stored layout and relayouts one gathered layer at a
     time. Compiled for a v5e-8, fsdp over its 8 chips, 4 nf4 layers at Llama-3.1-8B widths, 2 micro-batches."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec

@@ -196,7 +196,7 @@ def _codes(v: nnx.Variable, wide: bool) -> jax.Array:
     kernel's row order, which the TPU compiler's matmul over many rows asks for; a decode step's takes the stored
     one). Left free, the compiler met that request in the log-prob passes (a loop over micro-batches around the
     layers' scan) by relayouting the whole stacked [L, ...] codes before the loop, where the copy lived through
-    the decode loop: 2.3 GB per chip of Llama-3.1-70B on a v5e-16 (BENCHMARKS.md, Session 11). Here it costs one
+    the decode loop: 2.1 GB per chip of Llama-3.1-70B on a v5e-16 (BENCHMARKS.md, Session 11). Here it costs one
     layer's codes at a time."""
     if attention.target_platform() != "tpu":
         return _unsharded_embed(v)
