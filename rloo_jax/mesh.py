@@ -49,6 +49,7 @@ __all__ = [
     "logical_to_spec",
     "make_mesh",
     "param_shardings",
+    "pin_layout",
     "process_slice",
     "replicate",
     "replicated",
@@ -260,9 +261,17 @@ def kv_cache_sharding(mesh: Mesh, shape: Sequence[int], rules: Rules = LOGICAL_R
 
 def row_major(x: jax.Array, logical: Sequence[str | None], rules: Rules = LOGICAL_RULES) -> jax.Array:
     """Inside a jit: ``x`` kept in row-major memory layout (last dimension minor), laid out over the context mesh
-    by its logical axis names as in `constrain`. The layout is pinned on each device's shard (``shard_map``): XLA's
-    SPMD partitioner does not split a layout constraint and would gather the whole array onto every device."""
-    layout = Layout(major_to_minor=tuple(range(x.ndim)))
+    by its logical axis names as in `constrain` (`pin_layout`)."""
+    return pin_layout(x, logical, tuple(range(x.ndim)), rules)
+
+
+def pin_layout(x: jax.Array, logical: Sequence[str | None], major_to_minor: Sequence[int],
+               rules: Rules = LOGICAL_RULES) -> jax.Array:
+    """Inside a jit: ``x`` in the memory layout ``major_to_minor`` (its dimensions from the most major to the
+    minor one: ``(0, 1, 2)`` row-major; ``(1, 0, 2)`` the first two swapped), laid out over the context mesh by its
+    logical axis names as in `constrain`. The layout is pinned on each device's shard (``shard_map``): XLA's SPMD
+    partitioner does not split a layout constraint and would gather the whole array onto every device."""
+    layout = Layout(major_to_minor=tuple(major_to_minor))
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return with_layout_constraint(x, layout)

@@ -17,9 +17,10 @@ pass and the update all read the codes; no full-precision copy of the base exist
   scales float32 [1, din/K, dout]: code [k, b, o] is weight W[b * K + k, o]. The weight is never reshaped, so the
   dequantization fuses into the matmul (`blocked_matmul`: the TPU compiler reads the 4-bit codes from HBM and
   never writes the bf16 weight back; BENCHMARKS.md, Session 7), and K leads because that is the layout the TPU
-  compiler gives the codes in every loop that multiplies them (the decode loop, the backward pass): stored
-  [din/K, K, dout], each loop began with a relayouted copy of the whole stacked base, 4.9 GB per chip of
-  Llama-3.1-70B on a v5e-8, twice in the rollout (BENCHMARKS.md, Session 9).
+  compiler gives the codes in the decode loop: stored [din/K, K, dout], each loop began with a relayouted copy of
+  the whole stacked base, 4.9 GB per chip of Llama-3.1-70B on a v5e-8, twice in the rollout (BENCHMARKS.md,
+  Session 9). Products over many positions (prefill, log-prob and training forwards) want [din/K, K, dout]; the
+  model relayouts one gathered layer at a time for them (`transformer._codes`, Session 11).
 - **double quantization** (`use_bnb_nested_quant`, bitsandbytes' bnb_4bit_use_double_quant): the 4-bit scales
   themselves as uint8 codes of a float32 scale per group of g = gcd(dout, 256) consecutive output columns:
   s ~ code8 * s2, s2 = max(s) / 255 over the group. 4 -> 1 byte per 64 weights (+ 4 per 64 x 256).

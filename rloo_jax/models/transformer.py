@@ -45,7 +45,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from rloo_jax import quant
-from rloo_jax.mesh import KV_CACHE_AXES, constrain, row_major
+from rloo_jax.mesh import KV_CACHE_AXES, constrain, pin_layout, row_major
 from rloo_jax.models import attention
 from rloo_jax.models.attention import attend, attend_shared_prompt, visible
 from rloo_jax.models.config import ModelConfig, ModelLoadError, rope_attention_factor, rope_inv_freq
@@ -175,13 +175,36 @@ class LoRAParam(nnx.Param):
     split from the frozen base with `nnx.split(model, LoRAParam, nnx.Param)`."""
 
 
+def _logical(v: nnx.Variable, ndim: int) -> tuple[str | None, ...]:
+    """A parameter's logical axis names, the trailing `ndim` of them: a stacked parameter's slice inside the layer
+    scan has lost the leading "layers"."""
+    return tuple(v.get_metadata().get("out_sharding") or (None,) * ndim)[-ndim:]
+
+
 def _unsharded_embed(v: nnx.Variable) -> jax.Array:
     """A parameter's value laid out with its `embed` axis whole (gathered over fsdp) and its other axes as the rule
-    table splits them, on the mesh traced on (a no-op without one). The trailing axes of its logical names: a
-    stacked parameter's slice inside the layer scan has lost the leading "layers"."""
+    table splits them, on the mesh traced on (a no-op without one)."""
     x = v[...]
-    axes = tuple(v.get_metadata().get("out_sharding") or (None,) * x.ndim)[-x.ndim:]
-    return constrain(x, tuple(None if a == "embed" else a for a in axes))
+    return constrain(x, tuple(None if a == "embed" else a for a in _logical(v, x.ndim)))
+
+
+def _codes(v: nnx.Variable, wide: bool) -> jax.Array:
+    """A 4-bit weight's codes [K, din/K, dout] as the matmul reads them, gathered over fsdp (`_unsharded_embed`).
+
+    Traced for a TPU, the layer's slice is read in the stored layout and, in a `wide` product (several positions
+    per row: a prefill, a log-prob or training forward), relayouted after the gather to [din/K, K, dout] (the
+    kernel's row order, which the TPU compiler's matmul over many rows asks for; a decode step's takes the stored
+    one). Left free, the compiler met that request in the log-prob passes (a loop over micro-batches around the
+    layers' scan) by relayouting the whole stacked [L, ...] codes before the loop, where the copy lived through
+    the decode loop: 2.1 GB per chip of Llama-3.1-70B on a v5e-16 (BENCHMARKS.md, Session 11). Here it costs one
+    layer's codes at a time."""
+    if attention.target_platform() != "tpu":
+        return _unsharded_embed(v)
+    x = v[...]
+    axes = _logical(v, x.ndim)
+    gathered = tuple(None if a == "embed" else a for a in axes)
+    x = constrain(row_major(x, axes), gathered)
+    return pin_layout(x, gathered, (1, 0, 2)) if wide else x
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -235,14 +258,16 @@ class Dense(nnx.Module):
         self.lora_scale = cfg.lora.scale if r else 0.0
         self.lora_dropout = cfg.lora.dropout if r else 0.0
 
-    def weight(self) -> jax.Array:
+    def weight(self, wide: bool = False) -> jax.Array:
         """The kernel in the compute dtype: [din, dout], or dequantized from its codes ([K, din/K, dout] for 4-bit,
         `quant.blocked_matmul` takes either). Codes and scales are gathered whole over fsdp first: left to itself
-        the partitioner dequantized the shards and gathered the bf16 weight, 4x the bytes over ICI (BENCHMARKS.md)."""
+        the partitioner dequantized the shards and gathered the bf16 weight, 4x the bytes over ICI (BENCHMARKS.md).
+        `wide`: the product has several positions per row (`_codes`)."""
         if self.quant is None:
             return self.kernel[...].astype(self.dtype)
-        stored = {n: _unsharded_embed(v) for n, v in (("codes", self.qkernel), ("scale", self.qscale),
-                                                       ("scale2", self.qscale2)) if v is not None}
+        stored = {n: _codes(v, wide) if n == "codes" and self.quant.bits == 4 else _unsharded_embed(v)
+                  for n, v in (("codes", self.qkernel), ("scale", self.qscale), ("scale2", self.qscale2))
+                  if v is not None}
         return quant.dequantize(stored, self.quant, self.dtype)
 
     def lora_input(self, x: jax.Array, a: nnx.Param, key: jax.Array | None) -> jax.Array:
@@ -255,7 +280,7 @@ class Dense(nnx.Module):
         # dot natively; a bf16-output dot it widens to f32 with a convert of both operands first.
         # Leading dims flattened: [B, T, din] -> [B*T, din], so the weight gradient contracts one token axis
         # (a 3-D dot made XLA:CPU transpose the activations for it; -12% fwd+bwd time on the MLP, BENCHMARKS.md).
-        w = self.weight()
+        w = self.weight(wide=x.ndim > 2 and x.shape[-2] > 1)
         y = quant.blocked_matmul(x.reshape(-1, x.shape[-1]).astype(self.dtype), w)
         y = y if self.bias is None else y + self.bias[...].astype(jnp.float32)
         if self.lora_b is not None:
