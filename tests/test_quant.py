@@ -439,6 +439,25 @@ def test_tpu_decodes_from_4bit_codes_at_their_floor():
     assert ici[None] > 0.7  # the bf16 weights, 4x the codes' bytes, gathered alike
 
 
+def _abstract_nf4_llama(mesh, layers, d, heads, dh, f, **options):
+    """An abstract nf4 Llama (bf16) with its parameters on `mesh`'s shardings, and the per-chip shapes of its
+    stacked [L, ...] arrays (at least three kinds)."""
+    from rloo_jax.mesh import param_shardings
+    from rloo_jax.models.config import ModelConfig
+    from rloo_jax.models.transformer import CausalLM
+
+    cfg = ModelConfig(family="llama", model_type="llama", vocab_size=256, hidden_size=d, num_layers=layers,
+                      num_heads=heads, num_kv_heads=8, head_dim=dh, intermediate_size=f, norm_eps=1e-5,
+                      hidden_act="silu", rope_theta=1e4, rotary_dim=dh, dtype="bfloat16", param_dtype="bfloat16",
+                      quant=QuantSpec("nf4"), **options)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))))
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                          param_shardings(params, mesh))
+    stacked = {x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(params) if x.ndim == 4}  # [L, ...] per chip
+    assert len(stacked) >= 3
+    return graphdef, params, stacked
+
+
 @pytest.mark.slow
 def test_tpu_decode_loop_reads_the_stored_codes_in_place():
     """The decode loop multiplies each layer's codes as they are stored: no copy of a stacked [L, ...] array of the
@@ -448,10 +467,8 @@ def test_tpu_decode_loop_reads_the_stored_codes_in_place():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from rloo_jax import hlo
-    from rloo_jax.mesh import param_shardings
     from rloo_jax.models.attention import compile_target
-    from rloo_jax.models.config import ModelConfig
-    from rloo_jax.models.transformer import CausalLM, DecodeCache, PromptCache
+    from rloo_jax.models.transformer import DecodeCache, PromptCache
     from rloo_jax.tpu import parse_slice, quiet_stderr, topology_devices
 
     # Llama-3.1-8B's widths: at 2048 x 8192 (and on a v5e-4) the compiler kept every stack in place, old storage too
@@ -465,15 +482,7 @@ def test_tpu_decode_loop_reads_the_stored_codes_in_place():
     kv = [sds((layers, rows, 8, n, dh), jnp.bfloat16, *rs) for n in (p, p, slots, slots)]
     cache = DecodeCache(prompt=PromptCache(k=kv[0], v=kv[1], mask=sds((rows, p), jnp.int32, rs[1]),
                                            lengths=sds((rows,), jnp.int32, rs[1])), k=kv[2], v=kv[3])
-    cfg = ModelConfig(family="llama", model_type="llama", vocab_size=256, hidden_size=d, num_layers=layers,
-                      num_heads=heads, num_kv_heads=8, head_dim=dh, intermediate_size=f, norm_eps=1e-5,
-                      hidden_act="silu", rope_theta=1e4, rotary_dim=dh, dtype="bfloat16", param_dtype="bfloat16",
-                      quant=QuantSpec("nf4"))
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))))
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
-                          param_shardings(params, mesh))
-    stacked = {x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(params) if x.ndim == 4}  # [L, ...] per chip
-    assert len(stacked) >= 3
+    graphdef, params, stacked = _abstract_nf4_llama(mesh, layers, d, heads, dh, f)
 
     def loop(params, tokens, cache):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -504,10 +513,7 @@ def test_tpu_logprob_loop_reads_the_stored_codes_in_place():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from rloo_jax import hlo
-    from rloo_jax.mesh import param_shardings
     from rloo_jax.models.attention import compile_target
-    from rloo_jax.models.config import ModelConfig
-    from rloo_jax.models.transformer import CausalLM
     from rloo_jax.step import completion_logps
     from rloo_jax.tpu import parse_slice, quiet_stderr, topology_devices
 
@@ -518,15 +524,7 @@ def test_tpu_logprob_loop_reads_the_stored_codes_in_place():
     def sds(shape, dtype, *spec):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
 
-    cfg = ModelConfig(family="llama", model_type="llama", vocab_size=256, hidden_size=d, num_layers=layers,
-                      num_heads=d // 128, num_kv_heads=8, head_dim=128, intermediate_size=f, norm_eps=1e-5,
-                      hidden_act="silu", rope_theta=1e4, rotary_dim=128, dtype="bfloat16", param_dtype="bfloat16",
-                      quant=QuantSpec("nf4"), attn_implementation="splash")
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))))
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
-                          param_shardings(params, mesh))
-    stacked = {x.sharding.shard_shape(x.shape) for x in jax.tree.leaves(params) if x.ndim == 4}  # [L, ...] per chip
-    assert len(stacked) >= 3
+    graphdef, params, stacked = _abstract_nf4_llama(mesh, layers, d, d // 128, 128, f, attn_implementation="splash")
 
     def passes(params, prompt_ids, completion_ids):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
