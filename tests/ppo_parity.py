@@ -82,6 +82,21 @@ def trl_prompt_order(seed: int, n: int, local_batch_size: int, updates: int) -> 
     return _trl_prompt_order(seed, n, local_batch_size, updates)
 
 
+# `"peft": True` in the options: the policy is `peft_policy(...)`, a PeftModel with non-zero adapters (LoRA on q/v,
+# random A and B), whose reference in TRL 1.12 is the base with the adapters off (`disable_adapter()`)
+PEFT = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+
+def peft_policy(path: str) -> Any:
+    """The causal LM at `path` as a peft PeftModel with non-zero adapters (seeded: the same for every call)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    return peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), peft.LoraConfig(**PEFT))
+
+
 def local_batch_size(options: dict[str, Any]) -> int:
     return options["per_device_train_batch_size"] * options["gradient_accumulation_steps"]
 
@@ -121,10 +136,11 @@ def _trl_driver(out: str) -> None:
     with open(os.path.join(out, "spec.json")) as f:
         spec = json.load(f)
     models, options = spec["models"], dict(spec["options"])
+    with_peft = options.pop("peft", False)
     lbs = local_batch_size(options)
     tok = tokenizer()
-    policy = AutoModelForCausalLM.from_pretrained(models["policy"])
-    ref = AutoModelForCausalLM.from_pretrained(models["policy"])
+    policy = peft_policy(models["policy"]) if with_peft else AutoModelForCausalLM.from_pretrained(models["policy"])
+    ref = None if with_peft else AutoModelForCausalLM.from_pretrained(models["policy"])
     reward = AutoModelForSequenceClassification.from_pretrained(models["reward"], num_labels=1)
     value = AutoModelForSequenceClassification.from_pretrained(models["value"], num_labels=1)
     args = PPOConfig(output_dir=os.path.join(out, "trl"), total_episodes=UPDATES * lbs, report_to=[], use_cpu=True,
@@ -152,6 +168,8 @@ def _trl_driver(out: str) -> None:
     trainer.train()
     logs = [{k: float(v) for k, v in r.items() if isinstance(v, int | float)} for r in trainer.state.log_history]
     weights = {f"policy/{k}": v.detach().numpy() for k, v in policy.state_dict().items()}
+    if with_peft:  # the trained adapters, by their adapter-file names (ours: final/adapter_model.safetensors)
+        weights = {k.replace(".default.", "."): v for k, v in weights.items() if ".default." in k}
     weights.update({f"value/{k}": v.detach().numpy() for k, v in value.state_dict().items()})
     np.savez(os.path.join(out, "trl_weights.npz"), **weights)
     with open(os.path.join(out, "trl.json"), "w") as f:
@@ -166,6 +184,8 @@ def run_ours(models: dict[str, str], out: str, options: dict[str, Any]) -> dict[
     from rloo_jax import PPOConfig, PPOTrainer
     from rloo_jax.models.hf import TensorReader
 
+    options = dict(options)
+    with_peft = options.pop("peft", False)
     lbs = local_batch_size(options)
     rows = prompts(3 * lbs)
     order = [i for batch in trl_prompt_order(options["seed"], len(rows), lbs, UPDATES) for i in batch]
@@ -173,8 +193,9 @@ def run_ours(models: dict[str, str], out: str, options: dict[str, Any]) -> dict[
     data = datasets.Dataset.from_dict({"input_ids": [rows[i] for i in order + rest]})
     args = PPOConfig(output_dir=out, total_episodes=UPDATES * lbs, shuffle_dataset=False, top_k=1, bf16=False,
                      report_to="none", save_steps=1000, logging_steps=1, log_completions=True, **options)
-    PPOTrainer(args=args, processing_class=None, model=models["policy"], ref_model=None, reward_model=models["reward"],
-               train_dataset=data, value_model=models["value"]).train()
+    policy = peft_policy(models["policy"]) if with_peft else models["policy"]
+    PPOTrainer(args=args, processing_class=None if not with_peft else tokenizer(), model=policy, ref_model=None,
+               reward_model=models["reward"], train_dataset=data, value_model=models["value"]).train()
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     with open(os.path.join(out, "rollouts.jsonl")) as f:
@@ -199,9 +220,9 @@ def completion_texts(token_rows: list[list[int]], stop: int | None) -> list[str]
     return texts
 
 
-def compare(theirs: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
-    """The largest (absolute, relative) difference of each logged metric over the updates, the largest weight
-    difference, and whether the completions agree."""
+def compare(theirs: dict[str, Any], ours: dict[str, Any], weights: str = "") -> dict[str, Any]:
+    """The largest (absolute, relative) difference of each logged metric over the updates, and the largest weight
+    difference over the weights whose names start with `weights` ("policy/", "value/"; "": all)."""
     trl_logs = [r for r in theirs["logs"] if "objective/kl" in r]
     our_logs = [r for r in ours["records"] if "objective/kl" in r]
     assert len(trl_logs) == len(our_logs) == UPDATES, (len(trl_logs), len(our_logs))
@@ -213,7 +234,8 @@ def compare(theirs: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         metrics[name] = (float(diff.max()), float((diff / np.maximum(np.abs(a), 1e-12)).max()))
     common = sorted(set(theirs["weights"]) & set(ours["weights"]))
     assert len(common) == len(theirs["weights"]), sorted(set(theirs["weights"]) - set(ours["weights"]))
-    weight = max(float(np.abs(theirs["weights"][k] - ours["weights"][k]).max()) for k in common)
+    weight = max(float(np.abs(theirs["weights"][k] - ours["weights"][k]).max())
+                 for k in common if k.startswith(weights))
     return {"metrics": metrics, "weights": weight}
 
 

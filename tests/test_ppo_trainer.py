@@ -25,6 +25,12 @@ CASES = {
     "no_stop_k3_whiten": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=1,
                               num_ppo_epochs=1, kl_estimator="k3", whiten_rewards=True, kl_coef=0.1, gamma=0.97,
                               lam=0.9),
+    # a PeftModel with non-zero adapters as the policy: TRL 1.12's reference is its base, adapters off (objective/kl
+    # 1.9 on both sides at the first update; a frozen copy of the adapters would give ~0). Weights compared: the
+    # policy's adapters (measured 3.2e-6); the value model, trained whole as in the cases above, had one element of
+    # layers.1 q_proj 1.2e-4 apart here (Adam's noise on a near-zero gradient; every other within 2.5e-6)
+    "peft_model_policy": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2,
+                              num_ppo_epochs=2, kl_estimator="k1", kl_coef=0.2, peft=True),
 }
 COMMON = dict(response_length=6, temperature=1.0, learning_rate=1e-3, seed=5)
 # float32 on both sides: measured worst 4.8e-7 abs over every logged metric of both cases (objective/entropy; ratios
@@ -53,7 +59,7 @@ def test_ppo_trainer_equals_trl112(case, models, tmp_path):
     trl_texts = [t for batch in theirs["completions"] for t in pp.completion_texts(batch, stop)]
     our_texts = [r["completion"] for r in ours["rollouts"]]
     assert our_texts == trl_texts
-    result = pp.compare(theirs, ours)
+    result = pp.compare(theirs, ours, "policy/" if options.get("peft") else "")
     for name, (abs_diff, rel_diff) in result["metrics"].items():
         assert abs_diff <= TOLERANCE["abs"] or rel_diff <= TOLERANCE["rel"], (name, abs_diff, rel_diff)
     assert result["weights"] <= 1e-4, result["weights"]
