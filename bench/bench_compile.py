@@ -64,8 +64,8 @@ def count_recompiles(model_dir: str, data: str, steps: int) -> dict:
     """Compiles/traces in steps 2..steps of one in-process training run."""
     import jax
 
+    from rloo_jax import loop as train_mod
     from rloo_jax import programs as programs_mod
-    from rloo_jax import train as train_mod
     from rloo_jax.config import load_config
 
     events: list[tuple[float, str]] = []

@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from rloo_jax.build import NEVER, skip_if_not_finite  # noqa: E402
+from rloo_jax.optimizer import NEVER, skip_if_not_finite  # noqa: E402
 
 SHAPES = [(836, 512)] * 2 + [(512, 512)] * 24 + [(512, 2048)] * 12 + [(2048, 512)] * 6
 

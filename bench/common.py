@@ -15,7 +15,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rloo_jax.cli import cpu_compile_flags  # noqa: E402
+from rloo_jax.backend import cpu_compile_flags  # noqa: E402
 
 cpu_compile_flags()  # the trainer's XLA flags, so in-process figures match `python -m rloo_jax.train`
 

@@ -64,9 +64,9 @@ def __getattr__(name: str) -> object:
     """`rloo_jax.RLOOTrainer`, imported on first use: it imports the training loop (`rloo_jax.train`), which
     `python -m rloo_jax.train` must find not yet imported."""
     if name in ("RLOOTrainer", "GRPOTrainer", "PPOTrainer"):
-        from rloo_jax import trainer
+        from rloo_jax import trainers
 
-        return getattr(trainer, name)
+        return getattr(trainers, name)
     if name in ("GRPOConfig", "PPOConfig"):
         from rloo_jax import config
 

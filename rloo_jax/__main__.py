@@ -1,7 +1,7 @@
-"""`python -m rloo_jax` is `python -m rloo_jax.train`."""
+"""`python -m rloo_jax` is `python -m rloo_jax.train`: the command line (`rloo_jax.cli`)."""
 
 import sys
 
-from rloo_jax.train import main
+from rloo_jax.cli import main
 
 sys.exit(main())

@@ -10,27 +10,23 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from flax import nnx
 
 from rloo_jax import demo, outputs
-from rloo_jax.config import TrainConfig, replace
-from rloo_jax.data import FILE_BUILDERS, PromptEncoder, load_prompt_dataset
+from rloo_jax.config import TrainConfig
+from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError, DataError
-from rloo_jax.lora import quantize_base, split_adapters, with_adapters
 from rloo_jax.mesh import _resolve_mesh_shape, host_memory, rollout_shape
 from rloo_jax.metrics import check_report_to
 from rloo_jax.models import ModelLoadError, abstract_model, attention, load_causal_lm, load_tokenizer, lora_spec
 from rloo_jax.models.hf import adapter_base, resolve_checkpoint
+from rloo_jax.models.lora import quantize_base, split_adapters, with_adapters
 from rloo_jax.numerics import resolved_settings
 from rloo_jax.rewards import (
     RewardFunction,
@@ -43,112 +39,6 @@ from rloo_jax.sampling import SamplingConfig, compute_dtype_weights
 from rloo_jax.step import ImportanceSampling, StepConfig
 
 logger = logging.getLogger("rloo_jax")
-CACHE_ROOT = os.environ.get("RLOO_JAX_CACHE", os.path.join("~", ".cache", "rloo_jax"))
-NEVER = int(np.iinfo(np.int32).max)  # optax's counters saturate there: `count > NEVER` is never true
-
-
-# ------------------------------------------------------------------------------------------------ optimizer
-def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
-    """transformers' schedules from optax's, counted in optimizer steps (step 0 = the first update).
-
-    Warmup: lr * s / W for s < W. Then linear: lr * (T - s) / (T - W); cosine: lr * (1 + cos(pi * progress)) / 2;
-    constant(_with_warmup): lr. E.g. linear, lr 1, W 2, T 6: [0, 0.5, 1, 0.75, 0.5, 0.25].
-    """
-    decay_steps = max(1, total_steps - warmup_steps)
-    if kind == "constant":
-        return optax.constant_schedule(learning_rate)
-    if kind == "linear":
-        after = optax.linear_schedule(learning_rate, 0.0, decay_steps)
-    elif kind == "cosine":
-        after = optax.cosine_decay_schedule(learning_rate, decay_steps)
-    elif kind == "constant_with_warmup":
-        after = optax.constant_schedule(learning_rate)
-    else:
-        raise ConfigError(f"lr_scheduler_type {kind!r} is not supported")
-    if warmup_steps == 0:
-        return after
-    return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), after], [warmup_steps])
-
-
-def decay_mask(params: Any) -> Any:
-    """Weight decay on matrices only (as transformers skips biases and norms): `kernel`, `embedding` and LoRA's
-    A and B leaves. By name, not by rank: a stacked block's norm scale [L, D] is 2-D but no matrix."""
-    matrices = {"kernel", "embedding", "lora_a", "lora_b", "qkv_lora_a", "gate_up_lora_a"}
-
-    def is_matrix(path: tuple, _: Any) -> bool:
-        return bool({getattr(k, "key", getattr(k, "name", None)) for k in path} & matrices)
-
-    return jax.tree_util.tree_map_with_path(is_matrix, params)
-
-
-def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
-    """Warmup in optimizer steps: warmup_steps >= 1 as is, a fraction in [0, 1) (warmup_steps or warmup_ratio)
-    of `total_steps` rounded up (transformers' rule). warmup_steps 0.1 of 25 steps -> 3."""
-    if cfg.warmup_steps >= 1:
-        return int(cfg.warmup_steps)
-    return math.ceil((cfg.warmup_steps or cfg.warmup_ratio) * total_steps)
-
-
-def make_optimizer(
-    cfg: TrainConfig, total_steps: int, platform: str | None = None, updates_per_step: int = 1
-) -> tuple[optax.GradientTransformation, Callable]:
-    """clip_by_global_norm -> AdamW (first moment in `mu_dtype`; decay on matrices only), skipped whole on
-    non-finite gradients: `skip_if_not_finite` for an accelerator, `optax.apply_if_finite` on CPU (the same state
-    and numbers; XLA:CPU does not fuse the selects into AdamW's loops: 126 against 81 ms per update of a 26M-parameter
-    model, BENCHMARKS.md Session 6). `platform`: the backend the program is compiled for (default: JAX's).
-
-    The schedule (returned too) is counted in the run's steps; `updates_per_step` optimizer updates share one step's
-    rate (TRL 1.12's PPO steps its scheduler once per PPO update, whatever the optimizer steps in it)."""
-    schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, warmup_steps(cfg, total_steps), total_steps)
-    by_update = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
-    adamw = optax.adamw(
-        by_update,
-        b1=cfg.adam_beta1,
-        b2=cfg.adam_beta2,
-        eps=cfg.adam_epsilon,
-        mu_dtype=cfg.mu_dtype,
-        weight_decay=cfg.weight_decay,
-        mask=decay_mask,
-    )
-    chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    # Non-finite gradients skip the whole update (params and AdamW moments kept). The consecutive-skip limit is
-    # enforced on the host (`skipped_updates`).
-    inner = optax.chain(*chain, adamw)
-    if (platform or jax.default_backend()) == "cpu":
-        return optax.apply_if_finite(inner, max_consecutive_errors=NEVER), schedule
-    return skip_if_not_finite(inner), schedule
-
-
-def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """`optax.apply_if_finite(inner, max_consecutive_errors=<never>)` as elementwise selects: the update is always
-    computed, then every leaf of the updates (0) and of the optimizer state (its old value) is kept where any
-    gradient is not finite. The same state (`optax.ApplyIfFiniteState`, read by `train.skipped_updates`) and the
-    same numbers. Without apply_if_finite's `lax.cond` XLA fuses each leaf's moments, update and parameter into one
-    kernel that writes them in place (the donated state); the cond made it hold new and old copies of the moments
-    and the updates apart (Llama-3.1-8B full fine-tuning on a v5e-16, BENCHMARKS.md Session 5). On CPU, where XLA
-    does not fuse the selects, `make_optimizer` takes apply_if_finite."""
-    inner = optax.with_extra_args_support(inner)
-
-    def init(params: Any) -> optax.ApplyIfFiniteState:
-        return optax.ApplyIfFiniteState(
-            notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True, jnp.bool_),
-            total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params),
-        )
-
-    def update(updates: Any, state: optax.ApplyIfFiniteState, params: Any = None, **extra: Any) -> tuple:
-        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates)]))
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-        new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
-        new_inner = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_inner, state.inner_state)
-        bump = optax.safe_int32_increment
-        return new_updates, optax.ApplyIfFiniteState(
-            notfinite_count=jnp.where(finite, jnp.zeros([], jnp.int32), bump(state.notfinite_count)),
-            last_finite=finite,
-            total_notfinite=jnp.where(finite, state.total_notfinite, bump(state.total_notfinite)),
-            inner_state=new_inner,
-        )
-
-    return optax.GradientTransformationExtraArgs(init, update)
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -193,7 +83,7 @@ class Policy:
 def policy(cfg: TrainConfig, model: Any, adapter_dir: str | None = None) -> Policy:
     """The policy to train from the loaded (or abstract) model: the whole model and a reference copy, or with
     `use_peft` adapters on a frozen base (loaded in the compute dtype by `prepare`); with `load_in_4bit` /
-    `load_in_8bit` that base is quantized first (`rloo_jax.lora.quantize_base`). `adapter_dir`: the policy is a
+    `load_in_8bit` that base is quantized first (`rloo_jax.models.lora.quantize_base`). `adapter_dir`: the policy is a
     PEFT adapter folder on `model`: its adapters are the starting ones (use_peft on, its LoRA options the run's:
     `check_adapter_options`).
 
@@ -334,9 +224,9 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     cfg.require_sources(len(device_paths) + len(sources))
     model_path, dataset = cfg.policy_path, cfg.dataset_name
     if model_path == "demo":
-        model_path = demo.prepare_model(demo.model_dir(CACHE_ROOT, cfg.seed), cfg.seed)
+        model_path = demo.model_folder(cfg.seed)
     if dataset == "demo" and not abstract:
-        dataset = demo.prepare_dataset(os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/data-{cfg.seed}")), cfg.seed)
+        dataset = demo.dataset_folder(cfg.seed)
     if cfg.trust_remote_code:
         logger.warning("note: trust_remote_code has no effect; rloo_jax never runs code shipped with a model")
     model_dir = str(resolve_checkpoint(model_path, weights=not abstract))
@@ -421,7 +311,7 @@ def value_and_reward_models(run: Run, device_paths: list[str], options: dict[str
     if cfg.uses_value_model:
         path = cfg.resolved_value_model_path
         if path == "demo":  # the demo policy's folder: its backbone with a new score head
-            path = demo.prepare_model(demo.model_dir(CACHE_ROOT, cfg.seed), cfg.seed)
+            path = demo.model_folder(cfg.seed)
         folder = str(resolve_checkpoint(path, weights=not abstract))
         check_same_tokenizer(run, folder, "value model")
         if abstract:
@@ -486,46 +376,6 @@ def local_dataset(name: str) -> str:
         raise DataError(f"dataset {name}: no such file or folder ({os.path.abspath(path)}; a hub dataset id is "
                         "`name` or `namespace/name`)")
     return path
-
-
-PATH_OPTIONS = ("model_name_or_path", "reward_model_name_or_path", "dataset_name", "dataset_train_split",
-                "dataset_test_split", "tfds_data_dir", "output_dir")
-
-
-def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
-    """A config dict (`TrainConfig.to_dict()`, or a config.yaml's) with every local path it names absolute (~
-    expanded), as config.yaml and checkpoints record them, so a resume or `python -m rloo_jax.export` from another
-    folder finds them: model_name_or_path, reward_model_name_or_path, dataset_name, dataset_train_split /
-    dataset_test_split when they are data files, tfds_data_dir and a local output_dir (`PATH_OPTIONS`). "demo", hub
-    ids, `tfds:` names, URLs and paths that do not exist (the run fails on them first) stay as given.
-    E.g. {"model_name_or_path": "./m"} run from /home/u -> {"model_name_or_path": "/home/u/m"}."""
-
-    def absolute(name: Any, local: Callable[[str], bool] = outputs.is_local_path) -> Any:
-        if not isinstance(name, str) or not name or name == "demo" or name.startswith("tfds:") or \
-                outputs.is_remote(name) or not local(name):
-            return name
-        path = os.path.expanduser(name)
-        return os.path.abspath(path) if os.path.exists(path) else name
-
-    def data_file(name: str) -> bool:
-        return os.path.splitext(name)[1] in FILE_BUILDERS
-
-    out = dict(values)
-    for key in ("model_name_or_path", "dataset_name"):
-        out[key] = absolute(values.get(key))
-    if isinstance(values.get("reward_model_name_or_path"), list):
-        out["reward_model_name_or_path"] = [absolute(m) for m in values["reward_model_name_or_path"]]
-    for key in ("dataset_train_split", "dataset_test_split"):
-        out[key] = absolute(values.get(key), data_file)
-    for key in ("tfds_data_dir", "output_dir"):
-        out[key] = absolute(values.get(key), lambda _: True)
-    return {k: v for k, v in out.items() if k in values}
-
-
-def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with its local paths absolute (`absolute_paths`)."""
-    paths = absolute_paths(cfg.to_dict())
-    return replace(cfg, **{k: paths[k] for k in PATH_OPTIONS})
 
 
 def given_tokenizer(tokenizer: Any) -> Any:

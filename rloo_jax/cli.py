@@ -1,15 +1,13 @@
 """`python -m rloo_jax.train [rloo|grpo|ppo] [--config FILE.yaml] [--name value ...]`: the command line.
 
 The first word names the algorithm (RLOO by default, or the `algorithm:` a config file records); the options are
-TRL's (`rloo_jax.config`). A training run is the algorithm's trainer (`rloo_jax.trainer`: `RLOOTrainer`,
+TRL's (`rloo_jax.config`). A training run is the algorithm's trainer (`rloo_jax.trainers`: `RLOOTrainer`,
 `GRPOTrainer`, `PPOTrainer`) on the config read from YAML and the command line; `--compile_only` compiles the run's
 programs for a TPU slice instead (`rloo_jax.aot`). Errors in the configuration, the data or the model print one line
 and exit 2.
 """
 
-import importlib.util
 import logging
-import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -18,6 +16,7 @@ import datasets
 import jax
 
 from rloo_jax import aot, demo, numerics
+from rloo_jax.backend import cpu_compile_flags, skip_absent_tpu, start_distributed
 from rloo_jax.checkpoint import NonFiniteError
 from rloo_jax.config import (
     TrainConfig,
@@ -32,53 +31,10 @@ from rloo_jax.config import (
 from rloo_jax.errors import ConfigError, DataError, RewardError
 from rloo_jax.models import ModelLoadError
 from rloo_jax.rewards import format_reward_error
-from rloo_jax.train import start_distributed
-from rloo_jax.trainer import GRPOTrainer, PPOTrainer, RLOOTrainer
+from rloo_jax.trainers import GRPOTrainer, PPOTrainer, RLOOTrainer
 
 logger = logging.getLogger("rloo_jax")
 TRAINERS = {"rloo": RLOOTrainer, "grpo": GRPOTrainer, "ppo": PPOTrainer}
-
-
-def cpu_compile_flags(environ: dict[str, str] = os.environ) -> None:
-    """On a CPU-only install, add ``--xla_llvm_disable_expensive_passes=true`` to XLA_FLAGS (unless set).
-
-    XLA:CPU runs the matmuls in library kernels (YNNPACK/Eigen), so LLVM's expensive passes buy no measured step
-    time but cost ~15% of the first step's compile (BENCHMARKS.md). Accelerator installs are left alone: there
-    LLVM emits the GPU kernels. Must run before the first JAX computation (XLA reads its flags once).
-    """
-    flags = environ.get("XLA_FLAGS", "")
-    accelerators = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin", "libtpu")
-    on_cpu = environ.get("JAX_PLATFORMS", "").strip() == "cpu" or not any(
-        importlib.util.find_spec(name) for name in accelerators
-    )
-    if on_cpu and "xla_llvm_disable_expensive_passes" not in flags:
-        environ["XLA_FLAGS"] = f"{flags} --xla_llvm_disable_expensive_passes=true".strip()
-
-
-def visible_accelerator() -> bool | None:
-    """Whether a TPU chip (on the PCI bus), an NVIDIA or an AMD GPU device is visible, by JAX's own hardware probe
-    (`jax._src.hardware_utils`, which JAX uses to skip absent GPUs); None when that probe is not there."""
-    try:
-        from jax._src import hardware_utils as hw
-
-        return bool(hw.num_available_tpu_chips_and_device_id()[0] > 0 or hw.has_visible_nvidia_gpu()
-                    or hw.num_available_amd_gpus(stop_at=1) > 0)
-    except Exception:  # noqa: BLE001 -- another JAX version: no opinion
-        return None
-
-
-def skip_absent_tpu(environ: dict[str, str] = os.environ) -> bool:
-    """With JAX_PLATFORMS unset on a machine with no accelerator visible (`visible_accelerator`), run on the CPU:
-    JAX would otherwise start every installed backend, and libtpu (the `tpu` or `test` extra) prints errors about
-    the TPU VM it is not on before JAX falls back to the CPU. A TPU VM (chips on the bus), a GPU host, JAX_PLATFORMS
-    set (even empty), JAX_FORCE_TPU_INIT, or no probe: left to JAX. Must run before the first JAX computation.
-    Returns whether it chose the CPU."""
-    if "JAX_PLATFORMS" in environ or "JAX_FORCE_TPU_INIT" in environ or jax.config.jax_platforms:
-        return False
-    if visible_accelerator() is not False:
-        return False
-    jax.config.update("jax_platforms", "cpu")
-    return True
 
 
 def build_config(argv: Sequence[str], device_count: int = 1, process_count: int = 1) -> TrainConfig:

@@ -14,13 +14,14 @@ import math
 import os
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar, Literal
 
 import yaml
 
-from rloo_jax.data import parse_tfds_name
+from rloo_jax import outputs
+from rloo_jax.data import FILE_BUILDERS, parse_tfds_name
 from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.mesh import _resolve_mesh_shape
 from rloo_jax.numerics import MatmulPrecision
@@ -2029,3 +2030,44 @@ def format_help(cls: type[TrainConfig] = None) -> str:
 def _type_name(annotation: Any) -> str:
     text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
     return text.upper() if "[" not in text else text
+
+
+# ------------------------------------------------------------------------------------------------ local paths
+PATH_OPTIONS = ("model_name_or_path", "reward_model_name_or_path", "dataset_name", "dataset_train_split",
+                "dataset_test_split", "tfds_data_dir", "output_dir")
+
+
+def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """A config dict (`TrainConfig.to_dict()`, or a config.yaml's) with every local path it names absolute (~
+    expanded), as config.yaml and checkpoints record them, so a resume or `python -m rloo_jax.export` from another
+    folder finds them: model_name_or_path, reward_model_name_or_path, dataset_name, dataset_train_split /
+    dataset_test_split when they are data files, tfds_data_dir and a local output_dir (`PATH_OPTIONS`). "demo", hub
+    ids, `tfds:` names, URLs and paths that do not exist (the run fails on them first) stay as given.
+    E.g. {"model_name_or_path": "./m"} run from /home/u -> {"model_name_or_path": "/home/u/m"}."""
+
+    def absolute(name: Any, local: Callable[[str], bool] = outputs.is_local_path) -> Any:
+        if not isinstance(name, str) or not name or name == "demo" or name.startswith("tfds:") or \
+                outputs.is_remote(name) or not local(name):
+            return name
+        path = os.path.expanduser(name)
+        return os.path.abspath(path) if os.path.exists(path) else name
+
+    def data_file(name: str) -> bool:
+        return os.path.splitext(name)[1] in FILE_BUILDERS
+
+    out = dict(values)
+    for key in ("model_name_or_path", "dataset_name"):
+        out[key] = absolute(values.get(key))
+    if isinstance(values.get("reward_model_name_or_path"), list):
+        out["reward_model_name_or_path"] = [absolute(m) for m in values["reward_model_name_or_path"]]
+    for key in ("dataset_train_split", "dataset_test_split"):
+        out[key] = absolute(values.get(key), data_file)
+    for key in ("tfds_data_dir", "output_dir"):
+        out[key] = absolute(values.get(key), lambda _: True)
+    return {k: v for k, v in out.items() if k in values}
+
+
+def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its local paths absolute (`absolute_paths`)."""
+    paths = absolute_paths(cfg.to_dict())
+    return replace(cfg, **{k: paths[k] for k in PATH_OPTIONS})

@@ -19,6 +19,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+# where the demo's model and data are written (once per seed): $RLOO_JAX_CACHE, else ~/.cache/rloo_jax
+CACHE_ROOT = os.environ.get("RLOO_JAX_CACHE", os.path.join("~", ".cache", "rloo_jax"))
+
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>"]
 CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 :,.!?\n-"
 POOL = "abcdef"
@@ -138,6 +141,16 @@ def build_tokenizer(characters: str = CHARACTERS) -> Any:
 MODEL_VERSION = 2
 
 
+def model_folder(seed: int) -> str:
+    """The demo policy of `seed`, written under CACHE_ROOT on first use: its folder."""
+    return prepare_model(model_dir(CACHE_ROOT, seed), seed)
+
+
+def dataset_folder(seed: int) -> str:
+    """The demo prompts of `seed` (train and test splits), written under CACHE_ROOT on first use: their folder."""
+    return prepare_dataset(os.path.expanduser(os.path.join(CACHE_ROOT, f"demo/data-{seed}")), seed)
+
+
 def model_dir(cache_root: str, seed: int) -> str:
     """Where the demo policy of `seed` is cached under `cache_root`."""
     return os.path.expanduser(os.path.join(cache_root, f"demo/model-v{MODEL_VERSION}-{seed}"))
@@ -212,3 +225,4 @@ def echo_reward(completions: list[Any], letters: list[str], **kwargs: Any) -> li
             k += 1
         out.append((k + (text == answer)) / (len(answer) + 1))
     return out
+

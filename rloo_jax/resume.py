@@ -33,6 +33,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import yaml
 
 from rloo_jax import outputs
@@ -125,7 +126,7 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
 def learning_rate_at(config: dict[str, Any], step: int, total: int) -> float:
     """The learning rate of optimizer step `step` under `config`'s schedule over `total` steps
     (`rloo_jax.build.lr_schedule`, warmup as `rloo_jax.build.warmup_steps`)."""
-    from rloo_jax.build import lr_schedule, warmup_steps
+    from rloo_jax.optimizer import lr_schedule, warmup_steps
 
     warmup = warmup_steps(SimpleNamespace(warmup_steps=config.get("warmup_steps", 0),
                                           warmup_ratio=config.get("warmup_ratio", 0.0)), total)
@@ -193,7 +194,7 @@ def saved_config(meta: dict[str, Any], output_dir: str) -> dict[str, Any] | None
         values = yaml.safe_load(outputs.read_text(path))
     except yaml.YAMLError:
         return None
-    from rloo_jax.build import absolute_paths
+    from rloo_jax.config import absolute_paths
 
     return absolute_paths(values) if isinstance(values, dict) else None  # older files: paths as typed
 
@@ -203,3 +204,45 @@ def describe(found: list[Change], step: int) -> list[str]:
     if not found:
         return []
     return [f"Changed since checkpoint {step}:"] + [f"  {c.line()}" for c in found]
+
+
+def rng_json(state: tuple) -> list[Any]:
+    """`RandomState.get_state()` as JSON (the checkpoint's meta)."""
+    name, keys, pos, has_gauss, cached = state
+    return [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+def rng_state(saved: list[Any]) -> tuple:
+    """`rng_json`'s list back to a `RandomState.set_state` tuple."""
+    name, keys, pos, has_gauss, cached = saved
+    return name, np.asarray(keys, np.uint32), int(pos), int(has_gauss), float(cached)
+
+
+def layout(cfg: Any, scan_layers: bool) -> dict[str, Any]:
+    """What a checkpoint's state is shaped by: the algorithm, the block layout (`scan_layers`) and the adapters
+    (None: full fine-tuning)."""
+    lora = cfg.use_peft and {"r": cfg.lora_r, "target_modules": cfg.lora_target_modules}
+    return {"algorithm": cfg.ALGORITHM, "scan_layers": scan_layers, "lora": lora or None}
+
+
+def check_layout(meta: dict[str, Any], current: dict[str, Any], step: int) -> None:
+    """A checkpoint restores onto the parameter layout it was written with (stacked blocks or a list of them;
+    adapters or the whole model) by the algorithm that wrote it; checkpoints from before the layout was recorded
+    hold a list, no adapters, and RLOO's state."""
+    algorithm = meta.get("layout", {}).get("algorithm", "rloo")
+    if algorithm != current["algorithm"]:
+        raise ConfigError(f"checkpoint {step} was written by a {algorithm} run; resume it with `python -m "
+                          f"rloo_jax.train {algorithm}` (and its config), or start this {current['algorithm']} run "
+                          "in a new output_dir")
+    saved = meta.get("layout", {}).get("scan_layers", False)
+    if saved != current["scan_layers"]:
+        raise ConfigError(
+            f"checkpoint {step} holds the {'stacked' if saved else 'per-layer'} parameter layout of scan_layers="
+            f"{str(saved).lower()}; resume with --scan_layers {str(saved).lower()} (the numbers are the same)"
+        )
+    lora = meta.get("layout", {}).get("lora")
+    if lora != current["lora"]:
+        held = "full fine-tuning" if lora is None else f"LoRA adapters (lora_r {lora['r']}, lora_target_modules " \
+            f"{lora['target_modules']})"
+        raise ConfigError(f"checkpoint {step} holds {held}; resume with the same use_peft / lora_r / "
+                          "lora_target_modules, or start a new output_dir")

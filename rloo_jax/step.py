@@ -844,3 +844,12 @@ def _left_align(prompt_ids: Array, prompt_mask: Array) -> tuple[Array, Array]:
         jnp.take_along_axis(prompt_ids.astype(jnp.int32), order, axis=1),
         jnp.take_along_axis(prompt_mask.astype(jnp.int32), order, axis=1),
     )
+
+
+def micro_batch_order(rng: np.random.RandomState, rows: int, epochs: int, micro_rows: int) -> np.ndarray:
+    """The rows of each micro-batch of one generation batch, in the order the update runs them: a fresh
+    permutation of the `rows` rows per epoch (`rng.permutation`, TRL 1.12 PPO's `np.random.permutation`), cut into
+    consecutive micro-batches of `micro_rows` -> [epochs * rows / micro_rows, micro_rows] int32. TRL's mini-batches
+    are consecutive slices of the permutation and its micro-batches consecutive slices of those, so this is its
+    order. Example: rows 4, epochs 1, micro 2, permutation [3, 0, 2, 1] -> [[3, 0], [2, 1]]."""
+    return np.concatenate([rng.permutation(rows).reshape(-1, micro_rows) for _ in range(epochs)]).astype(np.int32)

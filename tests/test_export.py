@@ -219,7 +219,7 @@ def test_push_to_hub_without_a_network_is_one_clear_error(runs, tmp_path, capsys
 
 # ------------------------------------------------------------------------------------------------ generation_config
 def test_generation_config_goldens():
-    from rloo_jax.export import generation_config
+    from rloo_jax.models.export import generation_config
 
     sampling = {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0,
                 "max_completion_length": 8}

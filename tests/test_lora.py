@@ -15,8 +15,8 @@ from flax import nnx
 
 import rloo_jax as rj
 from rloo_jax.cli import main
-from rloo_jax.lora import init_adapters, merge_adapters, merge_params, split_adapters, with_adapters
 from rloo_jax.models import LoRAParam, ModelLoadError, load_causal_lm, lora_spec, save_adapter, save_pretrained
+from rloo_jax.models.lora import init_adapters, merge_adapters, merge_params, split_adapters, with_adapters
 from rloo_jax.programs import Programs, flat_metrics
 from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig, completion_logps
@@ -112,7 +112,7 @@ def test_targets_and_scale():
 def test_fused_adapters_are_matrices_to_the_optimizer_and_the_sampler(tiny_checkpoint, name):
     """Every adapter weight, the fused modules' shared A (`qkv_lora_a`, `gate_up_lora_a`) included, gets weight decay
     and is cast to the compute dtype for decoding, as the other matrices."""
-    from rloo_jax.build import decay_mask
+    from rloo_jax.optimizer import decay_mask
     from rloo_jax.sampling import compute_dtype_weights
 
     base = load_causal_lm(tiny_checkpoint(name), dtype="bfloat16", param_dtype="float32")
@@ -263,7 +263,7 @@ def test_scan_and_remat_agree_with_the_unrolled_step(options):
 
 def _by_name(params):
     """{name without layer index: values stacked over layers}, whichever the layout."""
-    from rloo_jax.lora import _name
+    from rloo_jax.models.lora import _name
 
     layers = {}
     for path, x in jax.tree_util.tree_leaves_with_path(params):

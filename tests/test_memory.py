@@ -11,11 +11,12 @@ import pytest
 from flax import nnx
 
 import rloo_jax as rj
-from rloo_jax.build import decay_mask, make_optimizer, reference_params
+from rloo_jax.build import reference_params
 from rloo_jax.config import RLOOConfig, load_config
 from rloo_jax.models import ModelLoadError, export_tensors, init_causal_lm, load_causal_lm
 from rloo_jax.models.config import REMAT_POLICIES
 from rloo_jax.models.transformer import remat_policy
+from rloo_jax.optimizer import decay_mask, make_optimizer
 from rloo_jax.programs import Programs, flat_metrics
 from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig

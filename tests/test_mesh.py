@@ -73,7 +73,7 @@ def rewards_of(ids, first_row=0):
 def lora_parts():
     """Adapters (B random, so the KL and A's gradients are not 0) on all projections of the stacked model, with
     dropout; the base is frozen and is the reference."""
-    from rloo_jax.lora import split_adapters, with_adapters
+    from rloo_jax.models.lora import split_adapters, with_adapters
     from rloo_jax.models import lora_spec
     base = init_causal_lm(TINY, seed=0)
     graphdef, adapters, frozen = split_adapters(with_adapters(base, lora_spec("llama", 4, 8, 0.1, "all-linear"),

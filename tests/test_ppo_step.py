@@ -14,8 +14,7 @@ from rloo_jax.algorithms import ppo
 from rloo_jax.models import init_causal_lm, init_reward_model
 from rloo_jax.programs import Programs
 from rloo_jax.sampling import SamplingConfig
-from rloo_jax.step import StepConfig, completion_logps, head_scores, last_scores
-from rloo_jax.train import micro_batch_order
+from rloo_jax.step import StepConfig, completion_logps, head_scores, last_scores, micro_batch_order
 
 TINY = dict(
     model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=64,

@@ -189,8 +189,8 @@ def test_quantized_base_built_or_quantized_scanned_or_not():
     """`CausalLM(cfg with quant)` = `quantize_base(CausalLM(cfg))` (each kernel drawn, then quantized); only the
     blocks' 7 projections are quantized (embedding, LM head, norms, biases as they were); the unrolled model
     computes what the scanned one does; `dequantize_base` gives a plain model with the same logits."""
-    from rloo_jax.lora import dequantize_base, quantize_base
     from rloo_jax.models import CausalLM, init_causal_lm
+    from rloo_jax.models.lora import dequantize_base, quantize_base
 
     base = init_causal_lm(TINY, seed=0)
     for spec in (QuantSpec("int8"), QuantSpec("nf4", True)):  # every stored array kind between them
@@ -257,8 +257,8 @@ def _qlora(model, step=None):
     update is the gradient, scaled); `step`: one built for a model of the same structure (its compiled programs)."""
     import optax
 
-    from rloo_jax.lora import split_adapters, with_adapters
     from rloo_jax.models import lora_spec
+    from rloo_jax.models.lora import split_adapters, with_adapters
     from rloo_jax.programs import Programs
 
     model = nnx.merge(nnx.graphdef(model), jax.tree.map(jnp.copy, nnx.state(model)))  # update() donates the base
@@ -273,7 +273,7 @@ def _qlora(model, step=None):
 def _update(step, state, ro, rewards):
     """The update on the completions of `ro`, their old and reference log-probs computed by this policy and base
     (one jitted program for the log-probs): (old log-probs, the adapters' update, scalar metrics)."""
-    from rloo_jax.lora import merge_params
+    from rloo_jax.models.lora import merge_params
     from rloo_jax.programs import flat_metrics
     from rloo_jax.step import Rollout, completion_logps
 
@@ -300,8 +300,8 @@ def test_a_qlora_step_is_the_step_on_the_dequantized_base():
     differs from the update on the unquantized base by the quantization error, measured on this tiny random model
     (docs/lora.md): the completions' log-probs by up to 0.043 (their mean magnitude: 4.1), the update (the
     adapters' gradient: SGD) by 14.2% of its norm."""
-    from rloo_jax.lora import dequantize_base, quantize_base
     from rloo_jax.models import init_causal_lm
+    from rloo_jax.models.lora import dequantize_base, quantize_base
 
     base = init_causal_lm(TINY, seed=0)
     q = quantize_base(base, QuantSpec("nf4"))

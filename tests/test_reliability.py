@@ -27,8 +27,8 @@ from rloo_jax.config import load_config
 from rloo_jax.logwindow import LogWindow, steps
 from rloo_jax.metrics import drop_records_after, read_jsonl
 from rloo_jax.models import load_causal_lm
+from rloo_jax.optimizer import make_optimizer, skipped_updates
 from rloo_jax.step import TrainState
-from rloo_jax.train import make_optimizer, skipped_updates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WALL_TIME = {"step_time", "timing/sample", "timing/reference", "timing/reward", "timing/update"}
@@ -417,7 +417,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, capsys):
 
 def demo_model_dir(seed):
     from rloo_jax import demo
-    from rloo_jax.train import CACHE_ROOT
+    from rloo_jax.demo import CACHE_ROOT
 
     return demo.model_dir(CACHE_ROOT, seed)
 

@@ -10,15 +10,16 @@ import pytest
 import yaml
 
 from rloo_jax import demo
-from rloo_jax.build import absolute_paths, local_dataset
+from rloo_jax.build import local_dataset
 from rloo_jax.cli import main
+from rloo_jax.config import absolute_paths
+from rloo_jax.demo import CACHE_ROOT
 from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.export import main as export_main
 from rloo_jax.models import ModelLoadError
 from rloo_jax.models.hf import resolve_checkpoint
 from rloo_jax.outputs import is_local_path
 from rloo_jax.resume import Change, changes, describe, learning_rate_at
-from rloo_jax.train import CACHE_ROOT
 
 BASE = {"model_name_or_path": "/m", "seed": 0, "max_steps": 300, "num_train_epochs": 3.0, "learning_rate": 1e-3,
         "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "warmup_steps": 0, "beta": 0.02, "max_grad_norm": 1.0,

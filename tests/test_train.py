@@ -11,9 +11,13 @@ import numpy as np
 import pytest
 
 from rloo_jax import demo
-from rloo_jax.cli import main, visible_accelerator
+from rloo_jax.backend import visible_accelerator
+from rloo_jax.build import eos_token_ids
+from rloo_jax.cli import main
+from rloo_jax.completions import completion_lengths
+from rloo_jax.loop import crossed
 from rloo_jax.metrics import read_jsonl
-from rloo_jax.train import completion_lengths, crossed, eos_token_ids, lr_schedule
+from rloo_jax.optimizer import lr_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the demo, shrunk: 8 prompts x G=4 per step, 8-token completions

@@ -153,7 +153,7 @@ def test_command_line_and_python_take_trl_names():
 
 
 def test_warmup_steps_are_steps_or_a_fraction():
-    from rloo_jax.build import warmup_steps
+    from rloo_jax.optimizer import warmup_steps
 
     def of(**kw):
         return load_config(REQUIRED + [x for k, v in kw.items() for x in (f"--{k}", str(v))])

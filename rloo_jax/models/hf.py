@@ -529,7 +529,7 @@ MAX_SHARD_SIZE = "50GB"
 
 def export_tensors(model: CausalLM | RewardModel, dtype: str = "float32") -> dict[str, np.ndarray]:
     """HF tensor name -> numpy array in `dtype` ("float32" | "bfloat16" | "float16"), through the same table as
-    loading (adapters are not included: `save_adapter` writes them, `rloo_jax.lora.merge_adapters` folds them in)."""
+    loading (adapters are not included: `save_adapter` writes them, `models.lora.merge_adapters` folds them in)."""
     task = "reward" if isinstance(model, RewardModel) else "causal_lm"
     source = _TensorSource(weight_table(model.config, task), model, dtype)
     return {r.hf: source.tensor(r) for r in source.rows}
@@ -652,8 +652,8 @@ def load_adapter(
     """A PEFT LoRA adapter folder -> its base model (`base_model_name_or_path`, loaded by `load_causal_lm`) with
     the adapters filled from `adapter_model.safetensors`. LoRA variants we do not compute (DoRA, bias training,
     modules_to_save, per-layer ranks) are refused."""
-    from rloo_jax.lora import with_adapters
     from rloo_jax.models.config import lora_spec
+    from rloo_jax.models.lora import with_adapters
 
     directory = resolve_checkpoint(path_or_hub_id)
     ac = json.loads((directory / ADAPTER_CONFIG).read_text())

@@ -186,7 +186,7 @@ def convert_peft(model: Any) -> tuple[CausalLM, dict[str, Any]]:
     """A PeftModel -> (our CausalLM: its base with its adapters at their current values, its LoRA options)."""
     import jax
 
-    from rloo_jax.lora import with_adapters
+    from rloo_jax.models.lora import with_adapters
 
     base, base_tensors, adapters, values = peft_parts(model)
     plain = convert(base, "causal_lm", base_tensors)
@@ -203,7 +203,7 @@ def strip_adapters(model: CausalLM) -> CausalLM:
     """A model with adapters as the plain model of its base (the adapters dropped, not merged)."""
     from flax import nnx
 
-    from rloo_jax.lora import split_adapters
+    from rloo_jax.models.lora import split_adapters
 
     plain = nnx.eval_shape(lambda: CausalLM(model.config.replace(lora=None), nnx.Rngs(0)))
     return nnx.merge(nnx.graphdef(plain), split_adapters(model)[2])

@@ -247,7 +247,7 @@ class Dense(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
         self.name = name  # the output's `checkpoint_name`, which remat policies select by
         # adapters start at zero (no randomness drawn: the base's initial values do not depend on them);
-        # `rloo_jax.lora.init_adapters` draws A. The rank axis ("lora_rank") splits over fsdp where the other axis
+        # `models.lora.init_adapters` draws A. The rank axis ("lora_rank") splits over fsdp where the other axis
         # does not (an A on a 28672-wide MLP input, a B onto the heads): replicated, the adapters of Llama-3.1-70B
         # and their AdamW moments took 6.2 GiB of every chip of a v5e-16 (BENCHMARKS.md, Session 7).
         r = cfg.lora.rank if cfg.lora is not None and lora else 0

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import datasets
 import jax
 
-from rloo_jax import train as training
+from rloo_jax import loop as training
 from rloo_jax.build import Given
 from rloo_jax.callbacks import CallbackHandler
 from rloo_jax.config import GRPOConfig, PPOConfig, RLOOConfig, TrainConfig, replace
@@ -235,11 +235,10 @@ class _OnlineTrainer:
 
     def _model_dir(self) -> str:
         from rloo_jax import demo
-        from rloo_jax.build import CACHE_ROOT
         from rloo_jax.models.hf import resolve_checkpoint
 
         if self.model_name_or_path == "demo":
-            return demo.prepare_model(demo.model_dir(CACHE_ROOT, self.args.seed), self.args.seed)
+            return demo.model_folder(self.args.seed)
         return str(resolve_checkpoint(self.model_name_or_path))
 
     # -- callbacks ----------------------------------------------------------------------------------------------
@@ -582,12 +581,11 @@ def _weights(source: Any, seed: int) -> tuple[Any, bool]:
         tensors = loaded.peft_parts(source)[1] if loaded.is_peft_model(source) else source.state_dict()
         return loaded.StateDictReader(tensors), loaded.tied(source)
     from rloo_jax import demo
-    from rloo_jax.build import CACHE_ROOT
     from rloo_jax.models.hf import TensorReader, adapter_base, resolve_checkpoint
 
     path = os.fspath(source)
     if path == "demo":
-        path = demo.prepare_model(demo.model_dir(CACHE_ROOT, seed), seed)
+        path = demo.model_folder(seed)
     folder = resolve_checkpoint(path)
     base = adapter_base(folder)
     return TensorReader(resolve_checkpoint(base) if base else folder), False

@@ -1,0 +1,67 @@
+"""Evaluation: the run's sampling program on the evaluation prompts (`num_generations_eval` completions each),
+scored by the reward functions; reward and length statistics under TRL's `eval_` names."""
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from rloo_jax.build import Run, sampling_config
+from rloo_jax.completions import decode_and_score, encode_rows
+from rloo_jax.data import eval_batches
+from rloo_jax.metrics import weighted_rewards
+from rloo_jax.placement import Placement
+from rloo_jax.programs import Programs
+from rloo_jax.rewards import RewardLogs, TrainerState
+
+
+def evaluate(
+    run: Run, place: Placement, programs: Programs, state: Any, key: jax.Array, names: list[str],
+    trainer_state: TrainerState | None = None, dataset: Any = None, prefix: str = "eval_",
+) -> dict[str, float]:
+    """Sample num_generations_eval completions per test prompt and report reward / length statistics (and the
+    means of what the reward functions logged with log_metric; their log_extra columns are not recorded).
+
+    The training run's sampling program with the evaluation `SamplingConfig` (on a mesh: on the sharded state, no
+    parameter gather). Every process encodes, samples for and rewards its share of each evaluation batch; the
+    statistics use all rows. `dataset`: the prompts (default: the run's only evaluation set); `prefix`: of every
+    metric name (TRL's `eval_`, or `eval_<name>_` for one of several named sets).
+    """
+    cfg = run.cfg
+    dataset = next(iter(run.eval_ds.values())) if dataset is None else dataset
+    logs = RewardLogs()
+    logged: dict[str, list[float]] = {}
+    g = cfg.resolved_num_generations_eval
+    sc = sampling_config(cfg, run, g)
+    per_func, lengths, truncated = [], [], []
+    for i, (idx, real) in enumerate(eval_batches(len(dataset), cfg.eval_batch_size // g)):
+        rows = place.rows(len(idx))
+        batch = encode_rows(run, place, dataset[idx[rows]])
+        ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
+        sampled = programs.sample(state, ids, mask, place.replicate(jax.random.fold_in(key, i)), sc)
+        completion_ids = place.local(sampled.completion_ids)
+        scored = decode_and_score(run, batch, completion_ids, g, logs.context(trainer_state or TrainerState()))
+        if run.device_reward_model is not None:  # scored on the token ids, first (as in training)
+            device = place.local(programs.device_scores(state, sampled, sc))
+            scored.rewards_per_func = np.concatenate([device, scored.rewards_per_func], axis=1)
+        for name, value in place.reward_logs(logs, len(completion_ids))[1].items():
+            logged.setdefault(name, []).append(value)
+        keep = slice(0, real * g)  # drop the rows padding the last batch (global row order)
+        per_func.append(place.gather(scored.rewards_per_func)[keep])
+        lengths.append(place.gather(scored.lengths)[keep])
+        truncated.append(place.gather(scored.truncated)[keep])
+    per_func, lengths, truncated = np.concatenate(per_func), np.concatenate(lengths), np.concatenate(truncated)
+    reward = weighted_rewards(per_func, cfg.resolved_reward_weights)
+    out = {"reward": float(np.nanmean(reward)), "reward_std": float(np.nanstd(reward, ddof=1))}
+    for f, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = float(np.nanmean(per_func[:, f]))
+        out[f"rewards/{name}/std"] = float(np.nanstd(per_func[:, f], ddof=1))
+    out["completions/mean_length"] = float(lengths.mean())
+    out["completions/clipped_ratio"] = float(truncated.mean())
+    out.update({name: float(np.mean(values)) for name, values in logged.items()})
+    return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def eval_prefix(name: str) -> str:
+    """TRL's metric prefix of an evaluation set: `eval_`, or `eval_<name>_` for one of several named sets."""
+    return f"eval_{name}_" if name else "eval_"

@@ -1,0 +1,127 @@
+"""The optimizer and its learning-rate schedule: optax's AdamW as transformers configures it (clipping, weight decay
+on matrices only, transformers' schedules counted in optimizer steps), skipped whole on non-finite gradients.
+
+    optimizer, schedule = make_optimizer(cfg, total_steps)   # one for the loop and compile-only (`build.assemble`)
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rloo_jax.errors import ConfigError
+
+NEVER = int(np.iinfo(np.int32).max)  # optax's counters saturate there: `count > NEVER` is never true
+
+
+def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
+    """transformers' schedules from optax's, counted in optimizer steps (step 0 = the first update).
+
+    Warmup: lr * s / W for s < W. Then linear: lr * (T - s) / (T - W); cosine: lr * (1 + cos(pi * progress)) / 2;
+    constant(_with_warmup): lr. E.g. linear, lr 1, W 2, T 6: [0, 0.5, 1, 0.75, 0.5, 0.25].
+    """
+    decay_steps = max(1, total_steps - warmup_steps)
+    if kind == "constant":
+        return optax.constant_schedule(learning_rate)
+    if kind == "linear":
+        after = optax.linear_schedule(learning_rate, 0.0, decay_steps)
+    elif kind == "cosine":
+        after = optax.cosine_decay_schedule(learning_rate, decay_steps)
+    elif kind == "constant_with_warmup":
+        after = optax.constant_schedule(learning_rate)
+    else:
+        raise ConfigError(f"lr_scheduler_type {kind!r} is not supported")
+    if warmup_steps == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), after], [warmup_steps])
+
+
+def decay_mask(params: Any) -> Any:
+    """Weight decay on matrices only (as transformers skips biases and norms): `kernel`, `embedding` and LoRA's
+    A and B leaves. By name, not by rank: a stacked block's norm scale [L, D] is 2-D but no matrix."""
+    matrices = {"kernel", "embedding", "lora_a", "lora_b", "qkv_lora_a", "gate_up_lora_a"}
+
+    def is_matrix(path: tuple, _: Any) -> bool:
+        return bool({getattr(k, "key", getattr(k, "name", None)) for k in path} & matrices)
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
+
+
+def warmup_steps(cfg: Any, total_steps: int) -> int:
+    """Warmup in optimizer steps: warmup_steps >= 1 as is, a fraction in [0, 1) (warmup_steps or warmup_ratio)
+    of `total_steps` rounded up (transformers' rule). warmup_steps 0.1 of 25 steps -> 3."""
+    if cfg.warmup_steps >= 1:
+        return int(cfg.warmup_steps)
+    return math.ceil((cfg.warmup_steps or cfg.warmup_ratio) * total_steps)
+
+
+def make_optimizer(
+    cfg: Any, total_steps: int, platform: str | None = None, updates_per_step: int = 1
+) -> tuple[optax.GradientTransformation, Callable]:
+    """clip_by_global_norm -> AdamW (first moment in `mu_dtype`; decay on matrices only), skipped whole on
+    non-finite gradients: `skip_if_not_finite` for an accelerator, `optax.apply_if_finite` on CPU (the same state
+    and numbers; XLA:CPU does not fuse the selects into AdamW's loops: 126 against 81 ms per update of a 26M-parameter
+    model, BENCHMARKS.md Session 6). `platform`: the backend the program is compiled for (default: JAX's).
+
+    The schedule (returned too) is counted in the run's steps; `updates_per_step` optimizer updates share one step's
+    rate (TRL 1.12's PPO steps its scheduler once per PPO update, whatever the optimizer steps in it)."""
+    schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, warmup_steps(cfg, total_steps), total_steps)
+    by_update = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
+    adamw = optax.adamw(
+        by_update,
+        b1=cfg.adam_beta1,
+        b2=cfg.adam_beta2,
+        eps=cfg.adam_epsilon,
+        mu_dtype=cfg.mu_dtype,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask,
+    )
+    chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    # Non-finite gradients skip the whole update (params and AdamW moments kept). The consecutive-skip limit is
+    # enforced on the host (`skipped_updates`).
+    inner = optax.chain(*chain, adamw)
+    if (platform or jax.default_backend()) == "cpu":
+        return optax.apply_if_finite(inner, max_consecutive_errors=NEVER), schedule
+    return skip_if_not_finite(inner), schedule
+
+
+def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`optax.apply_if_finite(inner, max_consecutive_errors=<never>)` as elementwise selects: the update is always
+    computed, then every leaf of the updates (0) and of the optimizer state (its old value) is kept where any
+    gradient is not finite. The same state (`optax.ApplyIfFiniteState`, read by `train.skipped_updates`) and the
+    same numbers. Without apply_if_finite's `lax.cond` XLA fuses each leaf's moments, update and parameter into one
+    kernel that writes them in place (the donated state); the cond made it hold new and old copies of the moments
+    and the updates apart (Llama-3.1-8B full fine-tuning on a v5e-16, BENCHMARKS.md Session 5). On CPU, where XLA
+    does not fuse the selects, `make_optimizer` takes apply_if_finite."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params: Any) -> optax.ApplyIfFiniteState:
+        return optax.ApplyIfFiniteState(
+            notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True, jnp.bool_),
+            total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params),
+        )
+
+    def update(updates: Any, state: optax.ApplyIfFiniteState, params: Any = None, **extra: Any) -> tuple:
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates)]))
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
+        new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+        new_inner = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_inner, state.inner_state)
+        bump = optax.safe_int32_increment
+        return new_updates, optax.ApplyIfFiniteState(
+            notfinite_count=jnp.where(finite, jnp.zeros([], jnp.int32), bump(state.notfinite_count)),
+            last_finite=finite,
+            total_notfinite=jnp.where(finite, state.total_notfinite, bump(state.total_notfinite)),
+            inner_state=new_inner,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def skipped_updates(opt_state: Any) -> tuple[int, int]:
+    """(consecutive, total) updates skipped for non-finite loss/gradients, read from `make_optimizer`'s state."""
+    consecutive, total = jax.device_get((opt_state.notfinite_count, opt_state.total_notfinite))
+    return int(consecutive), int(total)
