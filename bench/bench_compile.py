@@ -66,7 +66,7 @@ def count_recompiles(model_dir: str, data: str, steps: int) -> dict:
 
     from rloo_jax import loop as train_mod
     from rloo_jax import programs as programs_mod
-    from rloo_jax.config import load_config
+    from rloo_jax.cli import load_config
 
     events: list[tuple[float, str]] = []
     update_done: list[float] = []

@@ -1,12 +1,26 @@
 """rloo_jax: TRL's RLOO, GRPO and PPO trainers (REINFORCE Leave-One-Out, Group Relative Policy Optimization, PPO
-with a value model) as pure, jittable JAX functions on one algorithm-generic step."""
+with a value model) as pure, jittable JAX functions on one algorithm-generic step.
+
+The public API: the trainers and their configs (TRL's constructors and names), the algorithms' pure functions, the
+step and its programs, the models. How the package is laid out: docs/architecture.md."""
 
 from rloo_jax import (
     _notices,  # noqa: F401 -- first: quiets notices of libraries imported below
     numerics,
 )
-from rloo_jax.algorithms import GRPO, PPO, RLOO, Algorithm, LossInputs, ScoreInputs
+from rloo_jax.algorithms import (
+    GRPO,
+    PPO,
+    RLOO,
+    Algorithm,
+    GRPOConfig,
+    LossInputs,
+    PPOConfig,
+    RLOOConfig,
+    ScoreInputs,
+)
 from rloo_jax.algorithms.common import (
+    ImportanceSampling,
     combine_rewards,
     importance_sampling_weights,
     nanstd,
@@ -34,7 +48,6 @@ from rloo_jax.algorithms.rloo import (
     rloo_loss,
     score_completions,
 )
-from rloo_jax.config import RLOOConfig
 from rloo_jax.errors import ConfigError, DataError, RewardError
 from rloo_jax.logprobs import (
     completion_mask,
@@ -55,23 +68,10 @@ from rloo_jax.models import (
 )
 from rloo_jax.programs import Program, Programs
 from rloo_jax.sampling import Generation, SamplingConfig, generate, generate_fn
-from rloo_jax.step import ImportanceSampling, Rollout, Step, StepConfig, TrainState, completion_width, truncate
+from rloo_jax.step import Rollout, Step, StepConfig, TrainState, completion_width, truncate
+from rloo_jax.trainers import GRPOTrainer, PPOTrainer, RLOOTrainer
 
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str) -> object:
-    """`rloo_jax.RLOOTrainer`, imported on first use: it imports the training loop (`rloo_jax.train`), which
-    `python -m rloo_jax.train` must find not yet imported."""
-    if name in ("RLOOTrainer", "GRPOTrainer", "PPOTrainer"):
-        from rloo_jax import trainers
-
-        return getattr(trainers, name)
-    if name in ("GRPOConfig", "PPOConfig"):
-        from rloo_jax import config
-
-        return getattr(config, name)
-    raise AttributeError(f"module 'rloo_jax' has no attribute {name!r}")
 
 
 __all__ = [

@@ -412,8 +412,7 @@ def advice(cfg: Any, program: str) -> list[str]:
         tips.append("--mu_dtype bfloat16")
     if cfg.param_dtype != "bfloat16":
         tips.append("--param_dtype bfloat16 (master weights)")
-    if cfg.beta > 0 and not cfg.uses_value_model:  # (PPO always keeps its reference)
-        tips.append("--beta 0 (no reference model)")
+    tips += cfg.memory_tips()  # the algorithm's own (RLOO / GRPO: beta 0 drops the reference)
     tips.append("a shorter --max_completion_length, or a slice with more chips (--fsdp -1 shards over all)")
     return tips
 
@@ -572,19 +571,17 @@ def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
         "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
         "max_completion_length": cfg.max_completion_length, **options, "mu_dtype": cfg.mu_dtype,
         "matmul_precision": cfg.matmul_precision, "recompute_old_logps": scfg.recompute,
-        "beta": cfg.beta, "rollout_mesh": dict(zip(("data", "fsdp", "tensor"), layout, strict=True)),
+        "rollout_mesh": dict(zip(("data", "fsdp", "tensor"), layout, strict=True)),
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "num_iterations": cfg.resolved_num_iterations, "algorithm": cfg.ALGORITHM,
     }
-    if cfg.uses_value_model:  # PPO: its batching and the other models it holds
-        settings.update(num_ppo_epochs=cfg.num_ppo_epochs, num_mini_batches=cfg.num_mini_batches,
-                        value_model=cfg.resolved_value_model_path, reward_model=cfg.reward_model_path,
-                        value_model_bytes_per_chip=per_chip_bytes(state.value_params),
-                        reward_model_bytes_per_chip_on_device=per_chip_bytes(state.reward_params))
-    if cfg.ALGORITHM == "grpo":
-        settings["loss_type"] = cfg.loss_type
+    settings.update(cfg.report_settings())  # the algorithm's own (GRPO: loss_type; PPO: its batching and models)
+    if state.value_params is not None:
+        settings["value_model_bytes_per_chip"] = per_chip_bytes(state.value_params)
+    if state.reward_params is not None:
+        settings["reward_model_bytes_per_chip_on_device"] = per_chip_bytes(state.reward_params)
     if reward_models:  # their weights per chip, resident in every program's figure
         settings["reward_model_bytes_per_chip"] = [rm_bytes for *_, rm_bytes in reward_models]
     if cfg.use_peft:

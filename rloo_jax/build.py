@@ -36,7 +36,7 @@ from rloo_jax.rewards import (
     warn_missing_extras,
 )
 from rloo_jax.sampling import SamplingConfig, compute_dtype_weights
-from rloo_jax.step import ImportanceSampling, StepConfig
+from rloo_jax.step import StepConfig
 
 logger = logging.getLogger("rloo_jax")
 
@@ -240,7 +240,7 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     if cfg.tokenizer_path not in (None, cfg.policy_path):  # PPO: TRL's scripts read it from model_name_or_path
         tokenizer_dir = str(resolve_checkpoint(cfg.tokenizer_path, weights=False))
         refuse_custom_code(tokenizer_dir)
-    reward_models = [str(resolve_checkpoint(p, weights=not abstract)) for p in cfg.reward_model_name_or_path or []]
+    reward_models = [str(resolve_checkpoint(p, weights=not abstract)) for p in cfg.reward_model_paths]
     for reward_model in reward_models:
         refuse_custom_code(reward_model)
     tokenizer = load_tokenizer(tokenizer_dir, padding_side="left") if given.tokenizer is None else \
@@ -433,12 +433,9 @@ def sampling_config(cfg: TrainConfig, run: Run, num_generations: int) -> Samplin
 
 
 def step_config(cfg: TrainConfig, run: Run) -> StepConfig:
-    """The step's static options: the sampler's, the algorithm the config names (`make_algorithm`), the batching,
-    where the old log-probs come from, and the algorithm's own (`cfg.step_options()`)."""
-    correction = None
-    if cfg.importance_sampling_correction:
-        correction = ImportanceSampling(cfg.importance_sampling_mode, cfg.importance_sampling_clip_min,
-                                        cfg.importance_sampling_clip_max)
+    """The step's static options: the sampler's, the algorithm the config names (`make_algorithm`), the batching
+    and the algorithm's own (`cfg.step_options()`: where the old log-probs come from, the sampler/trainer
+    correction, PPO's log-prob temperature and row order)."""
     return StepConfig(
         sampling=sampling_config(cfg, run, cfg.num_generations),
         algorithm=cfg.make_algorithm(run.tokenizer),
@@ -446,7 +443,5 @@ def step_config(cfg: TrainConfig, run: Run) -> StepConfig:
         steps_per_generation=cfg.resolved_steps_per_generation,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         dropout_seed=cfg.seed if cfg.use_peft and cfg.lora_dropout > 0 else None,
-        recompute_old_logps=cfg.recompute_old_logps,
-        importance_sampling=correction,
         **cfg.step_options(),
     )

@@ -7,34 +7,117 @@ programs for a TPU slice instead (`rloo_jax.aot`). Errors in the configuration, 
 and exit 2.
 """
 
+import difflib
 import logging
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 import datasets
 import jax
 
-from rloo_jax import aot, demo, numerics
+from rloo_jax import aot, numerics
+from rloo_jax.algorithms import CONFIGS, DEFAULT
 from rloo_jax.backend import cpu_compile_flags, skip_absent_tpu, start_distributed
 from rloo_jax.checkpoint import NonFiniteError
 from rloo_jax.config import (
     TrainConfig,
-    compile_only_slice,
-    config_class,
-    distributed_options,
+    _check_processes,
+    coerce,
     format_help,
-    full_determinism_option,
-    load_config,
+    from_dict,
+    load_yaml,
     parse_argv,
+    read_yaml,
 )
 from rloo_jax.errors import ConfigError, DataError, RewardError
 from rloo_jax.models import ModelLoadError
 from rloo_jax.rewards import format_reward_error
-from rloo_jax.trainers import GRPOTrainer, PPOTrainer, RLOOTrainer
+from rloo_jax.trainers import TRAINERS
 
 logger = logging.getLogger("rloo_jax")
-TRAINERS = {"rloo": RLOOTrainer, "grpo": GRPOTrainer, "ppo": PPOTrainer}
+
+
+# ------------------------------------------------------------------------------------------------ the config
+def config_class(argv: Sequence[str], base: dict[str, Any] | None = None) -> tuple[type[TrainConfig], list[str]]:
+    """The algorithm a command line asks for, and the rest of it: `[rloo|grpo|ppo] [--config FILE] [--name value
+    ...]`. The first word names it; else the `--config` file's `algorithm:` key (config.yaml records it); else
+    `base`'s; else `DEFAULT`. A word and a file that disagree are an error."""
+    argv = list(argv)
+    named = None
+    if argv and not argv[0].startswith("-"):
+        named = argv.pop(0)
+        if named not in CONFIGS:
+            near = difflib.get_close_matches(named, list(CONFIGS), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise ConfigError(f"unknown algorithm {named!r}{hint}: the first word names one of {', '.join(CONFIGS)}")
+    path = next((a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "")
+                 for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
+    recorded = load_yaml(path).get("algorithm") if path else (base or {}).get("algorithm")
+    if recorded is not None and str(recorded) not in CONFIGS:
+        raise ConfigError(f"{path or 'the config'}: algorithm {recorded!r} is not one of {', '.join(CONFIGS)}")
+    if named and recorded and named != recorded:
+        raise ConfigError(f"the command line names {named} but {path} is a {recorded} config (algorithm: {recorded});"
+                          " drop one of them")
+    return CONFIGS[named or recorded or DEFAULT], argv
+
+
+def _raw_values(argv: Sequence[str], base: dict[str, Any] | None) -> tuple[type[TrainConfig], dict[str, Any]]:
+    cls, argv = config_class(argv, base)
+    config_path, overrides = parse_argv(argv, cls)
+    values = {k: v for k, v in (base or {}).items() if k != "algorithm"}
+    if config_path is not None:
+        values.update(read_yaml(config_path, cls))
+    values.update(overrides)
+    return cls, values
+
+
+def load_config(
+    argv: Sequence[str], base: dict[str, Any] | None = None, device_count: int = 1, process_count: int = 1
+) -> TrainConfig:
+    """The validated config of the algorithm `argv` names (`config_class`): `base` values, then the `--config`
+    YAML file, then command-line overrides; batch sizes and mesh checked for `device_count` devices in
+    `process_count` processes."""
+    cls, values = _raw_values(argv, base)
+    return from_dict(values, cls, device_count, process_count)
+
+
+def config_from_dict(values: dict[str, Any], device_count: int = 1, process_count: int = 1,
+                     cls: type[TrainConfig] | None = None) -> TrainConfig:
+    """A validated config from {name: raw value} (`rloo_jax.config.from_dict`); `cls`: the config class (default:
+    the `algorithm` value's, else `DEFAULT`'s)."""
+    if cls is None:
+        recorded = values.get("algorithm")
+        if recorded is not None and str(recorded) not in CONFIGS:
+            raise ConfigError(f"algorithm {recorded!r} is not one of {', '.join(CONFIGS)}")
+        cls = CONFIGS[str(recorded or DEFAULT)]
+    return from_dict(values, cls, device_count, process_count)
+
+
+def compile_only_slice(argv: Sequence[str]) -> str | None:
+    """The `--topology` of a `--compile_only` run (from `--config` and the command line), else None: read before
+    the rest of the config is validated, because the batch and mesh checks count the slice's chips."""
+    _, values = _raw_values(argv, None)
+    if not coerce(values.get("compile_only", False), bool, "compile_only"):
+        return None
+    return coerce(values.get("topology"), str | None, "topology")
+
+
+def full_determinism_option(argv: Sequence[str]) -> bool:
+    """`--full_determinism` from `--config` and the command line, before the rest of the config is validated:
+    XLA reads its flags when the JAX backend starts, which happens before the config can be checked."""
+    return coerce(_raw_values(argv, None)[1].get("full_determinism", False), bool, "full_determinism")
+
+
+def distributed_options(argv: Sequence[str]) -> tuple[str | None, int | None, int | None]:
+    """(coordinator_address, num_processes, process_id) from `--config` and the command line, before the rest
+    of the config is validated: the multi-process runtime must start first (the device count depends on it)."""
+    _, values = _raw_values(argv, None)
+    address = coerce(values.get("coordinator_address"), str | None, "coordinator_address")
+    count, index = (coerce(values.get(name), int | None, name) for name in ("num_processes", "process_id"))
+    _check_processes(count, index)
+    return address, count, index
 
 
 def build_config(argv: Sequence[str], device_count: int = 1, process_count: int = 1) -> TrainConfig:
@@ -45,7 +128,7 @@ def build_config(argv: Sequence[str], device_count: int = 1, process_count: int 
     if config_path is None and "model_name_or_path" not in overrides:
         if process_count == 1 or jax.process_index() == 0:
             print("No --config and no --model_name_or_path: running the built-in demo (configs/default.yaml)")
-        return load_config(argv, demo.default_config(cls.ALGORITHM), device_count, process_count)
+        return load_config(argv, cls.DEMO, device_count, process_count)
     return load_config(argv, None, device_count, process_count)
 
 

@@ -61,35 +61,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 
-# PPO on the same prompts: one completion per prompt, a value model (the demo policy's backbone with a new score
-# head), the dense letters reward as the score (the echo task's reward is ~0 for most single random completions: PPO
-# measured 0.004 -> 0.04 in 70 updates on it), 12-token completions; generation stops at EOS (TRL's stop_token). A
-# step is one PPO update.
-PPO_CONFIG: dict[str, Any] = {
-    **{k: v for k, v in DEFAULT_CONFIG.items() if k not in ("num_generations", "beta", "max_grad_norm",
-                                                             "num_generations_eval")},
-    "output_dir": "outputs/demo-ppo",
-    "reward_funcs": ["rloo_jax.demo:letters_reward"],
-    "max_completion_length": 12,
-    "value_model_path": "demo",
-    "stop_token": "eos",
-    "kl_coef": 0.02,
-    "num_ppo_epochs": 2,
-    "num_mini_batches": 1,
-    "per_device_train_batch_size": 64,
-}
-
-
-def default_config(algorithm: str = "rloo") -> dict[str, Any]:
-    """The demo run for `algorithm` (rloo, grpo, ppo): the same task and budget, its own output_dir (a checkpoint of
-    one algorithm never resumes as another)."""
-    if algorithm == "rloo":
-        return dict(DEFAULT_CONFIG)
-    if algorithm == "ppo":
-        return dict(PPO_CONFIG)
-    return {**DEFAULT_CONFIG, "output_dir": f"outputs/demo-{algorithm}"}
-
-
 # Qwen2-shaped, ~77k parameters.
 MODEL_CONFIG: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"],

@@ -28,6 +28,7 @@ import os
 import sys
 import typing
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -62,7 +63,7 @@ class Saved:
 
     output_dir: str
     step: int
-    run: dict[str, Any]  # RUN_FIELDS (the model's shape and the run's sampling), typed as RLOOConfig types them
+    run: dict[str, Any]  # RUN_FIELDS (the model's shape and the run's sampling), typed as the run's config types them
     meta: dict[str, Any]  # the checkpoint's JSON meta (its parameter layout)
 
 
@@ -96,8 +97,10 @@ def _manager(directory: str) -> Any:
 
 
 def read_run(output_dir: str) -> dict[str, Any]:
-    """RUN_FIELDS from `<output_dir>/config.yaml`, typed (the rest of the run's options do not shape the export)."""
-    from rloo_jax.config import RLOOConfig, coerce
+    """RUN_FIELDS from `<output_dir>/config.yaml`, typed as the config class of its `algorithm` types them (the rest
+    of the run's options do not shape the export)."""
+    from rloo_jax.algorithms import CONFIGS, DEFAULT
+    from rloo_jax.config import coerce
 
     path = outputs.join(output_dir, "config.yaml")
     if not outputs.exists(path):
@@ -107,10 +110,13 @@ def read_run(output_dir: str) -> dict[str, Any]:
         values = yaml.safe_load(outputs.read_text(path)) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    defaults = {f.name: f.default for f in dataclasses.fields(RLOOConfig) if f.name in RUN_FIELDS}
-    hints = typing.get_type_hints(RLOOConfig)
-    if values.get("sft_model_path"):  # PPO: the policy is sft_model_path (model_name_or_path names the tokenizer)
-        values = dict(values, model_name_or_path=values["sft_model_path"])
+    cls = CONFIGS.get(str(values.get("algorithm") or DEFAULT))
+    if cls is None:
+        raise ConfigError(f"{path}: algorithm {values.get('algorithm')!r} is not one of {', '.join(CONFIGS)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name in RUN_FIELDS}
+    hints = typing.get_type_hints(cls)
+    # the policy's checkpoint as the run's config class names it (`policy_path`: PPO's sft_model_path when set)
+    values = dict(values, model_name_or_path=cls.policy_path.fget(SimpleNamespace(**{**defaults, **values})))
     return {k: coerce(values.get(k, defaults[k]), hints[k], k) for k in RUN_FIELDS}
 
 
@@ -128,7 +134,7 @@ def read_checkpoint(path: str, model_name_or_path: str | None = None) -> Saved:
 
 
 def quant_spec(run: dict[str, Any]) -> Any:
-    """The run's quantized base (`rloo_jax.quant.QuantSpec`), or None: as `RLOOConfig.quant_spec`."""
+    """The run's quantized base (`rloo_jax.quant.QuantSpec`), or None: as `TrainConfig.quant_spec`."""
     from rloo_jax.quant import QuantSpec
 
     if run["load_in_4bit"]:

@@ -396,8 +396,9 @@ def loop(s: Session, stop: "StopRequest") -> bool:
                 s.callbacks.call("on_step_begin", s.cfg, s.trainer_state)
             out = train_step(s, t0, first=s.step == start, plan=plan)
             diverged = out.consecutive_skips >= s.cfg.max_consecutive_nonfinite
-            if s.cfg.sync_ref_model and crossed(prev, s.step, s.cfg.ref_model_sync_steps):
-                s.state = s.programs.sync_reference(s.state, s.cfg.ref_model_mixup_alpha)
+            sync = s.cfg.reference_sync  # TR-DPO: (every, alpha)
+            if sync is not None and crossed(prev, s.step, sync[0]):
+                s.state = s.programs.sync_reference(s.state, sync[1])
             # every record of a step is written before its checkpoint is started: a resume drops the records
             # after the checkpoint and redoes them, so none is lost or doubled
             # a record per optimizer step as TRL logs them (every logging_steps, the last step, a divergence, or

@@ -74,13 +74,12 @@ def resolved_settings(cfg: Any, platform: str) -> dict[str, Any]:
 
 
 def resolve(cfg: Any, platform: str) -> Any:
-    """`cfg` (an `RLOOConfig`) with every platform-dependent None resolved for `platform` (a validated copy)."""
+    """`cfg` (a run config, `rloo_jax.config.TrainConfig`) with every platform-dependent None resolved for
+    `platform` (a validated copy)."""
     settings = resolved_settings(cfg, platform)
     if all(getattr(cfg, name) == value for name, value in settings.items()):
         return cfg
-    from rloo_jax.config import replace
-
-    return replace(cfg, **settings, device_count=cfg.device_count, process_count=cfg.process_count)
+    return cfg.replace(**settings, device_count=cfg.device_count, process_count=cfg.process_count)
 
 
 def describe(cfg: Any, resolved: Any, platform: str, width: int = 118) -> str:

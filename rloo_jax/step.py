@@ -29,7 +29,7 @@ from flax import nnx, struct
 
 from rloo_jax.algorithms import RLOO, Algorithm
 from rloo_jax.algorithms.common import (
-    ImportanceSamplingMode,
+    ImportanceSampling,
     LossInputs,
     ScoreInputs,
     importance_sampling_weights,
@@ -121,16 +121,6 @@ class Rollout:
     sampler_logps: Array | None = None  # [N, C] float32, the sampler's when old_logps were recomputed, else None
     values: Array | None = None  # [N, C] float32, the value model's estimates at sampling time (needs_values)
     scores: Array | None = None  # [N, R] float32, the reward models scored on the device (prompt + completion)
-
-
-@dataclasses.dataclass(frozen=True)
-class ImportanceSampling:
-    """The sampler/trainer importance-sampling correction (TRL GRPO's ``vllm_importance_sampling_*``; here between
-    our sampler and the training forward): ``algorithms.common.importance_sampling_weights``."""
-
-    mode: ImportanceSamplingMode = "sequence_mask"
-    clip_min: float | None = None
-    clip_max: float | None = 3.0
 
 
 @dataclasses.dataclass(frozen=True)

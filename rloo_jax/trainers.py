@@ -21,9 +21,10 @@ import datasets
 import jax
 
 from rloo_jax import loop as training
+from rloo_jax.algorithms import GRPOConfig, PPOConfig, RLOOConfig
 from rloo_jax.build import Given
 from rloo_jax.callbacks import CallbackHandler
-from rloo_jax.config import GRPOConfig, PPOConfig, RLOOConfig, TrainConfig, replace
+from rloo_jax.config import TrainConfig, replace
 from rloo_jax.data import check_prompt_dataset
 from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.models import check_checkpoints, loaded
@@ -198,7 +199,7 @@ class _OnlineTrainer:
         """The reference policy (a Flax `CausalLM`: the initial model), None without one (beta 0) or with LoRA
         (the base with its adapters off, or with a frozen copy of given starting adapters, is the reference), as
         TRL."""
-        if self.args.beta == 0 or self.args.use_peft:
+        if not self.args.uses_reference or self.args.use_peft:
             return None
         if "ref_model" not in self._loaded:
             from rloo_jax.models import load_causal_lm
@@ -398,11 +399,12 @@ class PPOTrainer(_OnlineTrainer):
         if args is None:
             name = "policy" if model is None else os.fspath(model) if given_policy is None else \
                 loaded.name_or_path(model) or type(model).__name__
-            args = PPOConfig(output_dir=f"{os.path.basename(name.rstrip('/'))}-PPO",
+            args = self.CONFIG(output_dir=f"{os.path.basename(name.rstrip('/'))}-{self.CONFIG.ALGORITHM.upper()}",
                              **({"sft_model_path": os.fspath(model)} if model is not None and given_policy is None
                                 else {}))
-        if not isinstance(args, PPOConfig):
-            raise ConfigError(f"PPOTrainer takes a PPOConfig as args (got a {type(args).__name__})")
+        if not isinstance(args, self.CONFIG):
+            raise ConfigError(f"{type(self).__name__} takes a {self.CONFIG.__name__} as args (got a "
+                              f"{type(args).__name__})")
         funcs = None
         if reward_funcs is not None:
             funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
@@ -726,7 +728,7 @@ def prompts_needed(cfg: TrainConfig) -> int | None:
         return None
     cfg = training.for_this_machine(cfg)
     # max_steps x gradient_accumulation_steps micro-batches, steps_per_generation x num_iterations per generation
-    micro = cfg.resolved_steps_per_generation * cfg.num_iterations
+    micro = cfg.micro_per_generation
     return math.ceil(cfg.max_steps * cfg.gradient_accumulation_steps / micro) * cfg.prompts_per_generation
 
 
@@ -751,4 +753,12 @@ def prompt_dataset(data: Any, name: str, cfg: TrainConfig, stream_rows: int | No
     return data
 
 
-__all__ = ["GRPOTrainer", "PPOTrainer", "RLOOTrainer"]
+# The trainer of each algorithm (the Python API; the command line runs it on a config read from argv): one line each.
+# The configs' registry is `rloo_jax.algorithms.CONFIGS`.
+TRAINERS: dict[str, type[_OnlineTrainer]] = {cls.CONFIG.ALGORITHM: cls for cls in (
+    RLOOTrainer,
+    GRPOTrainer,
+    PPOTrainer,
+)}
+
+__all__ = ["TRAINERS", "GRPOTrainer", "PPOTrainer", "RLOOTrainer"]

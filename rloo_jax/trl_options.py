@@ -1,20 +1,21 @@
-"""Every option of TRL 1.16's RLOO and GRPO (and TRL 1.12's PPO) and what rloo_jax does with it: one table per
-trainer (`DECISIONS`, `GRPO_DECISIONS`, `PPO_DECISIONS`), sharing every entry but the algorithm's own.
+"""Every option of TRL's trainer configs and what rloo_jax does with it: the decisions every algorithm shares
+(`SHARED`: transformers' TrainingArguments, TRL's ModelConfig and script arguments, and the options RLOO and GRPO
+have in common), and the machinery that applies an algorithm's table to raw options. Each algorithm's own entries
+are beside its config (`rloo_jax.algorithms.<name>_config`: `table(OWN, exclude=...)` is its `TRL_OPTIONS`).
 
-TRL's `RLOOConfig` (its own fields and the ~115 it inherits from `transformers.TrainingArguments`), plus the
-`trl rloo` script's `ModelConfig`, script arguments and dataset mixture, so a TRL YAML or a TRL Python script
-runs here unchanged. Each name is one of:
+TRL 1.16's `RLOOConfig` / `GRPOConfig` (their own fields and the ~115 they inherit from `TrainingArguments`), the
+`trl rloo` / `trl grpo` scripts' `ModelConfig`, script arguments and dataset mixture, and TRL 1.12's PPO, so a TRL
+YAML or a TRL Python script runs here unchanged. Each name is one of:
 
-- **supported**: an `RLOOConfig` field here, same name and meaning (`why` notes a difference, if any);
+- **supported**: a config field here, same name and meaning (`why` notes a difference, if any);
 - **accepted**: read and checked, but it changes nothing here (`why` says why); values outside `takes` are
   refused;
 - **refused**: a feature rloo_jax does not have; only the values in `takes` (TRL's "off") are accepted.
 
-`split_options` applies the table to raw options (YAML, command line, Python keyword arguments);
-`scripts/trl_table.py` writes the README's migration table and docs/trl_options.md from it, and
+`split_options` applies a table to raw options (YAML, command line, Python keyword arguments);
+`scripts/trl_table.py` writes the README's migration table and docs/trl_options.md from the tables, and
 tests/test_trl_options.py walks TRL's dataclasses so no field goes undecided. To change a decision (e.g. once
-`push_to_hub` is implemented), edit its entry here; an option that becomes an `RLOOConfig` field must be marked
-`supported`.
+`push_to_hub` is implemented), edit its entry; an option that becomes a config field must be marked `supported`.
 """
 
 import dataclasses
@@ -144,52 +145,8 @@ _VLLM = ("vllm_mode vllm_model_impl vllm_enable_sleep_mode vllm_structured_outpu
 _GENERATION_ENGINE = "generation runs on the JAX sampler (prefill once per prompt, KV-cache decode)"
 _NO_TORCH = "torch runtime settings: the step is one XLA program on a JAX device mesh"
 
-_RLOO_GROUPS: list[tuple[str, str, Decision]] = [
-    ("RLOO algorithm", "normalize_advantages reward_clip_range", supported("TRL 1.16's math (docs/research_api.md)")),
-    ("use_vllm", "use_vllm", refused(_GENERATION_ENGINE, off, "false")),
-]
 
-
-def _vllm_correction(v: Any) -> dict[str, Any]:
-    """On (with use_vllm, which `split_options` has folded in: TRL corrects only vLLM's samples) turns our
-    correction on; off leaves ours as it is."""
-    return {} if off(v) else {"importance_sampling_correction": True}
-
-
-_GRPO_GROUPS: list[tuple[str, str, Decision]] = [
-    ("GRPO algorithm", "loss_type scale_rewards multi_objective_aggregation delta importance_sampling_level "
-     "sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg "
-     "top_entropy_quantile entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta "
-     "entropy_target off_policy_mask_threshold use_bias_correction_kl",
-     supported("TRL 1.16's math, every loss_type (docs/research_api.md); use_adaptive_entropy's state is "
-               "checkpointed")),
-    ("use_vllm", "use_vllm", accepted(
-        "generation always runs on the JAX sampler, an inference path of its own as vLLM is; use_vllm true makes "
-        "TRL's vllm_importance_sampling_correction apply to it, as TRL applies it to vLLM's samples",
-        takes_text="true, false")),
-    ("vllm_importance_sampling_correction", "vllm_importance_sampling_correction", accepted(
-        "importance_sampling_correction here, between our sampler and the trainer: on only with use_vllm true, as "
-        "in TRL (whose default is true with use_vllm false: off)", takes_text="true (with use_vllm true), false",
-        translate=_vllm_correction)),
-    ("vllm_importance_sampling_mode", "vllm_importance_sampling_mode",
-     accepted("our importance_sampling_mode", takes_text="its four modes",
-              translate=lambda v: {"importance_sampling_mode": v})),
-    ("vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_min",
-     accepted("our importance_sampling_clip_min", takes_text="a number or None",
-              translate=lambda v: {"importance_sampling_clip_min": v})),
-    ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_max vllm_importance_sampling_cap",
-     accepted("our importance_sampling_clip_max (vllm_importance_sampling_cap: TRL's deprecated name)",
-              takes_text="a number or None", translate=lambda v: {} if is_none(v) else
-              {"importance_sampling_clip_max": v})),
-    ("cast_lm_head_to_fp32", "cast_lm_head_to_fp32", accepted(
-        "the head's logits are taken in float32 and the log-softmax is float32 whatever the compute dtype")),
-    ("max_tool_calling_iterations", "max_tool_calling_iterations",
-     accepted("no tool calling yet (GRPOTrainer refuses tools): nothing to limit")),
-    ("log_completions_hub_repo", "log_completions_hub_repo", refused(
-        "nothing is uploaded: rollouts.jsonl in output_dir holds every recorded completion", is_none, "None")),
-]
-
-_GROUPS: list[tuple[str, str, Decision]] = [
+SHARED: list[tuple[str, str, Decision]] = [
     # --- TRL's RLOOConfig / GRPOConfig: the algorithm, generation and logging
     ("algorithm", "beta num_iterations epsilon epsilon_high mask_truncated_completions reward_weights",
      supported("TRL 1.16's math (docs/research_api.md)")),
@@ -375,6 +332,19 @@ _GROUPS: list[tuple[str, str, Decision]] = [
 ]
 
 
+def table(own: list[tuple[str, str, Decision]], exclude: Iterable[str] = ()) -> dict[str, Decision]:
+    """An algorithm's table: its `own` groups of (topic, names, decision), then the `SHARED` groups (TRL's
+    TrainingArguments, ModelConfig, script arguments and the options RLOO and GRPO share) but the names it decides
+    itself and those its TRL release does not have (`exclude`)."""
+    skip = set(exclude) | {name for _, names, _ in own for name in names.split()}
+    shared = []
+    for topic, names, decision in SHARED:
+        kept = [n for n in names.split() if n not in skip]
+        if kept:
+            shared.append((topic, " ".join(kept), decision))
+    return _build(own + shared)
+
+
 def _build(groups: list[tuple[str, str, Decision]]) -> dict[str, Decision]:
     table: dict[str, Decision] = {}
     for topic, names, decision in groups:
@@ -385,92 +355,14 @@ def _build(groups: list[tuple[str, str, Decision]]) -> dict[str, Decision]:
     return table
 
 
-def _max_grad_norm_unused(v: Any) -> dict[str, Any]:
-    if not off(v) and float(v) != 0.0:
-        logger.warning("note: max_grad_norm=%s has no effect: TRL 1.12's PPOTrainer never clips gradients", v)
-    return {}
-
-
-_PPO_GROUPS: list[tuple[str, str, Decision]] = [
-    ("PPO algorithm", "kl_coef kl_estimator cliprange vf_coef cliprange_value gamma lam whiten_rewards num_ppo_epochs "
-     "num_mini_batches missing_eos_penalty stop_token stop_token_id total_episodes",
-     supported("TRL 1.12's math (docs/ppo.md); num_mini_batches must divide gradient_accumulation_steps or be a "
-               "multiple of it")),
-    ("temperature", "temperature", supported("sampling; every log-prob at temperature + 1e-7, as TRL")),
-    ("model paths", "sft_model_path reward_model_path", supported(
-        "the policy (default: model_name_or_path, which then names the tokenizer, as TRL's scripts) and the reward "
-        "model, scored on the token ids on the device; the value model is value_model_path (default: the reward "
-        "model)")),
-    ("response_length", "response_length", accepted(
-        "TRL 1.12's name of max_completion_length, the field here", takes_text="a length >= 1 (max_completion_length)",
-        translate=lambda v: {"max_completion_length": v})),
-    ("local_rollout_forward_batch_size", "local_rollout_forward_batch_size", accepted(
-        "the rollout's no-gradient forwards (old and reference log-probs, values, the reward) run in the update's "
-        "micro-batches; TRL's chunking of them changes no number")),
-    ("num_sample_generations", "num_sample_generations", accepted(
-        "sample completions are recorded with log_completions; evaluation runs every eval_steps")),
-    ("derived batch sizes", "world_size num_total_batches micro_batch_size local_batch_size batch_size "
-     "local_mini_batch_size mini_batch_size",
-     accepted("sizes TRL 1.12 computes and writes into its config (its dumps hold them): computed the same way here")),
-    ("adapter names", "model_adapter_name ref_adapter_name", refused(
-        "one LoRA adapter on the policy (use_peft); the reference is the base with it off", is_none, "None")),
-    ("dataset_num_proc", "dataset_num_proc", accepted("prompts are tokenized in the loop, one batch at a time")),
-    ("max_grad_norm", "max_grad_norm", accepted(
-        "TRL 1.12's PPOTrainer never clips gradients (its max_grad_norm is read by nothing): neither does this",
-        takes_text="any value (no clipping, as TRL 1.12's PPO)", translate=_max_grad_norm_unused)),
-    ("gradient_accumulation_steps", "gradient_accumulation_steps", supported(
-        "micro-batches per optimizer step, inside one PPO update (see num_mini_batches)")),
-    ("logging_steps", "logging_steps", supported(
-        "counted in PPO updates (default 1 here: TRL 1.12's PPO logs every update, whatever logging_steps)")),
-]
-# options of the shared table that TRL 1.12's PPOConfig, ModelConfig and ScriptArguments do not have (RLOO / GRPO's)
-_NOT_TRL_PPO = set(
-    "beta cache_implementation chat_template_kwargs datasets disable_dropout epsilon epsilon_high "
-    "generation_batch_size generation_kwargs log_completions log_multimodal log_unique_prompts "
-    "mask_truncated_completions max_completion_length min_p model_init_kwargs num_completions_to_print "
-    "num_generations num_generations_eval num_iterations pad_to_multiple_of ref_model_mixup_alpha "
-    "ref_model_sync_steps repetition_penalty reward_funcs reward_model_name_or_path reward_weights "
-    "router_aux_loss_coef shuffle_dataset steps_per_generation streaming sync_ref_model test_split_size top_k "
-    "top_p transformers_continuous_batching_config trust_remote_code use_transformers_continuous_batching "
-    "use_transformers_paged ".split()
-    + _VLLM.split()
-)
-
-
-def _ppo_groups() -> list[tuple[str, str, Decision]]:
-    """The shared groups restricted to TRL 1.12's PPO options (without those PPO decides itself)."""
-    own = {name for _, names, _ in _PPO_GROUPS for name in names.split()}
-    groups = []
-    for topic, names, decision in _GROUPS:
-        kept = [n for n in names.split() if n not in _NOT_TRL_PPO and n not in own]
-        if kept:
-            groups.append((topic, " ".join(kept), decision))
-    return groups
-
-
-DECISIONS: dict[str, Decision] = _build(_RLOO_GROUPS + _GROUPS)
-"""TRL 1.16's RLOO options (`trl.RLOOConfig`, the `trl rloo` script's)."""
-GRPO_DECISIONS: dict[str, Decision] = _build(_GRPO_GROUPS + _GROUPS)
-"""TRL 1.16's GRPO options (`trl.GRPOConfig`, the `trl grpo` script's)."""
-PPO_DECISIONS: dict[str, Decision] = _build(_PPO_GROUPS + _ppo_groups())
-"""TRL 1.12's PPO options (`trl.experimental.ppo.PPOConfig`, the ppo_tldr.py script's `ModelConfig` and
-`ScriptArguments`; vendored in `rloo_jax.algorithms.ppo_trl112_fields`)."""
-TABLES = {"rloo": DECISIONS, "grpo": GRPO_DECISIONS, "ppo": PPO_DECISIONS}
-# TRL's dataclasses whose fields a TRL config may hold (the `trl rloo` / `trl grpo` CLI parses all of them)
-SOURCES = ("trl.RLOOConfig", "trl.ModelConfig", "trl.scripts.rloo.RLOOScriptArguments", "trl.DatasetMixtureConfig")
-GRPO_SOURCES = ("trl.GRPOConfig", "trl.ModelConfig", "trl.scripts.grpo.GRPOScriptArguments",
-                "trl.DatasetMixtureConfig")
-PPO_SOURCES = ("trl.experimental.ppo.PPOConfig (1.12)", "trl.ModelConfig (1.12)", "trl.ScriptArguments (1.12)")
-
-
-def is_trl_only(name: str, decisions: dict[str, Decision] = DECISIONS) -> bool:
+def is_trl_only(name: str, decisions: dict[str, Decision]) -> bool:
     """A TRL option that is not a config field here (accepted or refused)."""
     return name in decisions and decisions[name].status != "supported"
 
 
-def split_options(values: dict[str, Any], fields: Iterable[str], decisions: dict[str, Decision] = DECISIONS
+def split_options(values: dict[str, Any], fields: Iterable[str], decisions: dict[str, Decision]
                   ) -> tuple[dict[str, Any], list[Callable[[Any], None]]]:
-    """Apply a table (`DECISIONS`, `GRPO_DECISIONS`) to raw options: refuse what asks for a missing feature
+    """Apply a config class's table (`TRL_OPTIONS`) to raw options: refuse what asks for a missing feature
     (`ConfigError`, one line), drop what changes nothing (one note naming them), translate TRL-typed values. Returns
     our config fields and the checks to run on the built config (`check(cfg)`: options that must agree with it)."""
     fields = set(fields)
@@ -527,7 +419,7 @@ def _status(decision: Decision) -> str:
     return decision.status
 
 
-def full_table(decisions: dict[str, Decision] = DECISIONS) -> str:
+def full_table(decisions: dict[str, Decision]) -> str:
     """docs/trl_options.md's table: every option, grouped by decision."""
     lines = ["| TRL option | here | why |", "|---|---|---|"]
     lines += [f"| {_names(names)} | {_status(d)} | {d.why or 'same name and meaning'} |"
@@ -535,7 +427,7 @@ def full_table(decisions: dict[str, Decision] = DECISIONS) -> str:
     return "\n".join(lines)
 
 
-def summary_table(decisions: dict[str, Decision] = DECISIONS) -> str:
+def summary_table(decisions: dict[str, Decision]) -> str:
     """The README's table: what is supported, what is refused (exit 2) and what is read without effect."""
     rows = _rows(decisions)
     supported_names = [n for _, names, d in rows if d.status == "supported" for n in names]

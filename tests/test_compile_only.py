@@ -493,7 +493,7 @@ def test_rollout_mesh_default_follows_device_memory():
     from flax import nnx
 
     from rloo_jax.build import rollout_mesh_shape
-    from rloo_jax.config import config_from_dict
+    from rloo_jax.cli import config_from_dict
     from rloo_jax.models.config import ModelConfig
     from rloo_jax.models.transformer import CausalLM
 

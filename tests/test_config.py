@@ -8,14 +8,9 @@ import sys
 
 import pytest
 
-from rloo_jax.config import (
-    RLOOConfig,
-    coerce,
-    config_from_dict,
-    format_help,
-    load_config,
-    parse_argv,
-)
+from rloo_jax.algorithms import RLOOConfig
+from rloo_jax.cli import config_from_dict, load_config
+from rloo_jax.config import coerce, format_help, parse_argv
 from rloo_jax.errors import ConfigError
 
 BASE = ["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "pkg.mod:f"]
@@ -119,12 +114,12 @@ def test_unknown_option_suggests_nearest():
 
 
 def test_parse_argv_forms():
-    path, values = parse_argv(["--config", "x.yaml", "--seed=3", "--debug", "--temperature", "0.5"])
+    path, values = parse_argv(["--config", "x.yaml", "--seed=3", "--debug", "--temperature", "0.5"], RLOOConfig)
     assert path == "x.yaml" and values == {"seed": "3", "debug": "true", "temperature": "0.5"}
     with pytest.raises(ConfigError, match="needs a value"):
-        parse_argv(["--seed"])
+        parse_argv(["--seed"], RLOOConfig)
     with pytest.raises(ConfigError, match="unexpected argument"):
-        parse_argv(["seed"])
+        parse_argv(["seed"], RLOOConfig)
 
 
 def test_derived_values():
@@ -233,7 +228,7 @@ def test_unreadable_yaml_names_the_file(tmp_path):
 
 
 def test_help_lists_every_option_with_help_text():
-    text = format_help()
+    text = format_help(RLOOConfig)
     for f in dataclasses.fields(RLOOConfig):
         assert f"--{f.name} " in text, f.name
         assert f.metadata["help"] in text

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rloo_jax.config import config_from_dict, distributed_options, load_config
+from rloo_jax.cli import config_from_dict, distributed_options, load_config
 from rloo_jax.errors import ConfigError
 from rloo_jax.metrics import read_jsonl
 

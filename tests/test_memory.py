@@ -11,8 +11,9 @@ import pytest
 from flax import nnx
 
 import rloo_jax as rj
+from rloo_jax.algorithms import RLOOConfig
 from rloo_jax.build import reference_params
-from rloo_jax.config import RLOOConfig, load_config
+from rloo_jax.cli import load_config
 from rloo_jax.models import ModelLoadError, export_tensors, init_causal_lm, load_causal_lm
 from rloo_jax.models.config import REMAT_POLICIES
 from rloo_jax.models.transformer import remat_policy

@@ -17,8 +17,7 @@ from flax import nnx
 import rloo_jax as rj
 from rloo_jax import aot, numerics
 from rloo_jax.build import reference_params
-from rloo_jax.cli import main
-from rloo_jax.config import config_from_dict, full_determinism_option, load_config
+from rloo_jax.cli import config_from_dict, full_determinism_option, load_config, main
 from rloo_jax.metrics import read_jsonl
 from rloo_jax.models import init_causal_lm
 from rloo_jax.programs import Programs

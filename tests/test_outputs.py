@@ -145,7 +145,7 @@ def test_compile_report_and_config_on_gcs(gcs):  # noqa: F811
     import json
 
     from rloo_jax.aot import Report
-    from rloo_jax.config import load_config
+    from rloo_jax.cli import load_config
     from rloo_jax.tpu import parse_slice
 
     path = Report(parse_slice("v5e-8"), [], {"model": "m"}).write(f"{URL}/unit/compile")

@@ -262,7 +262,7 @@ def tiny_assets(tmp_path_factory):
 
 
 def test_every_shipped_config_validates():
-    from rloo_jax.config import config_from_dict, load_config
+    from rloo_jax.cli import config_from_dict, load_config
 
     files = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
     assert {os.path.basename(f) for f in files} >= {

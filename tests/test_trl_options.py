@@ -13,16 +13,18 @@ import yaml
 from trl.scripts.grpo import GRPOScriptArguments
 from trl.scripts.rloo import RLOOScriptArguments
 
-from rloo_jax.cli import main
-from rloo_jax.config import GRPOConfig, RLOOConfig, field_names, load_config, parse_argv
+from rloo_jax.algorithms import GRPOConfig, RLOOConfig
+from rloo_jax.cli import load_config, main
+from rloo_jax.config import field_names, parse_argv
 from rloo_jax.errors import ConfigError
-from rloo_jax.trl_options import DECISIONS, GRPO_DECISIONS, GRPO_SOURCES, SOURCES, split_options
+from rloo_jax.trl_options import split_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ["--model_name_or_path", "m", "--dataset_name", "d", "--reward_funcs", "pkg.mod:f"]
 CLASSES = (trl.RLOOConfig, trl.ModelConfig, RLOOScriptArguments, trl.DatasetMixtureConfig)
 GRPO_CLASSES = (trl.GRPOConfig, trl.ModelConfig, GRPOScriptArguments, trl.DatasetMixtureConfig)
-TABLES = [(CLASSES, DECISIONS, RLOOConfig, SOURCES), (GRPO_CLASSES, GRPO_DECISIONS, GRPOConfig, GRPO_SOURCES)]
+TABLES = [(CLASSES, RLOOConfig.TRL_OPTIONS, RLOOConfig, RLOOConfig.TRL_SOURCES),
+          (GRPO_CLASSES, GRPOConfig.TRL_OPTIONS, GRPOConfig, GRPOConfig.TRL_SOURCES)]
 
 
 def trl_defaults(cls):
@@ -142,7 +144,8 @@ def test_refused_values_exit_2_with_the_reason(option, message, tmp_path, capsys
 
 def test_command_line_and_python_take_trl_names():
     # a bare TRL flag means true (refused here), an optional bool of ours too
-    assert parse_argv(["--gradient_checkpointing", "--seed", "1"])[1] == {"gradient_checkpointing": "true", "seed": "1"}
+    assert parse_argv(["--gradient_checkpointing", "--seed", "1"], RLOOConfig)[1] == {
+        "gradient_checkpointing": "true", "seed": "1"}
     with pytest.raises(ConfigError, match="push_to_hub='true' is not supported"):
         load_config([*REQUIRED, "--push_to_hub"])
     assert load_config([*REQUIRED, "--use_vllm", "false", "--run_name", "r"]).run_name == "r"
@@ -196,8 +199,8 @@ PPO_REQUIRED = ["ppo", "--model_name_or_path", "m", "--dataset_name", "d", "--re
 
 
 def test_every_trl112_ppo_option_has_a_decision():
-    from rloo_jax.config import PPOConfig
-    from rloo_jax.trl_options import PPO_DECISIONS
+    from rloo_jax.algorithms import PPOConfig
+    PPO_DECISIONS = PPOConfig.TRL_OPTIONS
 
     options = _trl112_ppo_options()
     assert len(options) >= 160
@@ -217,9 +220,9 @@ def test_trl112_ppo_defaults_ask_for_nothing_refused():
 
     import transformers
 
+    from rloo_jax.algorithms import PPOConfig
     from rloo_jax.algorithms import ppo_trl112_fields as v
-    from rloo_jax.config import PPOConfig
-    from rloo_jax.trl_options import PPO_DECISIONS
+    PPO_DECISIONS = PPOConfig.TRL_OPTIONS
 
     defaults = {n: ast.literal_eval(d) for n, _, d in v.PPO_CONFIG_FIELDS + v.BASE_CONFIG_FIELDS}
     defaults.update({n: d for n, d in trl_defaults(transformers.TrainingArguments).items() if n not in defaults})
@@ -241,7 +244,7 @@ def test_trl112_ppo_defaults_ask_for_nothing_refused():
 
 def test_trl_ppo_tldr_command_line_loads(tmp_path, caplog):
     """TRL's ppo_tldr.py command line (its docstring's), as YAML: every option taken or decided."""
-    from rloo_jax.config import PPOConfig
+    from rloo_jax.algorithms import PPOConfig
 
     path = tmp_path / "tldr.yaml"
     path.write_text(

@@ -28,8 +28,21 @@ import jax
 
 from rloo_jax.algorithms.common import LossInputs, ScoreInputs
 from rloo_jax.algorithms.grpo import GRPO
+from rloo_jax.algorithms.grpo_config import GRPOConfig
 from rloo_jax.algorithms.ppo import PPO
+from rloo_jax.algorithms.ppo_config import PPOConfig
 from rloo_jax.algorithms.rloo import RLOO, RLOOOptions
+from rloo_jax.algorithms.rloo_config import RLOOConfig
+from rloo_jax.config import TrainConfig
+
+# The algorithms a command line, a config file and a checkpoint name (`ALGORITHM`): one line each. The trainers'
+# registry is `rloo_jax.trainers.TRAINERS`.
+CONFIGS: dict[str, type[TrainConfig]] = {cls.ALGORITHM: cls for cls in (
+    RLOOConfig,
+    GRPOConfig,
+    PPOConfig,
+)}
+DEFAULT = RLOOConfig.ALGORITHM  # what a command line or config file naming none runs (and older checkpoints hold)
 
 
 class Algorithm(Protocol):
@@ -56,4 +69,5 @@ class Algorithm(Protocol):
     def summarize(self, metrics: dict[str, dict[str, jax.Array]]) -> dict[str, dict[str, jax.Array]]: ...
 
 
-__all__ = ["GRPO", "PPO", "RLOO", "Algorithm", "LossInputs", "RLOOOptions", "ScoreInputs"]
+__all__ = ["CONFIGS", "DEFAULT", "GRPO", "PPO", "RLOO", "Algorithm", "GRPOConfig", "LossInputs", "PPOConfig",
+           "RLOOConfig", "RLOOOptions", "ScoreInputs"]

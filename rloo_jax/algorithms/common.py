@@ -10,6 +10,7 @@ rows of one micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import chex
@@ -277,3 +278,13 @@ def clip_fractions(
     return {"clip_ratio/low_mean": masked_mean(lo, m), "clip_ratio/low_min": masked_min(per_seq(lo), rows),
             "clip_ratio/high_mean": masked_mean(hi, m), "clip_ratio/high_max": masked_max(per_seq(hi), rows),
             "clip_ratio/region_mean": masked_mean(region, m)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportanceSampling:
+    """The sampler/trainer importance-sampling correction (TRL GRPO's ``vllm_importance_sampling_*``; here between
+    our sampler and the training forward): ``algorithms.common.importance_sampling_weights``."""
+
+    mode: ImportanceSamplingMode = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
