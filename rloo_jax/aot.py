@@ -1,14 +1,13 @@
 """Compile-only mode: "will my run fit this TPU slice, and what does each program cost?" -- on any machine.
 
-`python -m rloo_jax.train --config FILE --compile_only --topology v5e-8` builds the run exactly as training would
-(`rloo_jax.build.prepare(abstract=True)`: the model from its `config.json` alone, no weights read; the tokenizer;
-the optimizer; the mesh over the slice's chips, `rloo_jax.tpu`), then compiles every per-step program for that
-slice with the real TPU compiler (libtpu; no TPU needed), the chip's HBM as its limit, and reads the compiler's
-own figures: per-chip argument / output bytes (`memory_analysis`), the temp heap it assigns (`temp_heap_bytes`)
-and the matmul FLOPs of the compiled program (`rloo_jax.hlo`: XLA's `cost_analysis` counts a loop body once, so a
-scan over layers would report one layer). A program larger than the chip's HBM fails to compile with
-RESOURCE_EXHAUSTED; that is reported as "does not fit", with how far over it is and the options that bring it
-down.
+`python -m rloo_jax.train --config FILE --compile_only --topology v5e-8` builds the run with the training loop's own
+assembly (`rloo_jax.build.assemble(abstract=True)`: the model from its `config.json` alone, no weights read; the
+tokenizer; the optimizer; the mesh over the slice's chips, `rloo_jax.tpu`), then compiles exactly the programs the loop
+runs (`Assembly.compile_set`) for that slice with the real TPU compiler (libtpu; no TPU needed), the chip's HBM as its
+limit, and reads the compiler's own figures: per-chip argument / output bytes (`memory_analysis`), the temp heap it
+assigns (`temp_heap_bytes`) and the matmul FLOPs of the compiled program (`rloo_jax.hlo`: XLA's `cost_analysis` counts a
+loop body once, so a scan over layers would report one layer). A program larger than the chip's HBM fails to compile
+with RESOURCE_EXHAUSTED; that is reported as "does not fit", with how far over it is and the options that bring it down.
 
 Per program it also sets the compiler's figures against what the model needs (`rloo_jax.efficiency`): FLOPs
 against model FLOPs (the update's remat, padding and recomputation), the decode loop's bytes per step (HBM + ICI)
@@ -28,6 +27,7 @@ from typing import Any
 
 from rloo_jax import hlo
 from rloo_jax.efficiency import roofline_seconds
+from rloo_jax.mesh import per_chip_bytes
 from rloo_jax.tpu import GIB, Chip, Slice, quiet_stderr
 
 
@@ -54,6 +54,7 @@ class ProgramReport:
     estimated_seconds: float = math.nan  # roofline (`roofline`)
     code_bytes: int = 0  # the program's code, held in HBM beside its heap (the compiler's "overlays")
     analysis_temp_bytes: int = 0  # memory_analysis's temporaries: the heap + its fragmentation again (not held)
+    parts: list[ProgramReport] = dataclasses.field(default_factory=list)  # a phase of several programs (`phase`)
 
     @property
     def flops_ratio(self) -> float:
@@ -86,7 +87,9 @@ class ProgramReport:
     @property
     def peak_bytes_per_chip(self) -> int:
         """Live at once: what stays resident (or the arguments, if more) + outputs not aliased to (donated)
-        arguments + the temp heap + the code."""
+        arguments + the temp heap + the code; for a phase of several programs, the largest of theirs."""
+        if self.parts:
+            return max(p.peak_bytes_per_chip for p in self.parts)
         return (max(self.resident_bytes, self.argument_bytes) + self.output_bytes - self.alias_bytes + self.temp_bytes
                 + self.code_bytes)
 
@@ -109,7 +112,8 @@ class ProgramReport:
             "ici_bytes": self.ici_bytes,
             "estimated_seconds": self.estimated_seconds,
             "compile_seconds": self.compile_seconds,
-        } | ({} if self.decode is None else {
+        } | ({} if not self.parts else {"parts": {p.name: p.to_json() for p in self.parts}}) | (
+            {} if self.decode is None else {
             "decode_steps": self.decode.trips,
             "decode_flops_per_step": self.decode.per_iteration.flops,
             "decode_hbm_bytes_per_step": self.decode.per_iteration.hbm_bytes,
@@ -197,19 +201,33 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
     return report
 
 
-def per_chip_bytes(tree: Any) -> int:
-    """Bytes one chip holds of a pytree of `ShapeDtypeStruct`s with shardings (the largest shard per leaf)."""
-    import jax
-    import numpy as np
-
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-        total += -(-int(np.prod(shape, dtype=np.int64)) * jax.dtypes.itemsize_bits(x.dtype) // 8)  # uint4: 1/2
-    return total
+def phase(name: str, parts: list[ProgramReport]) -> ProgramReport:
+    """One line of the report for programs the loop runs one after the other (the rollout: `sample`, then `finish`):
+    it fits when each does; its peak is the largest part's (`peak_bytes_per_chip`); FLOPs, bytes, model FLOPs,
+    estimated and compile seconds add; the decode loop is the sampler's."""
+    if len(parts) == 1:
+        return dataclasses.replace(parts[0], name=name)
+    largest = max(parts, key=lambda p: p.peak_bytes_per_chip)
+    decoding = next((p for p in parts if p.decode is not None), None)
+    total = lambda field: sum(getattr(p, field) for p in parts)  # noqa: E731
+    return ProgramReport(
+        name=name, fits=all(p.fits for p in parts), resident_bytes=largest.resident_bytes,
+        argument_bytes=largest.argument_bytes, output_bytes=largest.output_bytes, alias_bytes=largest.alias_bytes,
+        temp_bytes=largest.temp_bytes, host_temp_bytes=max(p.host_temp_bytes for p in parts), flops=total("flops"),
+        compile_seconds=total("compile_seconds"), bytes_accessed=total("bytes_accessed"), ici_bytes=total("ici_bytes"),
+        decode=None if decoding is None else decoding.decode, model_flops=total("model_flops"),
+        decode_floor_bytes=math.nan if decoding is None else decoding.decode_floor_bytes,
+        estimated_seconds=total("estimated_seconds"), code_bytes=largest.code_bytes,
+        analysis_temp_bytes=largest.analysis_temp_bytes, parts=list(parts),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ the report
+STEP_PROGRAMS = ("rollout", "update")  # with each reward model: what every step of the loop runs (the estimate)
+# the report's lines that gather programs the loop runs one after the other (`phase`)
+PHASES = {"rollout": ("sample", "longest", "finish"), "eval_rollout": ("eval_sample", "eval_scores")}
+
+
 @dataclasses.dataclass
 class Report:
     topology: Slice
@@ -225,9 +243,11 @@ class Report:
     @property
     def estimated_step_seconds(self) -> float:
         """One trainer iteration on the device: the rollout, the update at max_completion_length and each reward
-        model (the evaluation rollout runs every eval_steps only; `update@<width>` is what an early-ending batch
-        runs instead of `update`); host work (reward functions, decoding text) is not included."""
-        return sum(p.estimated_seconds for p in self.programs if p.name != "eval_rollout" and "@" not in p.name)
+        model (the evaluation rollout runs every eval_steps only; `finish@<width>` and `update@<width>` are what an
+        early-ending batch runs instead; the records' `score` is negligible); host work (reward functions, decoding
+        text) is not included."""
+        return sum(p.estimated_seconds for p in self.programs if p.name in STEP_PROGRAMS
+                   or p.name.startswith("reward_model_"))
 
     @property
     def tokens_per_second_per_chip(self) -> float:
@@ -373,19 +393,6 @@ def verdict(report: Report, advice: Callable[[str], Sequence[str]]) -> str:
     )
 
 
-# ------------------------------------------------------------------------------------------------ the run
-def prompt_length(cfg: Any) -> int:
-    """The widest prompt batch the run compiles for: max_prompt_length rounded up to prompt_bucket."""
-    from rloo_jax.errors import ConfigError
-
-    if cfg.max_prompt_length is None:
-        raise ConfigError(
-            "compile_only needs --max_prompt_length: the prompt width to compile for (prompts are cut to it and "
-            "padded to a multiple of prompt_bucket)"
-        )
-    return -(-cfg.max_prompt_length // cfg.prompt_bucket) * cfg.prompt_bucket
-
-
 def advice(cfg: Any, program: str) -> list[str]:
     """The options that would bring `program`'s per-chip memory down, given what `cfg` already uses."""
     tips = []
@@ -399,7 +406,7 @@ def advice(cfg: Any, program: str) -> list[str]:
                 "a smaller --per_device_train_batch_size with a larger --gradient_accumulation_steps and "
                 "--steps_per_generation (the same generation batch in more, smaller micro-batches)"
             )
-    if program.startswith(("rollout", "eval")):
+    if program.startswith(("rollout", "eval", "sample", "finish", "score")):
         tips.append("a smaller generation batch (--per_device_train_batch_size or --steps_per_generation)")
     if program.startswith("reward_model"):  # sharded like the policy, stored in the compute dtype
         tips = ["a smaller generation batch (--per_device_train_batch_size or --steps_per_generation)"]
@@ -417,183 +424,104 @@ def advice(cfg: Any, program: str) -> list[str]:
     return tips
 
 
-def narrower_widths(max_length: int, bucket: int) -> list[int]:
-    """The completion widths below `max_length` that `step.completion_width` can choose: bucket * 2^k.
-    Example: (1024, 128) -> [128, 256, 512]; (12, 128) -> []; bucket 0 -> []."""
-    widths, w = [], bucket
-    while 0 < w < max_length:
-        widths.append(w)
-        w *= 2
-    return widths
-
-
-def lower_reward_model(model: Any, mesh: Any, shape: tuple[int, int]) -> tuple[Callable[[], Any], int]:
-    """(a function lowering the trainer's reward-model call (`rloo_jax.rewards.reward_model_jit`) for `model`,
-    abstract, on `mesh` for global batches of `shape` [N, T]; its weights' bytes per chip, sharded by the rule
-    table as the policy's)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from rloo_jax.mesh import param_shardings
-    from rloo_jax.rewards import reward_model_jit
-
-    graphdef, params = nnx.split(model)
-    shardings = param_shardings(params, mesh)
-    placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
-    fn = reward_model_jit(graphdef, mesh, shardings, shape)
-    ids = jax.ShapeDtypeStruct(shape, jnp.int32)
-    return (lambda: fn.lower(placed, ids, ids)), per_chip_bytes(placed)
-
-
+# ------------------------------------------------------------------------------------------------ the run
 def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Report:
-    """Build the run of `cfg` for slice `slc` and compile its per-step programs: the rollout (sampling and the
-    reference log-probs), the update, the evaluation rollout (with eval_steps) and each reward model (sharded over
-    the slice like the policy, as the trainer runs them). `cfg` must be validated for `slc.chips` devices.
-    Platform-dependent options are resolved for a TPU and the programs are traced at the run's matmul precision
-    (`rloo_jax.numerics`)."""
-    from rloo_jax import numerics
-
-    resolved = numerics.resolve(cfg, "tpu")
-    out(numerics.describe(cfg, resolved, "tpu"))
-    with numerics.kept_matmul_precision():
-        numerics.use_matmul_precision(resolved.matmul_precision)
-        return _compile_run(resolved, slc, out)
-
-
-def _compile_run(cfg: Any, slc: Slice, out: Callable[[str], None]) -> Report:
-    import jax
-    from flax import nnx
-
-    from rloo_jax.build import (
-        make_optimizer,
-        model_options,
-        policy,
-        prepare,
-        rollout_mesh_shape,
-        sampling_config,
-        step_config,
-    )
-    from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops
-    from rloo_jax.mesh import make_mesh, reshaped
-    from rloo_jax.models import abstract_model
-    from rloo_jax.programs import Programs
-    from rloo_jax.sampling import rollout_weights
-    from rloo_jax.step import policy_params
+    """Build the run of `cfg` for slice `slc` exactly as training builds it (`rloo_jax.build.assemble`, abstract:
+    config.json, no weights, on the slice's chips) and compile every program its loop runs (`Assembly.compile_set`:
+    the sampler, the reference / old log-prob pass and the update at each completion width, the records' scores,
+    the evaluation sampler, the reference sync, each reward model), and the sampler's weight move alone. The report's
+    lines are those programs, the ones the loop runs one after the other gathered (`PHASES`: the sampler and the pass
+    after it as `rollout`). `cfg` must be validated for `slc.chips` devices. Platform-dependent options are resolved
+    for a TPU and the programs are traced at the run's matmul precision (`rloo_jax.numerics`)."""
+    from rloo_jax import build, numerics
     from rloo_jax.tpu import topology_devices
 
-    devices = topology_devices(slc)
-    run = prepare(cfg, abstract=True)
-    mesh = make_mesh(*cfg.mesh_shape, devices=devices)
-    scfg = step_config(cfg, run)
-    optimizer, _ = make_optimizer(cfg, max(cfg.max_steps, 1), "tpu")
-    pol = policy(cfg, run.model, run.adapter_dir)
-    layout = rollout_mesh_shape(cfg, run, slc.chip.hbm_bytes)  # the sampler's mesh, as training resolves it
-    rollout_mesh = reshaped(mesh, layout)
-    value = nnx.split(run.value_model) if run.value_model is not None else (None, None)
-    reward = nnx.split(run.device_reward_model) if run.device_reward_model is not None else (None, None)
-    step = Programs(pol.graphdef, optimizer, scfg, mesh=mesh, ref_graphdef=pol.ref_graphdef,
-                    rollout_mesh=rollout_mesh, value_graphdef=value[0], reward_graphdef=reward[0])
-    state = step.abstract_state(pol.params, pol.ref_params, pol.frozen, value[1], reward[1])
-    b, p = cfg.prompts_per_generation, prompt_length(cfg)
-    n = b * cfg.num_generations
-    num_rewards = len(cfg.resolved_reward_weights) - len(cfg.device_reward_paths)  # the host's functions
-    hbm = slc.chip.hbm_bytes
-    options = model_options(cfg, "tpu")
-    width = -(-(p + cfg.max_completion_length) // cfg.prompt_bucket) * cfg.prompt_bucket  # prompt + completion
-    reward_models = []  # (model, its lowering, its weights' bytes per chip), sharded like the policy
-    for folder in run.reward_models:
-        rm = abstract_model(folder, "reward", options["dtype"], attn_implementation=options["attn_implementation"])
-        reward_models.append((rm, *lower_reward_model(rm, mesh, (n, width))))
-    # resident whatever runs: the train state and the reward models' weights (the trainer keeps both on the chips)
-    state_bytes = per_chip_bytes(state) + sum(rm_bytes for *_, rm_bytes in reward_models)
-    # the batch arrays (prompt ids and masks, completion ids, masks and log-probs): small next to the state
-    batch = 4 * (2 * b * p + 4 * n * cfg.max_completion_length) // cfg.data_shards
+    with numerics.kept_matmul_precision():
+        run = build.assemble(cfg, topology_devices(slc), abstract=True, device_bytes=slc.chip.hbm_bytes)
+        out(numerics.describe(cfg, run.cfg, "tpu"))
+        cfg, shapes, state = run.cfg, run.shapes(), run.abstract_state()
+        costs = expected_costs(run, shapes, slc.chips)
+        compile_set = [*run.compile_set(shapes), run.programs.layout_program()]
+        reward_models = [p for p in compile_set if p.name.startswith("reward_model_")]
+        # resident whatever runs: the train state and the reward models' weights (the trainer keeps both on the chips)
+        state_bytes = per_chip_bytes(state) + sum(per_chip_bytes(p.args[0]) for p in reward_models)
+        b, n, c = shapes.prompts, shapes.prompts * cfg.num_generations, cfg.max_completion_length
+        # the batch arrays (prompt ids and masks, completion ids, masks and log-probs): small next to the state
+        batch = 4 * (2 * b * shapes.prompt_length + 4 * n * c) // cfg.data_shards
+        phase_of = {part: line for line, parts in PHASES.items() for part in parts}
+        lines: dict[str, list[ProgramReport]] = {}  # the report's lines, in order, and their programs
+        for program in compile_set:
+            out(f"compiling {program.name} for {slc.name} ...")
+            in_step = not program.name.startswith(("eval_", "reward_model_", "sync_reference", "rollout_layout"))
+            report = compile_program(program.name, program.lower, slc.chip.hbm_bytes,
+                                     state_bytes + batch * in_step)
+            report.model_flops, report.decode_floor_bytes = costs.get(program.name.split("[")[0], (math.nan,) * 2)
+            report.estimated_seconds = report.roofline(slc.chip)
+            lines.setdefault(phase_of.get(program.name, program.name), []).append(report)
+    reshard = lines.pop("rollout_layout")[0]
+    settings = run.settings(shapes)
+    if reward_models:  # their weights per chip, resident in every program's figure
+        settings["reward_model_bytes_per_chip"] = [per_chip_bytes(p.args[0]) for p in reward_models]
+    return Report(slc, [phase(name, parts) for name, parts in lines.items()], settings, reshard,
+                  tokens_per_step=n * (shapes.prompt_length + c))
 
-    programs = []
-    model, c, chips = Transformer.of(run.model.config, cfg.quant_spec), cfg.max_completion_length, slc.chips
+
+def expected_costs(run: Any, shapes: Any, chips: int) -> dict[str, tuple[float, float]]:
+    """What the model needs of each program, per chip (`rloo_jax.efficiency`): {program: (model FLOPs per call,
+    the decode loop's floor in bytes per step (NaN: no decode loop))}, for the programs of `Assembly.compile_set`
+    (width-suffixed names; update plans share their width's figure)."""
+    import jax
+
+    from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops
+
+    cfg, prepared, scfg = run.cfg, run.prepared, run.programs.cfg
+    model = Transformer.of(prepared.model.config, cfg.quant_spec)
+    b, p, c, g = shapes.prompts, shapes.prompt_length, cfg.max_completion_length, cfg.num_generations
     itemsize = 2 if cfg.bf16 else 4  # the compute dtype: the sampler's matrices and KV caches
-
-    def add(name: str, lower: Callable[[], Any], resident_bytes: int, model_flops: float,
-            decode_floor: float = math.nan) -> None:
-        out(f"compiling {name} for {slc.name} ...")
-        report = compile_program(name, lower, hbm, resident_bytes)
-        report.model_flops, report.decode_floor_bytes = model_flops, decode_floor
-        report.estimated_seconds = report.roofline(slc.chip)
-        programs.append(report)
+    tensor = 1 if run.rollout_mesh is None else run.rollout_mesh.shape["tensor"]
 
     def decode_floor(prompts: int, group: int) -> float:
         """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
         sampler's tensor parallelism splits it) and its share of the KV caches."""
-        weights = model.weight_bytes(itemsize) / layout[2]  # (a QLoRA base's codes at their 4 or 8 bits)
+        weights = model.weight_bytes(itemsize) / tensor  # (a QLoRA base's codes at their 4 or 8 bits)
         return weights + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
 
-    g = cfg.num_generations
     # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed); a value
     # model's and a device reward model's forwards (PPO)
     passes = scfg.algorithm.needs_reference + scfg.recompute
     heads = [dataclasses.replace(Transformer.of(m.config), unembed_params=m.config.hidden_size)  # D x 1 head
-             for m in (run.value_model, run.device_reward_model) if m is not None]
-    rollout_flops = model.sampling(b, p, g, c) + passes * model.batch_forward(b, p, g, c) + sum(
-        h.batch_forward(b, p, g, c) for h in heads)
-    add("rollout", step.rollout_program(b, p).lower, state_bytes + batch, rollout_flops / chips,
-        decode_floor(b, g))
+             for m in (prepared.value_model, prepared.device_reward_model) if m is not None]
     # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
     # gradients (2 forwards) and the adapters, trained matrices of their own, 6 FLOPs per parameter and token
-    adapter_params = sum(x.size for x in jax.tree.leaves(pol.params)) if cfg.use_peft else 0
+    adapter_params = sum(x.size for x in jax.tree.leaves(run.policy.params)) if cfg.use_peft else 0
+    critic = heads[0] if prepared.value_model is not None else None
 
-    critic = heads[0] if run.value_model is not None else None
+    def finish_flops(width: int) -> float:
+        return passes * model.batch_forward(b, p, g, width) + sum(h.batch_forward(b, p, g, width) for h in heads)
 
     def update_flops(width: int) -> float:
         base = (2 if cfg.use_peft else 3) * model.batch_forward(b, p, g, width)
         if critic is not None:  # the value model: forward + backward, trained whole
             base += 3 * critic.batch_forward(b, p, g, width)
-        return cfg.resolved_num_iterations * (base + 6.0 * adapter_params * model.tokens(b, p, g, width)) / chips
+        return cfg.resolved_num_iterations * (base + 6.0 * adapter_params * model.tokens(b, p, g, width))
 
-    add("update", step.update_program(b, p, c, num_rewards).lower, state_bytes + batch, update_flops(c))
-    # the update at each narrower completion width the trainer runs when a generation batch ends early
-    # (completion_bucket): what such a step costs instead of the full-width update above
-    for w in narrower_widths(c, cfg.completion_bucket):
-        add(f"update@{w}", step.update_program(b, p, w, num_rewards).lower, state_bytes + batch,
-            update_flops(w))
-    if cfg.eval_steps:
-        g = cfg.resolved_num_generations_eval
-        eb = cfg.eval_batch_size // g
-        add("eval_rollout", step.sample_program(eb, p, sampling_config(cfg, run, g)).lower, state_bytes,
-            model.sampling(eb, p, g, c) / chips, decode_floor(eb, g))
-    for i, (rm, lower, _) in enumerate(reward_models):
-        t = Transformer.of(rm.config)  # its head: D x 1 at one position per row
-        rm_flops = forward_flops(t.layer_params, t.num_layers, rm.config.hidden_size, t.attention_width,
-                                 tokens=n * width, scored=n, pairs=n * causal_pairs(0, width, t.window))
-        add(f"reward_model_{i}", lower, state_bytes, rm_flops / chips)
-    settings = {
-        "model": cfg.model_name_or_path, "mesh": dict(zip(("data", "fsdp", "tensor"), cfg.mesh_shape, strict=True)),
-        "prompts_per_generation": b, "completions_per_generation": n, "prompt_length": p,
-        "max_completion_length": cfg.max_completion_length, **options, "mu_dtype": cfg.mu_dtype,
-        "matmul_precision": cfg.matmul_precision, "recompute_old_logps": scfg.recompute,
-        "rollout_mesh": dict(zip(("data", "fsdp", "tensor"), layout, strict=True)),
-        "per_device_train_batch_size": cfg.per_device_train_batch_size,
-        "steps_per_generation": cfg.resolved_steps_per_generation,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "num_iterations": cfg.resolved_num_iterations, "algorithm": cfg.ALGORITHM,
-    }
-    settings.update(cfg.report_settings())  # the algorithm's own (GRPO: loss_type; PPO: its batching and models)
-    if state.value_params is not None:
-        settings["value_model_bytes_per_chip"] = per_chip_bytes(state.value_params)
-    if state.reward_params is not None:
-        settings["reward_model_bytes_per_chip_on_device"] = per_chip_bytes(state.reward_params)
-    if reward_models:  # their weights per chip, resident in every program's figure
-        settings["reward_model_bytes_per_chip"] = [rm_bytes for *_, rm_bytes in reward_models]
-    if cfg.use_peft:
-        settings.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
-                        trainable_params=sum(x.size for x in jax.tree.leaves(pol.params)))
-    # what the rollout spends moving the weights into its layout (it runs inside the rollout program: not a step
-    # of its own), compiled alone from the sampler's own function
-    def move(s: Any) -> Any:
-        with jax.sharding.use_abstract_mesh(rollout_mesh.abstract_mesh):
-            return rollout_weights(pol.graphdef, policy_params(s), mesh.abstract_mesh)
+    costs = {"sample": (model.sampling(b, p, g, c) / chips, decode_floor(b, g))}
+    for w in shapes.widths:
+        at = "" if w == shapes.widths[0] else f"@{w}"
+        costs[f"finish{at}"] = (finish_flops(w) / chips, math.nan)
+        costs[f"update{at}"] = (update_flops(w) / chips, math.nan)
+    if shapes.eval_prompts:
+        eb, ge = shapes.eval_prompts, cfg.resolved_num_generations_eval
+        costs["eval_sample"] = (model.sampling(eb, p, ge, c) / chips, decode_floor(eb, ge))
+        if prepared.device_reward_model is not None:
+            costs["eval_scores"] = (heads[-1].batch_forward(eb, p, ge, c) / chips, math.nan)
+    n = b * g
+    width = -(-(p + c) // cfg.prompt_bucket) * cfg.prompt_bucket  # prompt + completion, as the texts are padded
+    for i, folder in enumerate(prepared.reward_models):
+        from rloo_jax.models import abstract_model
 
-    out(f"compiling the rollout's weight layout for {slc.name} ...")
-    reshard = compile_program("rollout_layout", lambda: jax.jit(move).lower(state), hbm, state_bytes)
-    reshard.estimated_seconds = reshard.roofline(slc.chip)
-    return Report(slc, programs, settings, reshard, tokens_per_step=n * (p + cfg.max_completion_length))
+        t = Transformer.of(abstract_model(folder, "reward").config)  # its head: D x 1 at one position per row
+        flops = forward_flops(t.layer_params, t.num_layers, t.hidden_size, t.attention_width, tokens=n * width,
+                              scored=n, pairs=n * causal_pairs(0, width, t.window))
+        costs[f"reward_model_{i}"] = (flops / chips, math.nan)
+    return costs

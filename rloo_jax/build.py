@@ -1,188 +1,52 @@
-"""Everything a run is built from its config: tokenizer, policy (and its memory options), frozen reference, data,
-reward functions, optimizer and the step's static options.
+"""The assembly: everything a run holds, built once from its config, for the training loop and for compile-only
+alike (what one would otherwise glue together twice and see drift apart).
 
-`prepare(cfg)` loads a real run; `prepare(cfg, abstract=True)` builds the same run from `config.json` and the
-tokenizer alone (parameters as shapes, no dataset), which is what `--compile_only` compiles (`rloo_jax.aot`).
-Both go through the same functions, so the compiled programs are the ones training runs.
+    run = assemble(cfg)                                                  # the loop (`rloo_jax.loop.setup`)
+    run = assemble(cfg, slice_devices, abstract=True, device_bytes=hbm)   # compile-only (`rloo_jax.aot`)
+    state = run.init_state()            # or run.abstract_state(): ShapeDtypeStructs with their shardings
+    programs = run.compile_set()        # exactly the programs the loop runs, ready to lower
+
+`prepare` loads what the config names (the policy's tokenizer and model, the data, the reward functions, PPO's value
+and reward models), or with `abstract` builds them from `config.json` alone (parameters as shapes, no dataset);
+`assemble` resolves the config for the platform and adds the models by role (`rloo_jax.policy`), the optimizer
+over the run's steps, the meshes and the programs (`rloo_jax.programs`).
 """
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import optax
 from flax import nnx
 
-from rloo_jax import demo, outputs
+from rloo_jax import demo, numerics, outputs
 from rloo_jax.config import TrainConfig
 from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError, DataError
-from rloo_jax.mesh import _resolve_mesh_shape, host_memory, rollout_shape
+from rloo_jax.mesh import host_memory, make_mesh, per_chip_bytes, reshaped, rollout_mesh_shape
 from rloo_jax.metrics import check_report_to
-from rloo_jax.models import ModelLoadError, abstract_model, attention, load_causal_lm, load_tokenizer, lora_spec
-from rloo_jax.models.hf import adapter_base, resolve_checkpoint
-from rloo_jax.models.lora import quantize_base, split_adapters, with_adapters
-from rloo_jax.numerics import resolved_settings
-from rloo_jax.rewards import (
-    RewardFunction,
-    builtin_rewards,
-    load_reward_model_scorer,
-    resolve_reward_funcs,
-    warn_missing_extras,
-)
-from rloo_jax.sampling import SamplingConfig, compute_dtype_weights
-from rloo_jax.step import StepConfig
+from rloo_jax.models import hf
+from rloo_jax.optimizer import make_optimizer
+from rloo_jax.policy import Policy, policy
+from rloo_jax.programs import Program, Programs, Shapes, reward_model_program
+from rloo_jax.rewards import RewardFunction, reward_functions
+from rloo_jax.sampling import sampling_config
+from rloo_jax.step import TrainState, completion_widths, run_plans, step_config
 
 logger = logging.getLogger("rloo_jax")
 
 
-# ------------------------------------------------------------------------------------------------ models
-def model_options(cfg: TrainConfig, platform: str) -> dict[str, Any]:
-    """The policy's dtypes and execution options (`ModelConfig` fields) from the run config, for the platform
-    the programs run on ("cpu", "gpu", "tpu"): `bf16`, `scan_layers` and `gradient_checkpointing` None mean on
-    for accelerators, off on the CPU (where they cost time and memory is not the limit; BENCHMARKS.md), as
-    `rloo_jax.numerics.resolved_settings` decides, and `attn_implementation` None the best the platform offers
-    (ConfigError for one it does not offer). With `use_peft` these are the base's options; `policy` adds the
-    adapters."""
-    settings = resolved_settings(cfg, platform)
-    dtype = "bfloat16" if settings["bf16"] else "float32"
-    try:
-        attn = attention.resolve(settings["attn_implementation"], platform, dtype)
-    except ValueError as e:
-        raise ConfigError(f"{e}; fix --attn_implementation") from None
-    return {
-        "dtype": dtype,
-        # LoRA: the base is never trained, so it is read straight into the compute dtype (as TRL + peft load it);
-        # param_dtype is then the adapters' storage
-        "param_dtype": dtype if cfg.use_peft else cfg.param_dtype,
-        "scan_layers": settings["scan_layers"],
-        "remat_policy": cfg.remat_policy if settings["gradient_checkpointing"] else "none",
-        "attn_implementation": attn,
-    }
-
-
-@dataclasses.dataclass
-class Policy:
-    """The pieces of the train state (what `Programs(graphdef, ..., ref_graphdef=)` and its `init_state(params,
-    ref_params, frozen)` / `abstract_state` take)."""
-
-    graphdef: nnx.GraphDef
-    params: nnx.State  # trained: the whole policy, or with LoRA its adapters only
-    # the frozen reference copy (beta > 0, PPO): of the whole policy, or with LoRA from given adapters (a PEFT
-    # adapter folder, a PeftModel) a copy of those adapters, TRL's "ref" adapter; None otherwise
-    ref_params: nnx.State | None
-    frozen: nnx.State | None = None  # LoRA: the base, in the compute dtype or quantized (QLoRA)
-    ref_graphdef: nnx.GraphDef | None = None  # LoRA: the model without its adapters (the reference of new adapters)
-
-
-def policy(cfg: TrainConfig, model: Any, adapter_dir: str | None = None) -> Policy:
-    """The policy to train from the loaded (or abstract) model: the whole model and a reference copy, or with
-    `use_peft` adapters on a frozen base (loaded in the compute dtype by `prepare`); with `load_in_4bit` /
-    `load_in_8bit` that base is quantized first (`rloo_jax.models.lora.quantize_base`). `adapter_dir`: the policy is a
-    PEFT adapter folder on `model`: its adapters are the starting ones (use_peft on, its LoRA options the run's:
-    `check_adapter_options`).
-
-    The reference with LoRA is TRL's: new adapters (B = 0) start as the base, whose forward with the adapters off
-    is the reference (no copy); given adapters start elsewhere, and TRL 1.16's RLOO / GRPO copy them into a frozen
-    "ref" adapter, the reference here too (`cfg.reference_copies_given_adapters`; TRL 1.12's PPO disables them)."""
-    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
-    if adapter_dir is not None:
-        check_adapter_options(cfg, model.config.family, adapter_dir)
-    if not cfg.use_peft:
-        graphdef, params = nnx.split(model)
-        ref = None
-        if cfg.uses_reference:
-            ref = jax.eval_shape(lambda p: reference_params(graphdef, p), params) if abstract else \
-                reference_params(graphdef, params)
-        return Policy(graphdef, params, ref)
-    spec = lora_spec(model.config.family, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                     cfg.use_rslora)
-    if cfg.quant_spec is not None:  # QLoRA: the base's block projections quantized once, here
-        model = quantize_base(model, cfg.quant_spec)
-    ref_graphdef, base = nnx.split(model)
-    # the adapters' A from the run's seed (its own stream: sampling uses key(seed), evaluation key(seed + 1))
-    lora_model = with_adapters(model, spec, jax.random.key(cfg.seed + 2), cfg.param_dtype)
-    if adapter_dir is not None:  # the folder's adapters, read into param_dtype
-        from rloo_jax.models.hf import ADAPTER_WEIGHTS, TensorReader, fill_adapters
-
-        lora_model = fill_adapters(lora_model, TensorReader(Path(adapter_dir)), os.path.join(adapter_dir,
-                                                                                            ADAPTER_WEIGHTS))
-    graphdef, adapters, _ = split_adapters(lora_model)
-    ref = None
-    if adapter_dir is not None and cfg.uses_reference and cfg.reference_copies_given_adapters:
-        ref = adapters if abstract else jax.tree.map(jnp.copy, adapters)  # a copy: update() donates the adapters
-    return Policy(graphdef, adapters, ref, base, ref_graphdef)
-
-
-def check_adapter_options(cfg: TrainConfig, family: str, adapter_dir: str) -> None:
-    """A PEFT adapter folder as the policy trains its adapters: use_peft on, and lora_r, lora_alpha, use_rslora and
-    lora_target_modules those of its adapter_config.json (lora_dropout is the run's: it changes no weight);
-    ConfigError naming the differences otherwise. The Python API sets them from the folder."""
-    from rloo_jax.models.loaded import adapter_lora_options
-
-    theirs = adapter_lora_options(adapter_dir)
-    if not cfg.use_peft:
-        raise ConfigError(f"model_name_or_path {adapter_dir} is a PEFT adapter folder: set use_peft (with its "
-                          f"LoRA options: {', '.join(f'{k}={v}' for k, v in theirs.items() if k != 'use_peft')})")
-    ours = lora_spec(family, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules, cfg.use_rslora)
-    want = lora_spec(family, theirs["lora_r"], theirs["lora_alpha"], 0.0, theirs["lora_target_modules"],
-                     theirs["use_rslora"])
-    if ours != want:
-        raise ConfigError(f"the adapter folder {adapter_dir} holds LoRA r={want.rank}, alpha={want.alpha}, "
-                          f"targets={list(want.targets)}, use_rslora={want.use_rslora}; the run asks for "
-                          f"r={ours.rank}, alpha={ours.alpha}, targets={list(ours.targets)}, "
-                          f"use_rslora={ours.use_rslora}: set lora_r / lora_alpha / lora_target_modules / "
-                          "use_rslora to the folder's")
-
-
-def reference_params(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:
-    """The frozen reference: a copy of the initial policy with its matrices in the compute dtype (bf16 runs store
-    half); norms and biases keep their dtype. The policy casts its matrices to the compute dtype on every use, so
-    at step 0 both compute with the same numbers."""
-    return jax.tree.map(jnp.copy, compute_dtype_weights(graphdef, params))  # a copy: update() donates the policy
-
-
-def eos_token_ids(model_dir: str, tokenizer: Any) -> tuple[int, ...]:
-    """The tokenizer's EOS plus every id in the model's generation_config.json (Qwen/Llama-3 have several)."""
-    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            extra = json.load(f).get("eos_token_id")
-        ids += [int(e) for e in (extra if isinstance(extra, list) else [extra]) if e is not None]
-    return tuple(dict.fromkeys(ids))
-
-
-def refuse_custom_code(model_dir: str) -> None:
-    """A tokenizer that only loads through code shipped with the model (`auto_map` in tokenizer_config.json
-    and no tokenizer.json) is refused before transformers could offer to run that code."""
-    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        return  # loaded as a plain PreTrainedTokenizerFast: no custom code is consulted
-    path = os.path.join(model_dir, "tokenizer_config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            auto_map = json.load(f).get("auto_map")
-    except (OSError, ValueError, AttributeError):
-        return  # missing or unreadable: the loader reports it
-    if auto_map:
-        raise ModelLoadError(
-            f"the tokenizer in {model_dir} needs code shipped with the model (auto_map in tokenizer_config.json); "
-            "rloo_jax never runs such code, whatever trust_remote_code says: save a fast tokenizer "
-            "(tokenizer.json) in that folder"
-        )
-
-
 # ------------------------------------------------------------------------------------------------ the run
 @dataclasses.dataclass
-class Run:
+class Prepared:
     """What the loop needs, all loaded and validated before anything is written (`abstract`: shapes only)."""
 
-    cfg: TrainConfig
+    cfg: TrainConfig  # resolved for `platform` (rloo_jax.numerics)
+    platform: str  # what the programs are compiled for: "cpu", "gpu", "tpu"
+    options: dict[str, Any]  # the models' dtypes and execution options (`numerics.model_options`)
     tokenizer: Any
     model: Any
     train_ds: Any
@@ -211,49 +75,73 @@ class Given:
     callbacks: list[Any] | None = None  # transformers-style callbacks (rloo_jax.callbacks)
 
 
-def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None) -> Run:
-    """Resolve the demo, load tokenizer, policy, data and reward functions; check the first batch encodes.
+def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None) -> Prepared:
+    """Resolve the config for the platform (a TPU slice's when `abstract`, else JAX's backend: `numerics.for_platform`,
+    the run's matmul precision set, the models' options), resolve the demo, load tokenizer, policy, data and
+    reward functions (and PPO's value and reward models); check the first batch encodes.
 
     `abstract`: the policy and reward models as shapes from their `config.json` (no weights read), no dataset;
     Python reward functions are still imported (a wrong name fails here, as in training). `given`: objects
     that replace what the config names (the Python API).
     """
+    platform = "tpu" if abstract else jax.default_backend()
+    cfg = numerics.for_platform(cfg, platform)  # platform-dependent options: what runs, is printed and is recorded
+    numerics.use_matmul_precision(cfg.matmul_precision)
+    options = numerics.model_options(cfg, platform)
+    if not abstract and platform == "cpu" and options["remat_policy"] == "full_offloaded":
+        raise ConfigError("remat_policy full_offloaded moves block inputs to host memory, which needs a TPU or GPU; "
+                          "on CPU use --remat_policy full")
     given = given or Given()
     device_paths = cfg.device_reward_paths  # scored on the token ids on the device, ahead of the functions
     sources = cfg.reward_sources[len(device_paths):] if given.reward_funcs is None else list(given.reward_funcs)
     cfg.require_sources(len(device_paths) + len(sources))
-    model_path, dataset = cfg.policy_path, cfg.dataset_name
-    if model_path == "demo":
-        model_path = demo.model_folder(cfg.seed)
-    if dataset == "demo" and not abstract:
-        dataset = demo.dataset_folder(cfg.seed)
     if cfg.trust_remote_code:
         logger.warning("note: trust_remote_code has no effect; rloo_jax never runs code shipped with a model")
-    model_dir = str(resolve_checkpoint(model_path, weights=not abstract))
+    model_path, dataset = cfg.policy_path, cfg.dataset_name
+    value_path = cfg.resolved_value_model_path if cfg.uses_value_model else None
+    if model_path == "demo":
+        model_path = demo.model_folder(cfg.seed)
+    if value_path == "demo":  # the demo policy's folder: its backbone with a new score head
+        value_path = demo.model_folder(cfg.seed)
+    if dataset == "demo" and not abstract:
+        dataset = demo.dataset_folder(cfg.seed)
+    # the folders (a hub id downloaded; no weights read for an abstract run) and the policy's tokenizer
+    model_dir = str(hf.resolve_checkpoint(model_path, weights=not abstract))
     adapter_dir, tokenizer_dir = None, model_dir
-    base = adapter_base(model_dir)
+    base = hf.adapter_base(model_dir)
     if base is not None:  # a PEFT adapter folder: its base is the model; its tokenizer, when it has one
-        adapter_dir, model_dir = model_dir, str(resolve_checkpoint(base, weights=not abstract))
+        adapter_dir, model_dir = model_dir, str(hf.resolve_checkpoint(base, weights=not abstract))
         if not any(os.path.isfile(os.path.join(adapter_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             tokenizer_dir = model_dir
-    refuse_custom_code(tokenizer_dir)
+    checked = [tokenizer_dir]  # tokenizers that would need code shipped with them are refused (`refuse_custom_code`)
     if cfg.tokenizer_path not in (None, cfg.policy_path):  # PPO: TRL's scripts read it from model_name_or_path
-        tokenizer_dir = str(resolve_checkpoint(cfg.tokenizer_path, weights=False))
-        refuse_custom_code(tokenizer_dir)
-    reward_models = [str(resolve_checkpoint(p, weights=not abstract)) for p in cfg.reward_model_paths]
-    for reward_model in reward_models:
-        refuse_custom_code(reward_model)
-    tokenizer = load_tokenizer(tokenizer_dir, padding_side="left") if given.tokenizer is None else \
-        given_tokenizer(given.tokenizer)
+        tokenizer_dir = str(hf.resolve_checkpoint(cfg.tokenizer_path, weights=False))
+        checked.append(tokenizer_dir)
+    reward_models = [str(hf.resolve_checkpoint(p, weights=not abstract)) for p in cfg.reward_model_paths]
+    heads = [(str(hf.resolve_checkpoint(p, weights=not abstract)), p) for p in ([value_path] * bool(value_path)
+                                                                                 + device_paths)]
+    for folder in (*checked, *reward_models):
+        hf.refuse_custom_code(folder)
+    tokenizer = (hf.load_tokenizer(tokenizer_dir, padding_side="left") if given.tokenizer is None
+                 else hf.given_tokenizer(given.tokenizer))
+    eos = hf.eos_token_ids(model_dir, tokenizer)
     cfg.prepare_tokenizer(tokenizer)
-    options = model_options(cfg, "tpu" if abstract else jax.default_backend())
-    if abstract:
-        model = abstract_model(model_dir, **options)
-    else:
-        # on a mesh the weights wait in host memory until the train state shards them (a whole 8B model in bf16
-        # does not fit one 16 GB chip); on one device they load there directly
-        with host_memory() if cfg.device_count > 1 else contextlib.nullcontext():
-            model = load_causal_lm(model_dir, **options)
+    if not eos:
+        raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
+    # on a mesh the weights wait in host memory until the train state shards them (a whole 8B model in bf16 does
+    # not fit one 16 GB chip); on one device they load there directly
+    with host_memory() if cfg.device_count > 1 and not abstract else contextlib.nullcontext():
+        model = hf.abstract_model(model_dir, **options) if abstract else hf.load_causal_lm(model_dir, **options)
+        vocab = model.config.vocab_size
+        if heads and not 0 <= int(-1 if tokenizer.pad_token_id is None else tokenizer.pad_token_id) < vocab:
+            raise ConfigError(f"the pad token id {tokenizer.pad_token_id} is outside the policy's vocabulary ({vocab}"
+                              " embeddings); pick a pad_token the models embed")
+        # PPO: the value model (trained: stored in param_dtype), then the reward model scored on the device (frozen:
+        # stored in the compute dtype, as the reference)
+        value_model = None if not value_path else hf.head_model(
+            heads[0][0], "value model", abstract, vocab, tokenizer, cfg.param_dtype, options, seed=cfg.seed + 3)
+        device_reward = [hf.head_model(folder, "reward model", abstract, vocab, tokenizer, options["dtype"], options)
+                         for folder, _ in heads[bool(value_path):]]
     encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
     train_ds, eval_ds = None, {}
     if not abstract:
@@ -262,108 +150,18 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
             eval_ds = dict(given.eval_dataset) if isinstance(given.eval_dataset, dict) else {"": given.eval_dataset}
         where = {"config": cfg.dataset_config, "tfds_data_dir": cfg.tfds_data_dir}
         if train_ds is None:
-            dataset = local_dataset(dataset)
-            train_ds = load_prompt_dataset(dataset, cfg.dataset_train_split, **where)
+            train_ds = load_prompt_dataset(local_dataset(dataset), cfg.dataset_train_split, **where)
         if cfg.eval_steps and not eval_ds:
             eval_ds = {"": load_prompt_dataset(local_dataset(dataset), cfg.dataset_test_split, **where)}
         encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
-    builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
-    reward_tokenizers = {s: t for s, t in zip(sources, given.reward_tokenizers or [], strict=False)
-                         if isinstance(s, str) and t is not None}
-    reward_funcs = resolve_reward_funcs(
-        sources,
-        builtins,
-        lambda path: load_reward_model_scorer(
-            path, options["dtype"], cfg.prompt_bucket, cfg.chat_template_kwargs, tokenizer=reward_tokenizers.get(path),
-            attn_implementation=options["attn_implementation"],
-        )
-        if not abstract
-        else (lambda **kwargs: None),  # compiled, never called, in compile-only mode
-    )
-    if not abstract:
-        warn_missing_extras(reward_funcs)
+    reward_funcs = reward_functions(cfg, sources, given.reward_tokenizers, options, abstract)
     check_report_to(cfg.report_to)
-    eos = eos_token_ids(model_dir, tokenizer)
-    if not eos:
-        raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
-    run = Run(cfg, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs, cfg.sampler_stop_ids(tokenizer, eos),
-              reward_models, model_dir, adapter_dir)
-    if cfg.uses_value_model or device_paths:
-        value_and_reward_models(run, device_paths, options, abstract)
-    return run
-
-
-def value_and_reward_models(run: Run, device_paths: list[str], options: dict[str, Any], abstract: bool) -> None:
-    """The value model (`cfg.resolved_value_model_path`: a sequence-classification checkpoint, or a causal LM's
-    backbone with a new score head) and the reward models scored on the device (`device_paths`), each checked to
-    share the policy's tokenizer; abstract for compile-only. The value model is trained: stored in param_dtype; a
-    reward model is frozen: stored in the compute dtype (as the reference)."""
-    from rloo_jax.models import abstract_value_model, load_reward_model, load_value_model
-
-    cfg = run.cfg
-    pad = run.tokenizer.pad_token_id
-    if pad is None or not 0 <= int(pad) < run.model.config.vocab_size:
-        raise ConfigError(f"the pad token id {pad} is outside the policy's vocabulary ({run.model.config.vocab_size} "
-                          "embeddings); pick a pad_token the models embed")
-    kinds = {"dtype": options["dtype"], "scan_layers": options["scan_layers"],
-             "remat_policy": options["remat_policy"], "attn_implementation": options["attn_implementation"]}
-    where = host_memory() if cfg.device_count > 1 else contextlib.nullcontext()
-    if cfg.uses_value_model:
-        path = cfg.resolved_value_model_path
-        if path == "demo":  # the demo policy's folder: its backbone with a new score head
-            path = demo.model_folder(cfg.seed)
-        folder = str(resolve_checkpoint(path, weights=not abstract))
-        check_same_tokenizer(run, folder, "value model")
-        if abstract:
-            run.value_model = abstract_value_model(folder, param_dtype=cfg.param_dtype, **kinds)
-        else:
-            with where:
-                run.value_model = load_value_model(folder, param_dtype=cfg.param_dtype, seed=cfg.seed + 3, **kinds)
-    for path in device_paths:
-        folder = str(resolve_checkpoint(path, weights=not abstract))
-        check_same_tokenizer(run, folder, "reward model")
-        run.device_reward_names.append(os.path.basename(os.path.normpath(str(path))) or "reward_model")
-        if abstract:
-            run.device_reward_model = abstract_model(folder, "reward", param_dtype=options["dtype"], **kinds)
-        else:
-            with where:
-                run.device_reward_model = load_reward_model(folder, param_dtype=options["dtype"], **kinds)
-
-
-def check_same_tokenizer(run: Run, folder: str, what: str) -> None:
-    """A model that reads the policy's token ids must embed the same vocabulary: its config's vocab_size equals
-    the policy's, and a tokenizer shipped in its folder has the policy tokenizer's vocabulary (added tokens such as
-    a pad token aside). `ModelLoadError` otherwise."""
-    from rloo_jax.models.hf import read_hf_config
-
-    theirs = int(read_hf_config(Path(folder)).get("vocab_size", -1))
-    ours = run.model.config.vocab_size
-    if theirs != ours:
-        raise ModelLoadError(
-            f"the {what} at {folder} has another vocabulary than the policy ({theirs} against {ours} token "
-            "embeddings): PPO scores the policy's token ids with it, as TRL does; use a model of the policy's "
-            "tokenizer"
-        )
-    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return
-    try:
-        other = load_tokenizer(folder)
-    except ModelLoadError:
-        return  # no usable tokenizer in the folder: the vocabulary size is all there is to check
-    if base_vocab(other) != base_vocab(run.tokenizer):
-        raise ModelLoadError(
-            f"the {what} at {folder} comes with another tokenizer than the policy's: PPO scores the policy's token "
-            "ids with it, as TRL does; use a model trained on the policy's tokenizer"
-        )
-
-
-def base_vocab(tokenizer: Any) -> dict[str, int]:
-    """A tokenizer's vocabulary without its added tokens (a pad token added by a script aside)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return backend.get_vocab(with_added_tokens=False)
-    added = set(getattr(tokenizer, "get_added_vocab", dict)())
-    return {k: v for k, v in tokenizer.get_vocab().items() if k not in added}
+    return Prepared(
+        cfg, platform, options, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs,
+        cfg.sampler_stop_ids(tokenizer, eos),
+        reward_models, model_dir, adapter_dir, value_model, device_reward[0] if device_reward else None,
+        [os.path.basename(os.path.normpath(str(path))) or "reward_model" for _, path in heads[bool(value_path):]],
+    )
 
 
 def local_dataset(name: str) -> str:
@@ -378,70 +176,135 @@ def local_dataset(name: str) -> str:
     return path
 
 
-def given_tokenizer(tokenizer: Any) -> Any:
-    """A tokenizer passed in (TRL's processing_class) made ready as `load_tokenizer` makes its own: left padding
-    and a pad token (eos when it has none, as TRL)."""
-    if not hasattr(tokenizer, "apply_chat_template") or not hasattr(tokenizer, "batch_decode"):
-        raise ConfigError(f"processing_class must be a transformers tokenizer (got {type(tokenizer).__name__}); "
-                          "processors of multimodal models are not supported")
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ConfigError("processing_class has neither a pad nor an eos token; set tokenizer.pad_token")
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+# ------------------------------------------------------------------------------------------------ the assembly
+@dataclasses.dataclass
+class Assembly:
+    """Everything a run holds, built once from its config by `assemble`, for the loop and for compile-only alike:
+    the config resolved for the platform, what `prepare` loaded (or built abstractly), the models by role (the
+    policy with its reference, a value model, a reward model scored on the device), the optimizer and its schedule
+    over the run's steps, the meshes, and the programs over them (`rloo_jax.programs.Programs`)."""
+
+    cfg: TrainConfig  # resolved for `platform` (rloo_jax.numerics)
+    platform: str  # what the programs are compiled for: "cpu", "gpu", "tpu"
+    options: dict[str, Any]  # the models' dtypes and execution options (`numerics.model_options`)
+    prepared: Prepared
+    policy: Policy  # the trained parameters and the reference (a copy, or with LoRA the frozen base)
+    value: tuple[nnx.GraphDef, nnx.State] | None  # a value model trained with the policy (PPO)
+    reward: tuple[nnx.GraphDef, nnx.State] | None  # a reward model scored on the token ids on the device (PPO)
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule  # the learning rate of each step (what the loop logs)
+    total_steps: int | None  # None: not known (compile-only without max_steps: no dataset is read)
+    mesh: jax.sharding.Mesh | None  # None: one device, plain jit
+    rollout_mesh: jax.sharding.Mesh | None  # the sampler's layout over the same devices
+    programs: Programs
+
+    def init_state(self) -> TrainState:
+        """The fresh train state, placed on the programs' shardings."""
+        p = self.policy
+        return self.programs.init_state(p.params, p.ref_params, p.frozen, *self._roles())
+
+    def abstract_state(self) -> TrainState:
+        """The train state `init_state` builds, as `ShapeDtypeStruct`s with their shardings (nothing in memory)."""
+        p = self.policy
+        return self.programs.abstract_state(p.params, p.ref_params, p.frozen, *self._roles())
+
+    def _roles(self) -> tuple[nnx.State | None, nnx.State | None]:
+        return (None if self.value is None else self.value[1]), (None if self.reward is None else self.reward[1])
+
+    def shapes(self, prompt_length: int | None = None) -> Shapes:
+        """The batch shapes of every program the loop runs for prompts `prompt_length` wide (default: the widest,
+        max_prompt_length rounded up to prompt_bucket): the generation batch, each completion width the reference
+        pass and the update may run at, the update plans the run's generation batches take, the evaluation batch
+        and the reference sync."""
+        cfg = self.cfg
+        g_eval = cfg.resolved_num_generations_eval
+        sync = cfg.reference_sync
+        scfg = self.programs.cfg
+        plans = (None,) if self.programs.step.algorithm.step_unit == "generation" else run_plans(
+            self.total_steps, scfg.micro_per_generation, cfg.gradient_accumulation_steps)
+        return Shapes(
+            prompts=cfg.prompts_per_generation,
+            prompt_length=cfg.compiled_prompt_length if prompt_length is None else prompt_length,
+            widths=completion_widths(cfg.max_completion_length, cfg.completion_bucket),
+            num_rewards=len(cfg.resolved_reward_weights) - len(cfg.device_reward_paths),
+            plans=plans,
+            eval_prompts=cfg.eval_batch_size // g_eval if cfg.eval_steps else 0,
+            eval_sampling=dataclasses.replace(self.programs.cfg.sampling, num_generations=g_eval)
+            if cfg.eval_steps else None,
+            sync_alpha=None if sync is None else sync[1],
+        )
+
+    def settings(self, shapes: Shapes) -> dict[str, Any]:
+        """What the run is, as compile-only's report records it: the model, the meshes, the batch and its lengths,
+        the dtypes and execution options, the algorithm's own settings (`cfg.report_settings`), the value and
+        device reward models' bytes per chip, the adapters."""
+        cfg, state = self.cfg, self.abstract_state()
+        axes = ("data", "fsdp", "tensor")
+        settings = {
+            "model": cfg.model_name_or_path, "mesh": dict(zip(axes, cfg.mesh_shape, strict=True)),
+            "prompts_per_generation": shapes.prompts,
+            "completions_per_generation": shapes.prompts * cfg.num_generations,
+            "prompt_length": shapes.prompt_length, "max_completion_length": cfg.max_completion_length,
+            **self.options, "mu_dtype": cfg.mu_dtype, "matmul_precision": cfg.matmul_precision,
+            "recompute_old_logps": self.programs.cfg.recompute,
+            "rollout_mesh": dict(zip(axes, (self.rollout_mesh or self.mesh).devices.shape, strict=True)),
+            "per_device_train_batch_size": cfg.per_device_train_batch_size,
+            "steps_per_generation": cfg.resolved_steps_per_generation,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "num_iterations": cfg.resolved_num_iterations, "algorithm": cfg.ALGORITHM,
+            **cfg.report_settings(),  # the algorithm's own (GRPO: loss_type; PPO: its batching and models)
+        }
+        if state.value_params is not None:
+            settings["value_model_bytes_per_chip"] = per_chip_bytes(state.value_params)
+        if state.reward_params is not None:
+            settings["reward_model_bytes_per_chip_on_device"] = per_chip_bytes(state.reward_params)
+        if cfg.use_peft:
+            settings.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
+                            trainable_params=sum(x.size for x in jax.tree.leaves(self.policy.params)))
+        return settings
+
+    def compile_set(self, shapes: Shapes | None = None) -> list[Program]:
+        """Exactly the programs the loop runs for `shapes` (default: `shapes()`), each with its abstract inputs and
+        shardings, ready to lower: `Programs.compile_set`, then each host reward model's forward (sharded like the
+        policy, as the trainer runs it)."""
+        shapes = self.shapes() if shapes is None else shapes
+        programs = self.programs.compile_set(shapes)
+        options = self.options
+        n = shapes.prompts * self.cfg.num_generations
+        # prompt + completion, as the reward model's texts are padded
+        width = -(-(shapes.prompt_length + self.cfg.max_completion_length) // self.cfg.prompt_bucket) * (
+            self.cfg.prompt_bucket)
+        for i, folder in enumerate(self.prepared.reward_models):
+            model = hf.abstract_model(folder, "reward", options["dtype"],
+                                      attn_implementation=options["attn_implementation"])
+            programs.append(reward_model_program(f"reward_model_{i}", model, self.mesh, (n, width)))
+        return programs
 
 
-ROLLOUT_COPY_FRACTION = 0.25  # of a device's memory: the most the sampler's share of the weights may take by default
-
-
-def device_memory_bytes() -> int | None:
-    """The memory of this process's first device (TPU/GPU `memory_stats()["bytes_limit"]`); None on CPU."""
-    stats = jax.local_devices()[0].memory_stats()
-    return None if not stats else stats.get("bytes_limit")
-
-
-def rollout_mesh_shape(cfg: TrainConfig, run: Run, device_bytes: int | None = None) -> tuple[int, int, int]:
-    """`rollout_mesh` resolved to (data, fsdp, tensor) sizes. None: `rloo_jax.mesh.rollout_shape` (whole weights on
-    every device where one compute-dtype copy of the policy takes at most ROLLOUT_COPY_FRACTION of `device_bytes`,
-    this process's device by default, the compile-only slice's chip; else tensor-parallel as far as the heads
-    allow where that share fits; else the training mesh). Every process decides alike (same devices)."""
-    if cfg.rollout_mesh is not None:
-        sizes = dict(zip(("data", "fsdp", "tensor"), cfg.rollout_mesh, strict=True))
-        return _resolve_mesh_shape(sizes, cfg.device_count)
-    device_bytes = device_memory_bytes() if device_bytes is None else device_bytes
-    config = run.model.config
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(run.model, nnx.Param)))
-    bf16 = cfg.bf16 if cfg.bf16 is not None else config.dtype == "bfloat16"  # None: as the model loaded
-    copy = params * (2 if bf16 else 4)
-    return rollout_shape(cfg.mesh_shape, copy, device_bytes, config.num_heads, config.num_kv_heads,
-                         ROLLOUT_COPY_FRACTION)
-
-
-def sampling_config(cfg: TrainConfig, run: Run, num_generations: int) -> SamplingConfig:
-    return SamplingConfig(
-        max_new_tokens=cfg.max_completion_length,
-        num_generations=num_generations,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        min_p=cfg.min_p or 0.0,
-        repetition_penalty=cfg.repetition_penalty,
-        eos_token_ids=run.eos_ids,
-        pad_token_id=int(run.tokenizer.pad_token_id),
-    )
-
-
-def step_config(cfg: TrainConfig, run: Run) -> StepConfig:
-    """The step's static options: the sampler's, the algorithm the config names (`make_algorithm`), the batching
-    and the algorithm's own (`cfg.step_options()`: where the old log-probs come from, the sampler/trainer
-    correction, PPO's log-prob temperature and row order)."""
-    return StepConfig(
-        sampling=sampling_config(cfg, run, cfg.num_generations),
-        algorithm=cfg.make_algorithm(run.tokenizer),
-        num_iterations=cfg.resolved_num_iterations,
-        steps_per_generation=cfg.resolved_steps_per_generation,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        dropout_seed=cfg.seed if cfg.use_peft and cfg.lora_dropout > 0 else None,
-        **cfg.step_options(),
-    )
+def assemble(
+    cfg: TrainConfig, devices: Any = None, abstract: bool = False, given: Given | None = None,
+    device_bytes: int | None = None,
+) -> Assembly:
+    """The run of `cfg`, built once (nothing written): the config resolved for the platform (and the run's matmul
+    precision set: callers keep the session's with `numerics.kept_matmul_precision`), `prepare`d, the policy and the
+    other models by role, the optimizer over the run's steps, the mesh over `devices` (default: every device JAX
+    sees; one device: no mesh) and the sampler's mesh, and the programs. `abstract`: for compile-only, on a TPU
+    slice's `devices` whose chips hold `device_bytes`: shapes from config.json, no weights, no dataset. The loop
+    (`rloo_jax.loop.setup`) and compile-only (`rloo_jax.aot.compile_run`) both call this."""
+    prepared = prepare(cfg, abstract, given)
+    cfg, platform = prepared.cfg, prepared.platform
+    mesh = None if devices is None and cfg.device_count == 1 else make_mesh(*cfg.mesh_shape, devices=devices)
+    rollout_mesh = None if mesh is None else reshaped(mesh, rollout_mesh_shape(cfg, prepared.model, device_bytes))
+    total = (cfg.total_steps(len(prepared.train_ds)) if prepared.train_ds is not None
+             else cfg.max_steps if cfg.max_steps > 0 else None)
+    # the updates of one step share its learning rate (PPO: the scheduler steps once per PPO update, as TRL)
+    optimizer, schedule = make_optimizer(cfg, total or 1, platform, updates_per_step=cfg.updates_per_step)
+    pol = policy(cfg, prepared.model, prepared.adapter_dir)
+    value = None if prepared.value_model is None else nnx.split(prepared.value_model)
+    reward = None if prepared.device_reward_model is None else nnx.split(prepared.device_reward_model)
+    sampling = sampling_config(cfg, prepared.eos_ids, prepared.tokenizer.pad_token_id, cfg.num_generations)
+    programs = Programs(pol.graphdef, optimizer, step_config(cfg, sampling, prepared.tokenizer), mesh=mesh,
+                        ref_graphdef=pol.ref_graphdef, rollout_mesh=rollout_mesh,
+                        value_graphdef=value and value[0], reward_graphdef=reward and reward[0])
+    return Assembly(cfg, platform, prepared.options, prepared, pol, value, reward, optimizer, schedule, total, mesh,
+                    rollout_mesh, programs)

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from rloo_jax.build import Run
+from rloo_jax.build import Prepared
 from rloo_jax.data import PromptBatch, is_conversational
 from rloo_jax.placement import Placement
 from rloo_jax.rewards import compute_rewards, repeat_per_generation
@@ -21,18 +21,18 @@ def completion_lengths(completion_ids: np.ndarray, eos_token_ids: Sequence[int])
     return first.astype(np.int32)
 
 
-def encode_rows(run: "Run", place: Placement, rows: dict[str, list[Any]]) -> PromptBatch:
+def encode_rows(prepared: Prepared, place: Placement, rows: dict[str, list[Any]]) -> PromptBatch:
     """Encode this process's prompt rows. With several processes, every process left-pads to the widest prompt
     batch of all processes and counts truncated prompts over all, so the global batch is exactly what one process
     encoding every row would build."""
-    batch = run.encoder(rows)
+    batch = prepared.encoder(rows)
     if not place.multi_process:
         return batch
     facts = place.per_process([batch.prompt_ids.shape[1], batch.num_truncated])
     pad = ((0, 0), (int(facts[:, 0].max()) - batch.prompt_ids.shape[1], 0))
     return dataclasses.replace(
         batch,
-        prompt_ids=np.pad(batch.prompt_ids, pad, constant_values=prompt_pad_id(run.tokenizer)),
+        prompt_ids=np.pad(batch.prompt_ids, pad, constant_values=prompt_pad_id(prepared.tokenizer)),
         prompt_mask=np.pad(batch.prompt_mask, pad),
         num_truncated=int(facts[:, 1].sum()),
     )
@@ -58,26 +58,27 @@ class Scored:
 
 
 def decode(
-    run: Run, prompts: list[Any], completion_ids: np.ndarray, num_generations: int, rewards_per_func: np.ndarray
+    prepared: Prepared, prompts: list[Any], completion_ids: np.ndarray, num_generations: int,
+    rewards_per_func: np.ndarray,
 ) -> Scored:
     """Decode completions (EOS-cut, special tokens skipped, as TRL) next to their prompts and given rewards."""
-    lengths = completion_lengths(completion_ids, run.eos_ids)
+    lengths = completion_lengths(completion_ids, prepared.eos_ids)
     ids = [completion_ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
-    texts = run.tokenizer.batch_decode(ids, skip_special_tokens=True)
+    texts = prepared.tokenizer.batch_decode(ids, skip_special_tokens=True)
     chat = is_conversational(prompts[0])
     completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
-    truncated = ~np.isin(completion_ids[np.arange(len(lengths)), lengths - 1], list(run.eos_ids))
+    truncated = ~np.isin(completion_ids[np.arange(len(lengths)), lengths - 1], list(prepared.eos_ids))
     return Scored(repeat_per_generation(prompts, num_generations), completions, lengths, truncated, rewards_per_func)
 
 
-def decode_and_score(run: Run, batch: PromptBatch, completion_ids: np.ndarray, num_generations: int,
+def decode_and_score(prepared: Prepared, batch: PromptBatch, completion_ids: np.ndarray, num_generations: int,
                      context: dict[str, Any] | None = None) -> Scored:
     """Decode completions (special tokens skipped, as TRL) and call every reward function (`context`: TRL's
     trainer_state, log_extra and log_metric arguments)."""
-    scored = decode(run, batch.prompts, completion_ids, num_generations, np.zeros((0, 0), np.float32))
+    scored = decode(prepared, batch.prompts, completion_ids, num_generations, np.zeros((0, 0), np.float32))
     ids = [completion_ids[i, :n].tolist() for i, n in enumerate(scored.lengths)]
     columns = {k: repeat_per_generation(v, num_generations) for k, v in batch.columns.items()}
-    scored.rewards_per_func = compute_rewards(run.reward_funcs, scored.prompts, scored.completions, ids, columns,
+    scored.rewards_per_func = compute_rewards(prepared.reward_funcs, scored.prompts, scored.completions, ids, columns,
                                               context)
     return scored
 

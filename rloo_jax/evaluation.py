@@ -1,12 +1,13 @@
 """Evaluation: the run's sampling program on the evaluation prompts (`num_generations_eval` completions each),
 scored by the reward functions; reward and length statistics under TRL's `eval_` names."""
 
+import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 
-from rloo_jax.build import Run, sampling_config
+from rloo_jax.build import Prepared
 from rloo_jax.completions import decode_and_score, encode_rows
 from rloo_jax.data import eval_batches
 from rloo_jax.metrics import weighted_rewards
@@ -16,7 +17,7 @@ from rloo_jax.rewards import RewardLogs, TrainerState
 
 
 def evaluate(
-    run: Run, place: Placement, programs: Programs, state: Any, key: jax.Array, names: list[str],
+    prepared: Prepared, place: Placement, programs: Programs, state: Any, key: jax.Array, names: list[str],
     trainer_state: TrainerState | None = None, dataset: Any = None, prefix: str = "eval_",
 ) -> dict[str, float]:
     """Sample num_generations_eval completions per test prompt and report reward / length statistics (and the
@@ -27,21 +28,21 @@ def evaluate(
     statistics use all rows. `dataset`: the prompts (default: the run's only evaluation set); `prefix`: of every
     metric name (TRL's `eval_`, or `eval_<name>_` for one of several named sets).
     """
-    cfg = run.cfg
-    dataset = next(iter(run.eval_ds.values())) if dataset is None else dataset
+    cfg = prepared.cfg
+    dataset = next(iter(prepared.eval_ds.values())) if dataset is None else dataset
     logs = RewardLogs()
     logged: dict[str, list[float]] = {}
     g = cfg.resolved_num_generations_eval
-    sc = sampling_config(cfg, run, g)
+    sc = dataclasses.replace(programs.cfg.sampling, num_generations=g)
     per_func, lengths, truncated = [], [], []
     for i, (idx, real) in enumerate(eval_batches(len(dataset), cfg.eval_batch_size // g)):
         rows = place.rows(len(idx))
-        batch = encode_rows(run, place, dataset[idx[rows]])
+        batch = encode_rows(prepared, place, dataset[idx[rows]])
         ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
         sampled = programs.sample(state, ids, mask, place.replicate(jax.random.fold_in(key, i)), sc)
         completion_ids = place.local(sampled.completion_ids)
-        scored = decode_and_score(run, batch, completion_ids, g, logs.context(trainer_state or TrainerState()))
-        if run.device_reward_model is not None:  # scored on the token ids, first (as in training)
+        scored = decode_and_score(prepared, batch, completion_ids, g, logs.context(trainer_state or TrainerState()))
+        if prepared.device_reward_model is not None:  # scored on the token ids, first (as in training)
             device = place.local(programs.device_scores(state, sampled, sc))
             scored.rewards_per_func = np.concatenate([device, scored.rewards_per_func], axis=1)
         for name, value in place.reward_logs(logs, len(completion_ids))[1].items():

@@ -181,7 +181,7 @@ def load_policy(saved: Saved, with_base: bool = True) -> tuple[Any, str]:
                                                     scan_layers=scan))
         frozen = None
     else:
-        # as `rloo_jax.build.policy`: the base in the compute dtype, the adapters in param_dtype
+        # as `rloo_jax.policy.policy`: the base in the compute dtype, the adapters in param_dtype
         base = load_causal_lm(model_dir, dtype=compute, scan_layers=scan) if with_base else \
             abstract_model(model_dir, dtype=compute, scan_layers=scan)
         quant = quant_spec(run)
@@ -236,8 +236,8 @@ def parse_size(size: str) -> int:
 
 def export(args: argparse.Namespace) -> str:
     """Run the export of `parse_args`' arguments; returns what was written, in words."""
-    from rloo_jax.build import eos_token_ids
     from rloo_jax.models import ModelLoadError, load_tokenizer
+    from rloo_jax.models.hf import eos_token_ids
 
     max_shard = parse_size(args.max_shard_size)
     saved = read_checkpoint(args.checkpoint, args.model_name_or_path)

@@ -30,14 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rloo_jax import logwindow, numerics, outputs
 from rloo_jax import resume as resumed
 from rloo_jax.backend import enable_compilation_cache, start_distributed
-from rloo_jax.build import (
-    Given,
-    Run,
-    policy,
-    prepare,
-    rollout_mesh_shape,
-    step_config,
-)
+from rloo_jax.build import Given, Prepared, assemble
 from rloo_jax.callbacks import CallbackHandler
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
 from rloo_jax.completions import Scored, decode, decode_and_score, encode_rows, print_completions
@@ -46,7 +39,6 @@ from rloo_jax.config import replace as replace_config
 from rloo_jax.data import PromptIterator, prompt_texts
 from rloo_jax.errors import ConfigError
 from rloo_jax.evaluation import eval_prefix, evaluate
-from rloo_jax.mesh import make_mesh, reshaped
 from rloo_jax.metrics import (
     JsonlWriter,
     Sinks,
@@ -60,7 +52,7 @@ from rloo_jax.metrics import (
     weighted_rewards,
 )
 from rloo_jax.models import export as write
-from rloo_jax.optimizer import make_optimizer, skipped_updates
+from rloo_jax.optimizer import skipped_updates
 from rloo_jax.placement import Placement
 from rloo_jax.programs import Programs
 from rloo_jax.resume import check_layout, layout, rng_json, rng_state
@@ -108,15 +100,16 @@ def evaluate_all(s: "Session", progress: Any = None) -> dict[str, float]:
     """Every evaluation set at the current state (one key per step: the same completions on every resume), logged
     to every sink and `log_history` (process 0), the console, and the callbacks' on_log / on_evaluate."""
     metrics: dict[str, float] = {}
-    for name, dataset in s.run.eval_ds.items():
-        metrics.update(evaluate(s.run, s.place, s.programs, s.state, jax.random.fold_in(s.eval_key, s.step), s.names,
+    for name, dataset in s.prepared.eval_ds.items():
+        key = jax.random.fold_in(s.eval_key, s.step)
+        metrics.update(evaluate(s.prepared, s.place, s.programs, s.state, key, s.names,
                                 s.trainer_state, dataset, eval_prefix(name)))
     s.last_logged.update(metrics)
     if s.place.is_main:
         s.sinks.log(s.step, metrics)
         s.trainer_state.log_history.append({"step": s.step, **metrics})
         print_line = progress.console.print if progress is not None else print
-        for name in s.run.eval_ds:
+        for name in s.prepared.eval_ds:
             p = eval_prefix(name)
             print_line(f"eval step {s.step}{' ' + name if name else ''}: reward {metrics[p + 'reward']:.3f} "
                        f"(len {metrics[p + 'completions/mean_length']:.1f})")
@@ -156,7 +149,7 @@ class Session:
     """A run between its phases: what was built (fixed) and where the loop stands (changes every step)."""
 
     cfg: TrainConfig
-    run: Run
+    prepared: Prepared
     place: Placement
     programs: Programs
     graphdef: Any
@@ -201,7 +194,7 @@ class StepOutcome:
     end: float  # when the update's results were read (time.perf_counter): the end of the step's wall time
     consecutive_skips: int  # updates skipped for non-finite values: in a row, and in all
     skipped: int
-    metrics: dict[str, Any]  # Step.update's, on the host: generation scalars, micro [U, M] (or [run]), update [U]
+    metrics: dict[str, Any]  # Step.update's, on the host: generation scalars, micro [U, M] (or [micro]), update [U]
     steps: int = 1  # the optimizer steps it completed (the share of its wall time each step's record shows)
 
 
@@ -219,47 +212,23 @@ class TrainResult:
 
 
 def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
-    """Build the run, its step and its fresh state (`given`: objects of the Python API instead of what the config
-    names); nothing is written."""
+    """Build the run (`rloo_jax.build.assemble`, as compile-only does), its fresh state and the loop's own
+    counters (`given`: objects of the Python API instead of what the config names); nothing is written."""
     if cfg.full_determinism:
         numerics.enable_determinism()  # warns when the backend already started (a Python session)
     start_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     cfg = for_this_machine(cfg)
-    # platform-dependent options resolved once: what runs, what is printed, what config.yaml records
-    resolved = numerics.resolve(cfg, jax.default_backend())
-    numerics.use_matmul_precision(resolved.matmul_precision)
-    if jax.process_index() == 0:
-        print(numerics.describe(cfg, resolved, jax.default_backend()))
-    cfg = resolved
     enable_compilation_cache(cfg.compilation_cache_dir if cfg.compilation_cache else None)
-    if cfg.remat_policy == "full_offloaded" and cfg.gradient_checkpointing and jax.default_backend() == "cpu":
-        # (None, the default, leaves checkpointing off on the CPU)
-        raise ConfigError("remat_policy full_offloaded moves block inputs to host memory, which needs a TPU or GPU; "
-                          "on CPU use --remat_policy full")
-    run = prepare(cfg, given=given)
-    place = Placement(make_mesh(*cfg.mesh_shape) if cfg.device_count > 1 else None)
-    place_reward_models(run.reward_funcs, place.mesh)  # sharded like the policy (the mesh.py rule table)
-    iterator = PromptIterator(len(run.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
-    scfg = step_config(cfg, run)
-    total = cfg.total_steps(len(run.train_ds))
-    # optimizer updates per step share its learning rate (PPO: the scheduler steps once per PPO update, as TRL)
-    optimizer, schedule = make_optimizer(cfg, total, updates_per_step=max(1, scfg.updates_per_generation) //
-                                         max(1, cfg.steps_per_generation_batch))
-    lr_at = jax.jit(schedule)  # one dispatch, not a handful of eager ops, per logged step
+    run = assemble(cfg, given=given)  # the config resolved for the platform: what runs, is printed and is recorded
+    if jax.process_index() == 0:
+        print(numerics.describe(cfg, run.cfg, run.platform))
+    cfg, prepared = run.cfg, run.prepared
+    place = Placement(run.mesh)
+    place_reward_models(prepared.reward_funcs, place.mesh)  # host reward models sharded like the policy
+    iterator = PromptIterator(len(prepared.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
+    lr_at = jax.jit(run.schedule)  # one dispatch, not a handful of eager ops, per logged step
     lr_at(0)  # compiled here, not at the first logged step (no compile after step 1)
-    pol = policy(cfg, run.model, run.adapter_dir)  # the whole model, or with use_peft adapters on a frozen base
-    graphdef = pol.graphdef
-    # the sampler's own layout over the same devices (`rollout_mesh`; the training mesh where nothing is gained)
-    rollout_mesh = None if place.mesh is None else reshaped(place.mesh, rollout_mesh_shape(cfg, run))
-    value = reward = (None, None)
-    if run.value_model is not None:  # a value model trained with the policy (PPO)
-        value = nnx.split(run.value_model)
-    if run.device_reward_model is not None:  # a reward model scored on the token ids (PPO)
-        reward = nnx.split(run.device_reward_model)
-    programs = Programs(graphdef, optimizer, scfg, mesh=place.mesh, ref_graphdef=pol.ref_graphdef,
-                        rollout_mesh=rollout_mesh, value_graphdef=value[0], reward_graphdef=reward[0])
-    # with a mesh: placed on its shardings (FSDP / tensor parallel)
-    state = programs.init_state(pol.params, pol.ref_params, pol.frozen, value[1], reward[1])
+    state = run.init_state()  # with a mesh: placed on its shardings (FSDP / tensor parallel)
     base_key = jax.random.key(cfg.seed)
     if place.mesh is None:
         # committed to the device, like the arrays a checkpoint restores: jit lowers committed arguments with their
@@ -276,17 +245,18 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
         "config": outputs.join(out, "config.yaml"),
     }
     return Session(
-        cfg=cfg, run=run, place=place, programs=programs, graphdef=graphdef, iterator=iterator, total_steps=total,
+        cfg=cfg, prepared=prepared, place=place, programs=run.programs, graphdef=run.policy.graphdef,
+        iterator=iterator, total_steps=run.total_steps,
         lr_at=lr_at, weights=place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32)),
-        names=run.device_reward_names + [f.name for f in run.reward_funcs],
+        names=prepared.device_reward_names + [f.name for f in prepared.reward_funcs],
         eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
         paths=paths, state=state, base_key=base_key,
         callbacks=CallbackHandler(None if given is None else given.callbacks),
         # the micro-batch shuffles: NumPy's legacy generator seeded with `seed`, the stream TRL 1.12's PPO draws from
         # np.random after np.random.seed(seed) (tests/test_ppo_trainer.py seeds it so)
-        order_rng=np.random.RandomState(cfg.seed) if scfg.row_order else None,
+        order_rng=np.random.RandomState(cfg.seed) if run.programs.cfg.row_order else None,
         trainer_state=TrainerState(
-            max_steps=total, num_train_epochs=cfg.num_train_epochs, logging_steps=cfg.logging_steps,
+            max_steps=run.total_steps, num_train_epochs=cfg.num_train_epochs, logging_steps=cfg.logging_steps,
             eval_steps=cfg.eval_steps, save_steps=cfg.save_steps, train_batch_size=cfg.per_device_train_batch_size,
             is_world_process_zero=place.is_main,
         ),
@@ -301,7 +271,7 @@ def resume(s: Session) -> None:
     changed: list[str] = []
     if latest is not None:
         meta = s.ckpt.read_meta(latest)
-        check_layout(meta, layout(s.cfg, s.run.model.config.scan_layers), latest)
+        check_layout(meta, layout(s.cfg, s.prepared.model.config.scan_layers), latest)
         saved = resumed.saved_config(meta, s.cfg.output_dir)  # changed options: noted, or refused (ConfigError)
         if saved is not None:
             found = resumed.changes(saved, recorded_config(s), latest, meta.get("total_steps"), s.total_steps)
@@ -352,7 +322,7 @@ def save(s: Session) -> None:
     meta = {
         "config": recorded_config(s),  # what a resume compares its options with (rloo_jax.resume)
         "total_steps": s.total_steps,
-        "layout": layout(s.cfg, s.run.model.config.scan_layers),
+        "layout": layout(s.cfg, s.prepared.model.config.scan_layers),
         "data": s.iterator.state_dict(),
         "step": s.step,
         "counters": {"num_tokens": s.num_tokens, "num_truncated_prompts": s.truncated_prompts},
@@ -390,7 +360,8 @@ def loop(s: Session, stop: "StopRequest") -> bool:
             t0, prev = time.perf_counter(), s.step
             plan = next_plan(s)
             gas = s.cfg.gradient_accumulation_steps
-            begun = 1 if plan is None else sum((plan.carried + k) % gas == 0 for k in range(plan.run))  # PPO: 1
+            # the optimizer steps begun here (PPO: 1)
+            begun = 1 if plan is None else sum((plan.carried + k) % gas == 0 for k in range(plan.micro_batches))
             for _ in range(begun):  # the steps begun here
                 control._new_step()
                 s.callbacks.call("on_step_begin", s.cfg, s.trainer_state)
@@ -408,7 +379,8 @@ def loop(s: Session, stop: "StopRequest") -> bool:
             if per_generation(s):
                 records = [{name: [float(v)] for name, v in out.metrics["generation"].items()}]  # one per batch
             else:  # each micro-batch's values with the optimizer step it accumulates into (rloo_jax.logwindow)
-                records, s.pending = logwindow.planned_steps(out.metrics, plan.carried, gas, s.pending, plan.run)
+                records, s.pending = logwindow.planned_steps(out.metrics, plan.carried, gas, s.pending,
+                                                             plan.micro_batches)
             for k, values in enumerate(records, start=prev + 1):
                 s.window.add(values)
                 s.loss_sum += sum(values.get("loss", []))
@@ -434,7 +406,7 @@ def loop(s: Session, stop: "StopRequest") -> bool:
                     f"{s.cfg.max_consecutive_nonfinite}); lower --learning_rate or --max_grad_norm, check the "
                     "rewards for extreme values, or resume from an earlier checkpoint"
                 )
-            if s.run.eval_ds and (crossed(prev, s.step, s.cfg.eval_steps) or (last and s.cfg.eval_steps)
+            if s.prepared.eval_ds and (crossed(prev, s.step, s.cfg.eval_steps) or (last and s.cfg.eval_steps)
                                   or evaluate_now):
                 evaluate_all(s, progress)
             if crossed(prev, s.step, s.cfg.save_steps) or last or stop_requested() or save_now:
@@ -462,7 +434,7 @@ def train_step(s: Session, t0: float, first: bool, plan: UpdatePlan | None = Non
     (`phase_timings`)."""
     cfg, place = s.cfg, s.place
     idx = next(s.iterator)  # the same global batch on every process; each one handles its rows
-    batch = encode_rows(s.run, place, s.run.train_ds[idx[place.rows(len(idx))]])
+    batch = encode_rows(s.prepared, place, s.prepared.train_ds[idx[place.rows(len(idx))]])
     s.truncated_prompts += batch.num_truncated
     key = place.replicate(fold_in(s.base_key, s.step))
     ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
@@ -470,7 +442,7 @@ def train_step(s: Session, t0: float, first: bool, plan: UpdatePlan | None = Non
     one_width = completion_width(1, longest, cfg.completion_bucket) == longest
     # the first step compiles update in a thread while the rollout compiles and runs (from the start when its
     # width is known: one completion width; else once the samples tell it)
-    num_rewards = len(s.names) - len(s.run.device_reward_names)  # the host's reward functions
+    num_rewards = len(s.names) - len(s.prepared.device_reward_names)  # the host's reward functions
     compiling = compile_quietly(s.programs, ids.shape, num_rewards, longest, plan) if first and one_width else None
     sampled = s.programs.sample(s.state, ids, mask, key)
     if not one_width:
@@ -484,7 +456,8 @@ def train_step(s: Session, t0: float, first: bool, plan: UpdatePlan | None = Non
     completion_ids = place.local(sampled.completion_ids)
     del sampled  # its full-width arrays: freed once the reference pass has read them
     t_sampled = time.perf_counter()
-    scored = decode_and_score(s.run, batch, completion_ids, cfg.num_generations, s.reward_logs.context(s.trainer_state))
+    context = s.reward_logs.context(s.trainer_state)
+    scored = decode_and_score(s.prepared, batch, completion_ids, cfg.num_generations, context)
     extra, logged = place.reward_logs(s.reward_logs, len(completion_ids))
     s.window.add({name: [value] for name, value in logged.items()})  # log_metric: once per generation, as TRL
     local_tokens = int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
@@ -556,10 +529,8 @@ def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
     """Every completion of this step to rollouts.jsonl (process 0 gathers every process's rows) and a sample."""
     scored = out.scored
     targets, _ = s.programs.score(out.rollout, out.rewards, s.weights)
-    adv = s.place.gather(targets["advantages"])
-    if adv.ndim == 2:  # per token (PPO): the mean over each completion's tokens
-        mask = s.place.gather(out.rollout.completion_mask).astype(np.float32)
-        adv = (adv * mask).sum(1) / np.maximum(mask.sum(1), 1.0)
+    adv = s.programs.step.algorithm.record_advantages(s.place.gather(targets["advantages"]),
+                                                      s.place.gather(out.rollout.completion_mask))
     device = s.place.gather(out.rollout.scores) if out.rollout.scores is not None else None
     r = out.rollout  # its token ids and every model's per-token log-probs, recorded beside the text
     tokens = TokenRecords(s.place.gather(r.completion_ids), s.place.gather(r.completion_mask), {
@@ -568,8 +539,8 @@ def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
         all_ids = tokens.completion_ids
         all_rewards = s.place.gather(scored.rewards_per_func)
         if s.place.is_main:
-            prompts = prompt_texts(s.run.train_ds[out.idx], s.run.tokenizer)
-            scored = decode(s.run, prompts, all_ids, s.cfg.num_generations, all_rewards)
+            prompts = prompt_texts(s.prepared.train_ds[out.idx], s.prepared.tokenizer)
+            scored = decode(s.prepared, prompts, all_ids, s.cfg.num_generations, all_rewards)
     if device is not None:  # the device reward models' scores first, as the rewards' columns and weights
         scored = dataclasses.replace(scored, rewards_per_func=np.concatenate([device, scored.rewards_per_func], 1))
     if s.place.is_main:
@@ -621,12 +592,13 @@ def export(s: Session) -> None:
         model = nnx.merge(s.graphdef, base, adapters) if s.place.is_main else None
     if not s.place.is_main:
         return
-    options = {"dtype": write.resolve_dtype(s.cfg.export_dtype, s.run.model.config.hf_config),
-               "max_shard_size": s.cfg.export_max_shard_size, "tokenizer": s.run.tokenizer,
-               "generation": write.generation_config(s.run.eos_ids, s.run.tokenizer.pad_token_id, s.cfg.to_dict(),
-                                                     write.base_generation_config(s.run.model_dir))}
+    options = {"dtype": write.resolve_dtype(s.cfg.export_dtype, s.prepared.model.config.hf_config),
+               "max_shard_size": s.cfg.export_max_shard_size, "tokenizer": s.prepared.tokenizer,
+               "generation": write.generation_config(s.prepared.eos_ids, s.prepared.tokenizer.pad_token_id,
+                                                     s.cfg.to_dict(),
+                                                     write.base_generation_config(s.prepared.model_dir))}
     write.write_policy(model, s.paths["final"], **options,
-                       base_name=write.adapter_base_name(s.cfg.policy_path, s.run.model_dir))
+                       base_name=write.adapter_base_name(s.cfg.policy_path, s.prepared.model_dir))
     if s.cfg.use_peft and s.cfg.merge_adapter_on_export:
         write.write_policy(model, s.paths["final_merged"], **options, merged=True)
     if value is not None:  # the trained value model, a sequence-classification folder (PPO)
@@ -635,7 +607,7 @@ def export(s: Session) -> None:
 
 
 def train(cfg: TrainConfig, given: Given | None = None) -> TrainResult:
-    """Run training (resuming from output_dir's newest checkpoint); returns the last logged metrics and the output
+    """Prepared training (resuming from output_dir's newest checkpoint); returns the last logged metrics and the output
     paths (also after a SIGTERM, once the checkpoint is saved). `given`: the Python API's objects (RLOOTrainer)."""
     with StopRequest() as stop, numerics.kept_matmul_precision():  # the run's precision, not the session's
         s = setup(cfg, given)
@@ -676,7 +648,7 @@ def evaluate_run(cfg: TrainConfig, given: Given | None = None) -> dict[str, floa
     initial policy without one), logged as a training run's evaluations are."""
     with numerics.kept_matmul_precision():
         s = setup(cfg, given)
-        if not s.run.eval_ds:
+        if not s.prepared.eval_ds:
             raise ConfigError("evaluate() needs an evaluation set: pass eval_dataset, or set args.eval_steps to "
                               "evaluate on dataset_test_split")
         try:

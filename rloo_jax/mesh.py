@@ -511,3 +511,42 @@ def local_rows(x: jax.Array) -> np.ndarray:
 def _rows(index: slice, n: int) -> tuple[int, int]:
     start, stop, _ = index.indices(n)
     return start, stop
+
+
+def per_chip_bytes(tree: Any) -> int:
+    """Bytes one chip holds of a pytree of `ShapeDtypeStruct`s with shardings (the largest shard per leaf)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += -(-int(np.prod(shape, dtype=np.int64)) * jax.dtypes.itemsize_bits(x.dtype) // 8)  # uint4: 1/2
+    return total
+
+
+ROLLOUT_COPY_FRACTION = 0.25  # of a device's memory: the most the sampler's share of the weights may take by default
+
+
+def device_memory_bytes() -> int | None:
+    """The memory of this process's first device (TPU/GPU `memory_stats()["bytes_limit"]`); None on CPU."""
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else stats.get("bytes_limit")
+
+
+def rollout_mesh_shape(cfg: Any, model: Any, device_bytes: int | None = None) -> tuple[int, int, int]:
+    """The run config's `rollout_mesh` resolved to (data, fsdp, tensor) sizes for the policy `model`. None:
+    `rloo_jax.mesh.rollout_shape` (whole weights on every device where one compute-dtype copy of the policy takes at
+    most ROLLOUT_COPY_FRACTION of `device_bytes`, this process's device by default, the compile-only slice's chip; else
+    tensor-parallel as far as the heads allow where that share fits; else the training mesh). Every process decides
+    alike (same devices)."""
+    if cfg.rollout_mesh is not None:
+        sizes = dict(zip(("data", "fsdp", "tensor"), cfg.rollout_mesh, strict=True))
+        return _resolve_mesh_shape(sizes, cfg.device_count)
+    device_bytes = device_memory_bytes() if device_bytes is None else device_bytes
+    config = model.config
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    bf16 = cfg.bf16 if cfg.bf16 is not None else config.dtype == "bfloat16"  # None: as the model loaded
+    copy = params * (2 if bf16 else 4)
+    return rollout_shape(cfg.mesh_shape, copy, device_bytes, config.num_heads, config.num_kv_heads,
+                         ROLLOUT_COPY_FRACTION)

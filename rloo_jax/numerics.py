@@ -2,7 +2,7 @@
 matmul precision the whole run computes at; XLA's deterministic mode.
 
 - `resolved_settings(cfg, platform)`: every option whose None means "decide by platform" (`AUTO`), resolved for
-  "cpu", "gpu" or "tpu". `resolve(cfg, platform)` is the config with those values filled in: what the trainer
+  "cpu", "gpu" or "tpu". `for_platform(cfg, platform)` is the config with those values filled in: what the trainer
   builds from, prints at start (`describe`) and saves as the run's config.yaml.
 - `use_matmul_precision(value)`: JAX's default precision for float32 matmuls (`jax_default_matmul_precision`),
   set process-wide, so every dot traced afterwards carries it: training, sampling, evaluation, reward models, the
@@ -73,7 +73,7 @@ def resolved_settings(cfg: Any, platform: str) -> dict[str, Any]:
     return done
 
 
-def resolve(cfg: Any, platform: str) -> Any:
+def for_platform(cfg: Any, platform: str) -> Any:
     """`cfg` (a run config, `rloo_jax.config.TrainConfig`) with every platform-dependent None resolved for
     `platform` (a validated copy)."""
     settings = resolved_settings(cfg, platform)
@@ -154,3 +154,31 @@ def enable_determinism(environ: MutableMapping[str, str] = os.environ) -> bool:
         return False
     environ["XLA_FLAGS"] = with_flags(current, DETERMINISM_FLAGS)
     return True
+
+
+# ------------------------------------------------------------------------------------------------ models
+def model_options(cfg: Any, platform: str) -> dict[str, Any]:
+    """The policy's dtypes and execution options (`ModelConfig` fields) from the run config, for the platform
+    the programs run on ("cpu", "gpu", "tpu"): `bf16`, `scan_layers` and `gradient_checkpointing` None mean on
+    for accelerators, off on the CPU (where they cost time and memory is not the limit; BENCHMARKS.md), as
+    `rloo_jax.numerics.resolved_settings` decides, and `attn_implementation` None the best the platform offers
+    (ConfigError for one it does not offer). With `use_peft` these are the base's options; `policy` adds the
+    adapters."""
+    from rloo_jax.errors import ConfigError
+    from rloo_jax.models import attention
+
+    settings = resolved_settings(cfg, platform)
+    dtype = "bfloat16" if settings["bf16"] else "float32"
+    try:
+        attn = attention.resolve(settings["attn_implementation"], platform, dtype)
+    except ValueError as e:
+        raise ConfigError(f"{e}; fix --attn_implementation") from None
+    return {
+        "dtype": dtype,
+        # LoRA: the base is never trained, so it is read straight into the compute dtype (as TRL + peft load it);
+        # param_dtype is then the adapters' storage
+        "param_dtype": dtype if cfg.use_peft else cfg.param_dtype,
+        "scan_layers": settings["scan_layers"],
+        "remat_policy": cfg.remat_policy if settings["gradient_checkpointing"] else "none",
+        "attn_implementation": attn,
+    }

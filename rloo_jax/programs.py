@@ -36,11 +36,39 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from rloo_jax.mesh import LOGICAL_RULES, Rules, batch_sharding, replicate, replicated, shard_params, state_shardings
-from rloo_jax.sampling import SamplingConfig
-from rloo_jax.step import Rollout, Step, StepConfig, TrainState, UpdatePlan
+from rloo_jax.mesh import (
+    LOGICAL_RULES,
+    Rules,
+    batch_sharding,
+    param_shardings,
+    replicate,
+    replicated,
+    shard_params,
+    state_shardings,
+)
+from rloo_jax.rewards import reward_model_jit
+from rloo_jax.sampling import SamplingConfig, rollout_weights
+from rloo_jax.step import Rollout, Step, StepConfig, TrainState, UpdatePlan, policy_params
 
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The batch shapes a run's programs are built for (`Programs.compile_set`; `rloo_jax.build.Assembly.shapes`
+    derives them from the run config): B prompts of P tokens, the completion widths the reference pass and the
+    update run at (widest first: `step.completion_widths`), F host reward functions, the update plans the run's
+    generation batches take (`step.run_plans`; None: every micro-batch, none carried), the evaluation batch and its
+    sampler options (0 prompts: no evaluation), and the reference sync's alpha (None: never synced)."""
+
+    prompts: int
+    prompt_length: int
+    widths: tuple[int, ...]
+    num_rewards: int
+    plans: tuple[UpdatePlan | None, ...] = (None,)
+    eval_prompts: int = 0
+    eval_sampling: SamplingConfig | None = None
+    sync_alpha: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,6 +463,43 @@ class Programs:
     def sync_reference(self, state: TrainState, alpha: float) -> TrainState:
         return self.sync_reference_program(alpha)(state)
 
+    def compile_set(self, shapes: Shapes) -> list[Program]:
+        """Exactly the programs a training run of these `shapes` calls (the loop builds each on first use; this
+        builds them up front), each named for its place in the step: `sample`; `longest` (with several completion
+        widths); per width w (the widest bare, the others `@w`): `finish`, `update` (`[carried+micro]` for a plan
+        that carries micro-batches) and `score` (the advantages the rollout records show); `eval_sample` and
+        `eval_scores` (a device reward model's); `sync_reference`. Programs of the same function and shapes are the
+        loop's own objects (one cache), renamed."""
+        b, p, widest = shapes.prompts, shapes.prompt_length, shapes.widths[0]
+        named = [("sample", self.sample_program(b, p))]
+        if len(shapes.widths) > 1:
+            named.append(("longest", self.longest_program(b)))
+        for w in shapes.widths:
+            at = "" if w == widest else f"@{w}"
+            named.append((f"finish{at}", self.finish_program(b, p, w)))
+            for plan in shapes.plans:
+                tag = "" if plan is None else f"[{plan.carried}+{plan.micro_batches}]"
+                named.append((f"update{at}{tag}", self.update_program(b, p, w, shapes.num_rewards, plan)))
+            named.append((f"score{at}", self.score_program(b, p, w, shapes.num_rewards)))
+        if shapes.eval_prompts:
+            named.append(("eval_sample", self.sample_program(shapes.eval_prompts, p, shapes.eval_sampling)))
+            if self.step.reward_graphdef is not None:
+                named.append(("eval_scores", self.device_scores_program(shapes.eval_prompts, p, shapes.eval_sampling)))
+        if shapes.sync_alpha is not None:
+            named.append(("sync_reference", self.sync_reference_program(shapes.sync_alpha)))
+        return [dataclasses.replace(program, name=name) for name, program in named]
+
+    def layout_program(self) -> Program:
+        """``state -> weights``: what ``sample`` spends moving the policy's weights into the sampler's layout once per
+        call (``sampling.rollout_weights``; inside ``sample``, not a program the loop runs on its own), alone, for
+        compile-only's report."""
+
+        def move(state: TrainState) -> nnx.State:
+            with jax.sharding.use_abstract_mesh(self.rollout_mesh.abstract_mesh):
+                return rollout_weights(self.graphdef, policy_params(state), self.mesh.abstract_mesh)
+
+        return Program("rollout_layout", jax.jit(move), (self._state(),))
+
     def compile_update(self, prompt_shape: tuple[int, int], num_rewards: int, width: int | None = None,
                        plan: UpdatePlan | None = None) -> None:
         """Compile ``update`` for prompts ``[B, P]`` (completions ``width`` wide, default ``max_new_tokens``) before
@@ -442,6 +507,18 @@ class Programs:
         rollout compiles and runs: XLA compiles the two programs on two cores at once."""
         width = width or self.cfg.sampling.max_new_tokens
         self.update_program(*prompt_shape, width, num_rewards, plan).lower().compile()
+
+
+def reward_model_program(name: str, model: Any, mesh: jax.sharding.Mesh | None, shape: tuple[int, int]) -> Program:
+    """The trainer's call of a host reward model (`rloo_jax.rewards.reward_model_jit`) as a program: `model`'s
+    forward over global batches of `shape` [N, T] (token ids, mask), its parameters sharded by the rule table as the
+    policy's (abstract `model`: nothing in memory)."""
+    graphdef, params = nnx.split(model)
+    shardings = None if mesh is None else param_shardings(params, mesh)
+    placed = params if mesh is None else jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+    ids = jax.ShapeDtypeStruct(shape, jnp.int32)
+    return Program(name, reward_model_jit(graphdef, mesh, shardings, shape), (placed, ids, ids))
 
 
 def flat_metrics(metrics: dict[str, Any]) -> dict[str, Array]:

@@ -1,7 +1,7 @@
 """Resuming with changed options: what the checkpoint was trained with against what the new invocation asks for.
 
 `changes(saved, current, step, saved_total, total)` compares two run configs (`TrainConfig.to_dict()` with local
-paths absolute, `rloo_jax.build.absolute_paths`) option by option with the rule table `RULES` and returns one
+paths absolute, `rloo_jax.config.absolute_paths`) option by option with the rule table `RULES` and returns one
 `Change` per changed option, saying what it does from the resumed step on; options that cannot be honoured raise
 one `ConfigError` naming every such option and the value to resume with. The trainer records the config (and the
 total step count) in every checkpoint's meta; checkpoints from before that fall back to output_dir/config.yaml
@@ -125,7 +125,7 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
 
 def learning_rate_at(config: dict[str, Any], step: int, total: int) -> float:
     """The learning rate of optimizer step `step` under `config`'s schedule over `total` steps
-    (`rloo_jax.build.lr_schedule`, warmup as `rloo_jax.build.warmup_steps`)."""
+    (`rloo_jax.optimizer.lr_schedule`, warmup as `rloo_jax.optimizer.warmup_steps`)."""
     from rloo_jax.optimizer import lr_schedule, warmup_steps
 
     warmup = warmup_steps(SimpleNamespace(warmup_steps=config.get("warmup_steps", 0),
@@ -229,7 +229,9 @@ def check_layout(meta: dict[str, Any], current: dict[str, Any], step: int) -> No
     """A checkpoint restores onto the parameter layout it was written with (stacked blocks or a list of them;
     adapters or the whole model) by the algorithm that wrote it; checkpoints from before the layout was recorded
     hold a list, no adapters, and RLOO's state."""
-    algorithm = meta.get("layout", {}).get("algorithm", "rloo")
+    from rloo_jax.algorithms import DEFAULT
+
+    algorithm = meta.get("layout", {}).get("algorithm", DEFAULT)
     if algorithm != current["algorithm"]:
         raise ConfigError(f"checkpoint {step} was written by a {algorithm} run; resume it with `python -m "
                           f"rloo_jax.train {algorithm}` (and its config), or start this {current['algorithm']} run "

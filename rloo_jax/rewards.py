@@ -639,3 +639,25 @@ def format_reward_error(error: RewardError) -> str:
     """The user's traceback (if any), then the one-line message."""
     tb = getattr(error, "user_traceback", "")
     return f"{tb}{error}" if tb else str(error)
+
+
+def reward_functions(cfg: Any, sources: list[Any], tokenizers: list[Any] | None, options: dict[str, Any],
+                     abstract: bool) -> list[RewardFunction]:
+    """The host's reward functions of `sources` (callables, names, reward model folders with their `tokenizers`), as
+    the run config (`cfg`: its reward options) asks:
+    `rloo_jax.rewards.resolve_reward_funcs`, reward models as scorers in the compute dtype (never called in
+    compile-only mode: no weights are read)."""
+    builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
+    by_source = {s: t for s, t in zip(sources, tokenizers or [], strict=False) if isinstance(s, str) and t is not None}
+
+    def scorer(path: str) -> Any:
+        if abstract:
+            return lambda **kwargs: None  # compiled, never called, in compile-only mode
+        return load_reward_model_scorer(path, options["dtype"], cfg.prompt_bucket, cfg.chat_template_kwargs,
+                                        tokenizer=by_source.get(path),
+                                        attn_implementation=options["attn_implementation"])
+
+    funcs = resolve_reward_funcs(sources, builtins, scorer)
+    if not abstract:
+        warn_missing_extras(funcs)
+    return funcs

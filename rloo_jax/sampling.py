@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -562,3 +563,20 @@ def generate(
     ids, mask = bucket_prompts(prompt_ids, prompt_mask, prompt_bucket, pad_token_id)
     graphdef, params = nnx.split(model)
     return _generate_jit(graphdef, params, ids, mask, key, cfg)
+
+
+def sampling_config(cfg: Any, eos_token_ids: tuple[int, ...], pad_token_id: int, num_generations: int
+                    ) -> SamplingConfig:
+    """The sampler's options from the run config (`cfg`: its generation options), the ids that end a completion and
+    the pad id, for `num_generations` completions per prompt (training's, or evaluation's)."""
+    return SamplingConfig(
+        max_new_tokens=cfg.max_completion_length,
+        num_generations=num_generations,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        min_p=cfg.min_p or 0.0,
+        repetition_penalty=cfg.repetition_penalty,
+        eos_token_ids=tuple(eos_token_ids),
+        pad_token_id=int(pad_token_id),
+    )

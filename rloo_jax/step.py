@@ -81,22 +81,22 @@ class UpdatePlan:
 
     TRL's stream: micro-batch calls k = 0, 1, ...; a generation every ``spg x num_iterations`` calls (call k of a
     generation reads its micro-batch ``k % spg``); an optimizer step every ``gas`` calls, across generations.
-    ``carried``: micro-batches of the current optimizer step already accumulated (``TrainState.grad_acc``) before
-    this generation's first; ``run``: this generation's micro-batches to run (all ``spg x num_iterations``, or fewer
-    where ``max_steps`` ends the run). Example: spg 3, gas 2: generation 0 runs (0, 3): one step, one micro-batch
+    ``carried``: micro-batches of the current optimizer step already accumulated (``TrainState.grad_acc``) before this
+    generation's first; ``micro_batches``: this generation's micro-batches to run (all ``spg x num_iterations``, or
+    fewer where ``max_steps`` ends the run). Example: spg 3, gas 2: generation 0 runs (0, 3): one step, one micro-batch
     carried; generation 1 (1, 3): two steps, none carried; the phases repeat every gas / gcd(3, 2) = 2 generations.
     """
 
     carried: int
-    run: int
+    micro_batches: int
 
     def steps(self, gas: int) -> int:
-        """Optimizer steps the program completes: (carried + run) // gas."""
-        return (self.carried + self.run) // gas
+        """Optimizer steps the program completes: (carried + micro_batches) // gas."""
+        return (self.carried + self.micro_batches) // gas
 
     def carried_out(self, gas: int) -> int:
-        """Micro-batches left for the next generation's program: (carried + run) % gas."""
-        return (self.carried + self.run) % gas
+        """Micro-batches left for the next generation's program: (carried + micro_batches) % gas."""
+        return (self.carried + self.micro_batches) % gas
 
 
 def plan_update(carried: int, remaining_steps: int, micro_per_generation: int, gas: int) -> UpdatePlan:
@@ -105,6 +105,38 @@ def plan_update(carried: int, remaining_steps: int, micro_per_generation: int, g
     3 micro-batches per generation: 5 steps left -> (1, 3); 1 left -> (1, 1)."""
     need = remaining_steps * gas - carried
     return UpdatePlan(carried, max(0, min(micro_per_generation, need)))
+
+
+def run_plans(total_steps: int | None, micro_per_generation: int, gas: int) -> tuple[UpdatePlan | None, ...]:
+    """Every distinct ``UpdatePlan`` the generation batches of a run of ``total_steps`` optimizer steps take, in
+    order of first use (``plan_update`` from the first batch to the last; None for the default plan, as
+    ``Programs.update_program`` keys it): the update programs such a run compiles. ``total_steps`` None: a run too
+    long to end in the cycle shown (the steady state only). Example: 4 steps, 3 micro-batches per generation, gas 2
+    -> (None, UpdatePlan(1, 3), UpdatePlan(0, 2)): 1 + 2 + 1 steps; None steps -> (None, UpdatePlan(1, 3))."""
+    default = UpdatePlan(0, micro_per_generation)
+    plans: dict[UpdatePlan | None, None] = {}
+    carried, remaining = 0, total_steps
+    while remaining is None or remaining > 0:
+        plan = plan_update(carried, micro_per_generation if remaining is None else remaining, micro_per_generation,
+                           gas) if remaining is not None else UpdatePlan(carried, micro_per_generation)
+        key = None if plan == default else plan
+        if remaining is None and key in plans:
+            break  # the cycle of carried micro-batches closed
+        plans[key] = None
+        if remaining is not None:
+            remaining -= plan.steps(gas)
+        carried = plan.carried_out(gas)
+    return tuple(plans)
+
+
+def completion_widths(max_length: int, bucket: int) -> tuple[int, ...]:
+    """Every completion width ``completion_width`` can choose, widest first: ``max_length`` and each ``bucket * 2^k``
+    below it. Example: (1024, 128) -> (1024, 512, 256, 128); (12, 128) -> (12,); bucket 0 -> (max_length,)."""
+    widths, w = [max_length], bucket
+    while 0 < w < max_length:
+        widths.insert(1, w)
+        w *= 2
+    return tuple(widths)
 
 
 @struct.dataclass
@@ -612,16 +644,16 @@ class Step:
 
         ``plan`` (static; None: ``cfg.default_plan()``, every micro-batch, none carried): the micro-batches to run
         and those of an optimizer step an earlier generation batch began (``UpdatePlan``; their gradients in
-        ``state.grad_acc``). Micro-batch k of the generation (k < plan.run) is its micro-batch ``k % spg`` and
+        ``state.grad_acc``). Micro-batch k of the generation (k < plan.micro_batches) is its micro-batch ``k % spg`` and
         belongs to optimizer step ``(plan.carried + k) // gas`` of the program; the step's gradient is the mean of
         its ``gas`` micro-batches' (carried ones included); the micro-batches after the last complete step are
         summed into the returned ``grad_acc``.
 
         Returns the new state and the metrics as the algorithm logs them (``algorithm.summarize`` of: ``generation``
         (scalars, once per generation batch: rewards, lengths, tokens, the sampler gap), ``micro`` (per micro-batch,
-        what the loss logs: ``[U, M]`` for the default plan, else ``[plan.run]`` in order) and ``update`` (``[S]``:
-        per optimizer step completed, ``loss`` (the mean of its micro-batch losses) and ``grad_norm`` (pre-clip) and
-        what the algorithm's state logs))."""
+        what the loss logs: ``[U, M]`` for the default plan, else ``[plan.micro_batches]`` in order) and ``update``
+        (``[S]``: per optimizer step completed, ``loss`` (the mean of its micro-batch losses) and ``grad_norm``
+        (pre-clip) and what the algorithm's state logs))."""
         cfg = self.cfg
         plan = cfg.default_plan() if plan is None else plan
         targets, gen_metrics = self.score(rollout, rewards_per_func, reward_weights)
@@ -717,7 +749,7 @@ class Step:
                  optimizer_step: Callable) -> tuple[tuple, dict, dict, Accumulator | None]:
         """``update`` under an ``UpdatePlan``, in three static segments: the head (the micro-batches completing the
         carried step), the whole steps (a scan), the tail (summed into the returned accumulator). Returns (carry,
-        micro metrics ``[plan.run]``, update metrics ``[plan.steps]``, accumulator)."""
+        micro metrics ``[plan.micro_batches]``, update metrics ``[plan.steps]``, accumulator)."""
         gas = self.cfg.gradient_accumulation_steps
         if plan.carried and acc is None:
             raise ValueError(f"{plan} carries micro-batches but the state has no grad_acc (StepConfig.carries)")
@@ -745,7 +777,7 @@ class Step:
         micro, updates = [], []
         k = 0
         if plan.carried:  # the head: complete the step an earlier generation began (if this one gets that far)
-            head = min(plan.run, gas - plan.carried)
+            head = min(plan.micro_batches, gas - plan.carried)
             acc, m = accumulate(carry, acc, jnp.arange(head))
             micro.append(m)
             k = head
@@ -753,7 +785,7 @@ class Step:
                 carry, u = step(carry, acc)
                 updates.append(jax.tree.map(lambda x: x[None], u))
                 acc = empty
-        whole = (plan.run - k) // gas
+        whole = (plan.micro_batches - k) // gas
         if whole:
 
             def one_step(carry: tuple, u: Array) -> tuple[tuple, tuple[dict, dict]]:
@@ -765,8 +797,8 @@ class Step:
             micro.append(jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), m))
             updates.append(u)
             k += whole * gas
-        if plan.run > k:  # the tail: summed for the next generation's program
-            acc, m = accumulate(carry, acc if plan.carried else empty, k + jnp.arange(plan.run - k))
+        if plan.micro_batches > k:  # the tail: summed for the next generation's program
+            acc, m = accumulate(carry, acc if plan.carried else empty, k + jnp.arange(plan.micro_batches - k))
             micro.append(m)
         if not updates:  # no step completes: the update metrics' names, with no values
             shapes = jax.eval_shape(step, carry, empty)[1]
@@ -843,3 +875,19 @@ def micro_batch_order(rng: np.random.RandomState, rows: int, epochs: int, micro_
     are consecutive slices of the permutation and its micro-batches consecutive slices of those, so this is its
     order. Example: rows 4, epochs 1, micro 2, permutation [3, 0, 2, 1] -> [[3, 0], [2, 1]]."""
     return np.concatenate([rng.permutation(rows).reshape(-1, micro_rows) for _ in range(epochs)]).astype(np.int32)
+
+
+def step_config(cfg: Any, sampling: SamplingConfig, tokenizer: Any = None) -> StepConfig:
+    """The step's static options from the run config: the sampler's (`sampling`), the algorithm the config names
+    (`cfg.make_algorithm`, with the policy's `tokenizer`), the batching
+    and the algorithm's own (`cfg.step_options()`: where the old log-probs come from, the sampler/trainer
+    correction, PPO's log-prob temperature and row order)."""
+    return StepConfig(
+        sampling=sampling,
+        algorithm=cfg.make_algorithm(tokenizer),
+        num_iterations=cfg.resolved_num_iterations,
+        steps_per_generation=cfg.resolved_steps_per_generation,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        dropout_seed=cfg.seed if cfg.use_peft and cfg.lora_dropout > 0 else None,
+        **cfg.step_options(),
+    )

@@ -175,8 +175,8 @@ class _OnlineTrainer:
     def processing_class(self) -> Any:
         """The policy's tokenizer (the one given, else the model folder's), left padding and a pad token set."""
         if "tokenizer" not in self._loaded:
-            from rloo_jax.build import given_tokenizer
             from rloo_jax.models import load_tokenizer
+            from rloo_jax.models.hf import given_tokenizer
 
             tok = self._tokenizer
             self._loaded["tokenizer"] = given_tokenizer(tok) if tok is not None else \
@@ -537,7 +537,7 @@ def policy_folder(model: Any, args: TrainConfig, tokenizer: Any, peft_config: An
     options it brings: a loaded model is written to `<output_dir>/base_model/` (`loaded_policy_folder`); a PeftModel
     or a PEFT adapter folder brings its own (TRL trains a PeftModel's adapters from where they are, with their
     options), unless args sets use_peft (the CLI's --use_peft --lora_r ...: checked against the folder's instead,
-    `build.check_adapter_options`). Either one with a peft_config is refused, as TRL refuses it."""
+    `policy.check_adapter_options`). Either one with a peft_config is refused, as TRL refuses it."""
     given = not isinstance(model, str | os.PathLike)
     if peft_config is not None and (loaded.is_peft_model(model) or not given and adapter_folder(model)):
         raise ConfigError("You passed a PeftModel (or a PEFT adapter folder) together with a peft_config: its "
@@ -618,7 +618,7 @@ def check_reference(ref_model: Any, policy: Any, seed: int) -> None:
 def own_tokenizer(model: Any) -> Any:
     """The tokenizer written with a loaded PPO reward or value model: its `config._name_or_path`'s when that loads,
     else none. PPO scores the policy's token ids with it: a tokenizer in its folder is checked to have the policy's
-    vocabulary, and without one its vocab_size is (`build.check_same_tokenizer`)."""
+    vocabulary, and without one its vocab_size is (`models.hf.check_same_tokenizer`)."""
     from rloo_jax.models import ModelLoadError, load_tokenizer
 
     name = loaded.name_or_path(model)

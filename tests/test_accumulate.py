@@ -80,7 +80,7 @@ def _oracle(programs, params, rollouts, plans, gas, spg):
                  **targets, "ref_logps": ro.ref_logps}
         micro = step.micro_batches(ro.prompt_ids, ro.prompt_mask, batch)
         num_items = jnp.maximum(jnp.sum(ro.completion_mask).astype(jnp.float32), 1.0) / spg
-        for k in range(plan.run):
+        for k in range(plan.micro_batches):
             mb = jax.tree.map(lambda x, k=k: x[k % spg], micro)
             (loss, (m, stats)), grads = grad_fn(params, None, mb, None, algo_state, num_items)
             acc = grads if acc is None else jax.tree.map(jnp.add, acc, grads)
@@ -127,7 +127,7 @@ def test_plans_equal_a_plain_loop_over_the_micro_batch_stream(model_parts, rollo
         with count_compiles() as counts:
             state, metrics = programs.update(state, ro, rewards, jnp.ones(1), plan=plan)
         assert (counts["compiles"] == 0) == (i == 2), (i, counts)  # one program per phase (and the cut one)
-        records, pending = planned_steps(jax.device_get(metrics), plan.carried, 2, pending, plan.run)
+        records, pending = planned_steps(jax.device_get(metrics), plan.carried, 2, pending, plan.micro_batches)
         got.extend(records)
     assert int(state.step) == 5 and pending == {} and len(got) == 5
     for (loss, norm, kls), record in zip(want, got, strict=True):
@@ -159,7 +159,7 @@ def test_a_step_over_several_generations(model_parts, rollouts):
     got, pending = [], {}
     for (ro, rewards), plan in zip(rollouts, plans, strict=True):
         state, metrics = programs.update(state, ro, rewards, jnp.ones(1), plan=plan)
-        records, pending = planned_steps(jax.device_get(metrics), plan.carried, 3, pending, plan.run)
+        records, pending = planned_steps(jax.device_get(metrics), plan.carried, 3, pending, plan.micro_batches)
         got.extend(records)
         assert int(state.step) == len(got)
     assert len(got) == 1 and got[0]["reward"] and len(got[0]["reward"]) == 3 and len(got[0]["entropy"]) == 3

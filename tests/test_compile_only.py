@@ -89,7 +89,10 @@ def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys): 
     report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
     assert report["topology"] == "v5e-4" and report["chips"] == 4 and report["fits"] is True
     assert report["hbm_bytes_per_chip"] == int(15.75 * 2**30)
-    assert set(report["programs"]) == {"rollout", "update", "eval_rollout"}
+    # every program the loop runs: the rollout (the sampler, then the reference / old log-prob pass), the update,
+    # the records' advantages, the evaluation sampler
+    assert set(report["programs"]) == {"rollout", "update", "score", "eval_rollout"}
+    assert set(report["programs"]["rollout"]["parts"]) == {"sample", "finish"}
     for p in report["programs"].values():
         assert p["fits"] and 0 < p["peak_bytes_per_chip"] < 2**30 and p["compile_seconds"] > 0
         assert p["peak_bytes_per_chip"] >= p["temp_bytes"] + p["resident_bytes"] - p["alias_bytes"]
@@ -108,8 +111,8 @@ def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys): 
     per_step = rollout["decode_hbm_bytes_per_step"] + rollout["decode_ici_bytes_per_step"]
     assert rollout["decode_bytes_ratio"] == per_step / rollout["decode_floor_bytes_per_step"] > 0
     chip = report["roofline"]
-    for p in report["programs"].values():
-        assert p["bytes_accessed"] > 0 and p["ici_bytes"] > 0  # fsdp over 4 chips gathers the weights
+    for name, p in report["programs"].items():
+        assert p["bytes_accessed"] > 0 and (name == "score" or p["ici_bytes"] > 0)  # fsdp gathers the weights
         assert p["estimated_seconds"] >= max(p["flops"] / chip["peak_bf16_flops_per_chip"],
                                              p["bytes_accessed"] / chip["hbm_bytes_per_second"])
     assert report["estimated_step_seconds"] == rollout["estimated_seconds"] + update["estimated_seconds"]
@@ -141,7 +144,10 @@ def test_compile_only_with_lora_and_completion_buckets(tmp_path, tiny_checkpoint
     assert code == 0, err
     report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
     programs = report["programs"]
-    assert set(programs) == {"rollout", "update", "update@8", "update@16"}
+    # at each narrower width an early-ending batch runs its own reference pass, update and records' advantages
+    assert set(programs) == {"rollout", "update", "score"} | {f"{n}@{w}" for n in ("finish", "update", "score")
+                                                              for w in (8, 16)}
+    assert set(programs["rollout"]["parts"]) == {"sample", "longest", "finish"}
     # the frozen base: 2 forwards; the adapters (8192 parameters): 6 FLOPs per parameter and token, 8 x 16 prompt
     # and 32 x 32 completion tokens
     assert programs["update"]["model_flops"] == (2 * 208437248 + 6 * 8192 * (8 * 16 + 32 * 32)) / 4
@@ -492,8 +498,8 @@ def test_rollout_mesh_default_follows_device_memory():
     import jax
     from flax import nnx
 
-    from rloo_jax.build import rollout_mesh_shape
     from rloo_jax.cli import config_from_dict
+    from rloo_jax.mesh import rollout_mesh_shape
     from rloo_jax.models.config import ModelConfig
     from rloo_jax.models.transformer import CausalLM
 
@@ -508,7 +514,7 @@ def test_rollout_mesh_default_follows_device_memory():
     def resolved(device_bytes, **options):
         values = {"model_name_or_path": "demo", "dataset_name": "demo", "reward_funcs": ["format"],
                   "per_device_train_batch_size": 4, "num_generations": 4, **options}
-        return rollout_mesh_shape(config_from_dict(values, device_count=4), run, device_bytes)
+        return rollout_mesh_shape(config_from_dict(values, device_count=4), run.model, device_bytes)
 
     copy_bf16 = 2 * params
     assert resolved(4 * copy_bf16, bf16=True) == (4, 1, 1)  # exactly 1/4: whole weights on every device

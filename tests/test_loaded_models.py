@@ -15,13 +15,13 @@ import yaml
 from safetensors.numpy import load_file
 
 import rloo_jax
-from rloo_jax.build import check_adapter_options
 from rloo_jax.errors import ConfigError
 from rloo_jax.export import main as export_main
 from rloo_jax.metrics import read_jsonl
 from rloo_jax.models import ModelLoadError, check_checkpoint, load_causal_lm
 from rloo_jax.models.hf import TensorReader
 from rloo_jax.models.loaded import save_loaded
+from rloo_jax.policy import check_adapter_options
 from tests.checkpoints import build_tokenizer, qwen2_config
 
 ROWS = [{"prompt": f"Count the letters of word number {i}:"} for i in range(16)]
@@ -218,7 +218,7 @@ def test_the_reference_of_given_adapters_follows_each_trl(models, tmp_path):
     """Given adapters (a PEFT adapter folder, as a PeftModel is written): RLOO / GRPO (TRL 1.16) keep a frozen copy
     of them as the reference (their "ref" adapter), PPO (TRL 1.12) the base with the adapters off (no copy); new
     adapters and beta 0 keep none."""
-    from rloo_jax.build import policy
+    from rloo_jax.policy import policy
 
     adapter_dir = tmp_path / "adapter"
     _peft_model(models).save_pretrained(adapter_dir)

@@ -12,12 +12,12 @@ from flax import nnx
 
 import rloo_jax as rj
 from rloo_jax.algorithms import RLOOConfig
-from rloo_jax.build import reference_params
 from rloo_jax.cli import load_config
 from rloo_jax.models import ModelLoadError, export_tensors, init_causal_lm, load_causal_lm
 from rloo_jax.models.config import REMAT_POLICIES
 from rloo_jax.models.transformer import remat_policy
 from rloo_jax.optimizer import decay_mask, make_optimizer
+from rloo_jax.policy import reference_params
 from rloo_jax.programs import Programs, flat_metrics
 from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig
@@ -208,7 +208,7 @@ def test_memory_options_are_validated():
         with pytest.raises(ConfigError, match=msg):
             _cfg(**kw)
     cfg = _cfg(gradient_checkpointing="false", remat_policy="minimal")
-    from rloo_jax.build import model_options
+    from rloo_jax.numerics import model_options
 
     assert model_options(cfg, "cpu")["remat_policy"] == "none"
     assert model_options(dataclasses.replace(cfg, gradient_checkpointing=True), "cpu")["remat_policy"] == "minimal"

@@ -16,10 +16,10 @@ from flax import nnx
 
 import rloo_jax as rj
 from rloo_jax import aot, numerics
-from rloo_jax.build import reference_params
 from rloo_jax.cli import config_from_dict, full_determinism_option, load_config, main
 from rloo_jax.metrics import read_jsonl
 from rloo_jax.models import init_causal_lm
+from rloo_jax.policy import reference_params
 from rloo_jax.programs import Programs
 from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig
@@ -49,9 +49,9 @@ def test_resolved_settings_by_platform():
     # given values are kept; the precision follows the resolved dtype: float32 on a TPU computes in float32
     assert numerics.resolved_settings(make(bf16=False), "tpu")["matmul_precision"] == "highest"
     assert numerics.resolved_settings(make(bf16=True, matmul_precision="high"), "cpu")["matmul_precision"] == "high"
-    resolved = numerics.resolve(make(scan_layers=False), "gpu")
+    resolved = numerics.for_platform(make(scan_layers=False), "gpu")
     assert (resolved.bf16, resolved.scan_layers, resolved.matmul_precision) == (True, False, "default")
-    assert numerics.resolve(resolved, "gpu") is resolved  # nothing left to resolve
+    assert numerics.for_platform(resolved, "gpu") is resolved  # nothing left to resolve
     assert numerics.describe(make(scan_layers=False), resolved, "gpu") == (
         "numerics on gpu (* auto): bf16 true*, matmul_precision default*, gradient_checkpointing true*, "
         "scan_layers false,\n  attn_implementation cudnn*")  # wrapped at 118 characters
@@ -106,7 +106,8 @@ def test_compile_only_traces_at_the_resolved_precision(tmp_path, tiny_checkpoint
         cfg = load_config([*common(tmp_path, model), "--topology", "v5e-1", *extra], None, slc.chips)
         seen.clear()
         report = aot.compile_run(cfg, slc, out=lambda line: None)
-        assert {"rollout", "update"} <= set(seen) and all(set(p) == {want} for p in seen.values()), (extra, seen)
+        assert {"sample", "finish", "update"} <= set(seen), (extra, seen)
+        assert all(set(p) == {want} for p in seen.values()), (extra, seen)
         f32 = "HIGHEST" in want
         assert report.settings["matmul_precision"] == ("highest" if f32 else "default")
         assert report.settings["dtype"] == ("float32" if f32 else "bfloat16")

@@ -27,6 +27,7 @@ import pytest
 
 from rloo_jax.algorithms import ppo
 from rloo_jax.algorithms import ppo_trl112_fields as vendored
+from tests import ppo_oracle as oracle
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL112 = ROOT / ".venv-trl112"
@@ -46,17 +47,17 @@ def test_first_true_indices_and_truncate_response():
 
 
 def test_forward_inputs():
-    ids, mask, pos = ppo.forward_inputs(jnp.array([[0, 5, 6, 0], [3, 0, 4, 5]]), 0)
+    ids, mask, pos = oracle.forward_inputs(jnp.array([[0, 5, 6, 0], [3, 0, 4, 5]]), 0)
     np.testing.assert_array_equal(ids, [[0, 5, 6, 0], [3, 0, 4, 5]])
     np.testing.assert_array_equal(mask, [[F, T, T, F], [T, F, T, T]])
     np.testing.assert_array_equal(pos, [[0, 0, 1, 2], [0, 1, 1, 2]])
-    ids, _, _ = ppo.forward_inputs(jnp.array([[7, 5, 7]]), 7)  # pad id 7: replaced by 0
+    ids, _, _ = oracle.forward_inputs(jnp.array([[7, 5, 7]]), 7)  # pad id 7: replaced by 0
     np.testing.assert_array_equal(ids, [[0, 5, 0]])
 
 
 def test_positions_lengths_and_masks():
     post = jnp.array([[7, 1, 0, 0], [5, 6, 7, 8], [0, 0, 0, 0]])
-    np.testing.assert_array_equal(ppo.reward_positions(post, 0, 3), [4, 6, 2])
+    np.testing.assert_array_equal(oracle.reward_positions(post, 0, 3), [4, 6, 2])
     lengths = ppo.sequence_lengths(post, 0)
     np.testing.assert_array_equal(lengths, [1, 3, -1])
     np.testing.assert_array_equal(ppo.score_positions(lengths, 4), [2, 3, 0])
@@ -72,7 +73,7 @@ def test_positions_lengths_and_masks():
     assert int(ppo.generated_width(jnp.array([[5, 5, 5, 5], [2, 0, 0, 0]]), 2)) == 4
     assert int(ppo.generated_width(r, None)) == 4
     logits = jnp.arange(2 * 5 * 1, dtype=jnp.float32).reshape(2, 5, 1)
-    np.testing.assert_array_equal(ppo.gather_scores(logits, jnp.array([4, 0])), [4.0, 5.0])
+    np.testing.assert_array_equal(oracle.gather_scores(logits, jnp.array([4, 0])), [4.0, 5.0])
     np.testing.assert_array_equal(ppo.response_slice(logits, 3), [[2, 3], [7, 8]])
     assert ppo.response_slice(jnp.zeros((2, 5, 7)), 3).shape == (2, 2, 7)
 
@@ -255,38 +256,38 @@ def test_masked_whiten_matches_loop(shift_mean):
 def test_batch_sizes_and_errors():
     from rloo_jax.errors import ConfigError
 
-    s = ppo.ppo_batch_sizes(2, 4, 2, 16, total_episodes=16)
+    s = oracle.ppo_batch_sizes(2, 4, 2, 16, total_episodes=16)
     assert (s.local_batch_size, s.batch_size, s.local_mini_batch_size, s.micro_batch_size) == (8, 8, 4, 2)
     assert s.num_total_batches == 2
-    s = ppo.ppo_batch_sizes(4, 3, 2, 10, num_train_epochs=2.5, world_size=2)
+    s = oracle.ppo_batch_sizes(4, 3, 2, 10, num_train_epochs=2.5, world_size=2)
     assert (s.total_episodes, s.batch_size, s.mini_batch_size, s.num_total_batches) == (25, 24, 12, 2)
     with pytest.raises(ConfigError, match="num_mini_batches"):
-        ppo.ppo_batch_sizes(2, 4, 3, 16)
+        oracle.ppo_batch_sizes(2, 4, 3, 16)
     with pytest.raises(ConfigError, match="whiten_rewards"):
-        ppo.ppo_batch_sizes(2, 4, 2, 16, whiten_rewards=True)
+        oracle.ppo_batch_sizes(2, 4, 2, 16, whiten_rewards=True)
 
 
 def test_minibatch_plan_sync_plan_and_lr():
-    plan = ppo.minibatch_plan([3, 0, 2, 1], 2, 1)
+    plan = oracle.minibatch_plan([3, 0, 2, 1], 2, 1)
     assert [(m, a, r.tolist()) for m, a, r in plan] == [(0, 0, [3]), (0, 1, [0]), (1, 0, [2]), (1, 1, [1])]
-    plan = ppo.minibatch_plan(np.arange(12)[::-1], 6, 4)  # ragged: 4 + 2 rows per mini-batch
+    plan = oracle.minibatch_plan(np.arange(12)[::-1], 6, 4)  # ragged: 4 + 2 rows per mini-batch
     assert [(m, a, r.tolist()) for m, a, r in plan] == [
         (0, 0, [11, 10, 9, 8]), (0, 1, [7, 6]), (1, 0, [5, 4, 3, 2]), (1, 1, [1, 0])]
-    plan = ppo.minibatch_plan([1, 0], 1, 2)  # mini-batch smaller than a micro-batch: one micro-batch of 1
+    plan = oracle.minibatch_plan([1, 0], 1, 2)  # mini-batch smaller than a micro-batch: one micro-batch of 1
     assert [(m, a, r.tolist()) for m, a, r in plan] == [(0, 0, [1]), (1, 0, [0])]
-    assert ppo.accumulation_sync_plan(8, 4, 0, False) == ([F, F, F, T, F, F, F, T], 8)
-    assert ppo.accumulation_sync_plan(3, 4, 8, True) == ([T, T, T], 0)
-    assert ppo.accumulation_sync_plan(3, 2, 1, False) == ([T, F, T], 4)
+    assert oracle.accumulation_sync_plan(8, 4, 0, False) == ([F, F, F, T, F, F, F, T], 8)
+    assert oracle.accumulation_sync_plan(3, 4, 8, True) == ([T, T, T], 0)
+    assert oracle.accumulation_sync_plan(3, 2, 1, False) == ([T, F, T], 4)
     rng = np.random.RandomState(5)
     want = [rng.permutation(6) for _ in range(6)]
-    np.testing.assert_array_equal(ppo.numpy_permutations(5, 6, 3, 2).reshape(6, 6), want)
-    assert ppo.linear_lr(1, 3e-3, 2) == 3e-3 and ppo.linear_lr(2, 3e-3, 2) == pytest.approx(1.5e-3)
-    assert [ppo.linear_lr(u, 1.0, 5, 2) for u in range(1, 7)] == pytest.approx([0, 0.5, 1.0, 2 / 3, 1 / 3, 0])
+    np.testing.assert_array_equal(oracle.numpy_permutations(5, 6, 3, 2).reshape(6, 6), want)
+    assert oracle.linear_lr(1, 3e-3, 2) == 3e-3 and oracle.linear_lr(2, 3e-3, 2) == pytest.approx(1.5e-3)
+    assert [oracle.linear_lr(u, 1.0, 5, 2) for u in range(1, 7)] == pytest.approx([0, 0.5, 1.0, 2 / 3, 1 / 3, 0])
 
 
 def test_stats_table_and_update_metrics_golden():
     stats = [{n: jnp.float32(i + 1) for n in ppo.STAT_NAMES} for i in range(2)]
-    tables = ppo.micro_stats_table(stats, [(0, 0, 0), (0, 1, 0)], 1, 2, 2)
+    tables = oracle.micro_stats_table(stats, [(0, 0, 0), (0, 1, 0)], 1, 2, 2)
     np.testing.assert_array_equal(tables["ratio"], [[[1, 0], [2, 0]]])  # unwritten entries stay 0
     roll = ppo.PPORollout(
         responses=jnp.array([[1, 1, 0], [4, 1, 1]]), postprocessed_responses=jnp.zeros((2, 3), jnp.int32),
@@ -297,7 +298,7 @@ def test_stats_table_and_update_metrics_golden():
         non_score_reward=jnp.array([[-0.1, 0, 0], [-0.2, 0, 0]]), rewards=jnp.zeros((2, 3)),
         advantages=jnp.zeros((2, 3)), returns=jnp.zeros((2, 3)), response_width=jnp.array([3, 3]),
     )
-    m = ppo.update_metrics(roll, tables, eos_token_id=1, lr=0.5, episode=16)
+    m = oracle.update_metrics(roll, tables, eos_token_id=1, lr=0.5, episode=16)
     assert float(m["objective/kl"]) == pytest.approx((0.5 + 0.6) / 2)
     assert float(m["objective/entropy"]) == pytest.approx((1 + 9) / 2)  # padding's INVALID_LOGPROB left out
     assert float(m["objective/non_score_reward"]) == pytest.approx(-0.15)
@@ -642,7 +643,7 @@ def _rollout_from_outputs(responses, reward_logits, value_logits, gen_raw_logits
     heads, and the width TRL's generation had."""
     width = ppo.generated_width(responses, stop_token_id)
     post = ppo.truncate_response(responses, stop_token_id, PAD)
-    scores = ppo.gather_scores(reward_logits, ppo.reward_positions(post, PAD, ctx))
+    scores = oracle.gather_scores(reward_logits, oracle.reward_positions(post, PAD, ctx))
     values = ppo.response_slice(value_logits, ctx)
     logprobs, _ = ppo.policy_logprobs(gen_raw_logits, responses, COMMON["temperature"])
     ref_logprobs, _ = ppo.policy_logprobs(ppo.response_slice(ref_logits, ctx), responses, COMMON["temperature"])
@@ -779,11 +780,11 @@ def test_update_metrics_match_trl112_logs(case, trl_run):
             stats.append(st)
             positions.append((m["epoch"], m["minibatch"], m["ga"]))
         roll, _ = _our_rollout(z, case, u, info["context_length"])
-        tables = ppo.micro_stats_table(stats, positions, E, M, A)
+        tables = oracle.micro_stats_table(stats, positions, E, M, A)
         for name in ppo.STAT_NAMES:
             _close(tables[name], z[f"{case}/u{u}/stats/{name}"], f"{case}/u{u}/stats/{name}")
-        lr = ppo.linear_lr(u + 1, cfg["learning_rate"], sizes["num_total_batches"])
-        ours = ppo.update_metrics(roll, tables, eos_token_id=EOS, lr=lr, episode=(u + 1) * sizes["batch_size"])
+        lr = oracle.linear_lr(u + 1, cfg["learning_rate"], sizes["num_total_batches"])
+        ours = oracle.update_metrics(roll, tables, eos_token_id=EOS, lr=lr, episode=(u + 1) * sizes["batch_size"])
         log = info["logs"][u]
         assert set(ours) == set(log) - {"eps", "epoch", "step"}
         for name, value in ours.items():
@@ -798,22 +799,22 @@ def test_batching_matches_trl112(case, trl_run):
     _, meta = trl_run
     info = meta["cases"][case]
     cfg = {**COMMON, **CASES[case]["cfg"]}
-    sizes = ppo.ppo_batch_sizes(cfg["per_device_train_batch_size"], cfg["gradient_accumulation_steps"],
+    sizes = oracle.ppo_batch_sizes(cfg["per_device_train_batch_size"], cfg["gradient_accumulation_steps"],
                                 cfg["num_mini_batches"], N_PROMPTS, total_episodes=N_PROMPTS,
                                 whiten_rewards=cfg.get("whiten_rewards", False))
     assert dataclasses.asdict(sizes) == info["sizes"]
-    perms = ppo.numpy_permutations(SEED, sizes.local_batch_size, cfg["num_ppo_epochs"], 2)
+    perms = oracle.numpy_permutations(SEED, sizes.local_batch_size, cfg["num_ppo_epochs"], 2)
     assert perms.reshape(-1, sizes.local_batch_size).tolist() == info["perms"]
     step = 0
     for u in range(2):
         micro = [m for m in info["micro"] if m["update"] == u]
         plan = [(e, mb, a, rows.tolist()) for e in range(cfg["num_ppo_epochs"])
-                for mb, a, rows in ppo.minibatch_plan(perms[u, e], sizes.local_mini_batch_size,
+                for mb, a, rows in oracle.minibatch_plan(perms[u, e], sizes.local_mini_batch_size,
                                                       cfg["per_device_train_batch_size"])]
         assert plan == [(m["epoch"], m["minibatch"], m["ga"], m["rows"]) for m in micro]
         end = (u + 1) % (N_PROMPTS // sizes.local_batch_size) == 0  # drew the dataset's last full batch
         assert all(m["end_of_dataloader"] == end for m in micro)
-        syncs, step = ppo.accumulation_sync_plan(len(micro), cfg["gradient_accumulation_steps"], step, end)
+        syncs, step = oracle.accumulation_sync_plan(len(micro), cfg["gradient_accumulation_steps"], step, end)
         assert syncs == [m["sync"] for m in micro]
         assert step == info["accelerate_step"][u]
         assert sum(syncs) == info["optimizer_steps"].count(u)

@@ -15,6 +15,7 @@ from rloo_jax.models import init_causal_lm, init_reward_model
 from rloo_jax.programs import Programs
 from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig, completion_logps, head_scores, last_scores, micro_batch_order
+from tests import ppo_oracle as oracle
 
 TINY = dict(
     model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=64,
@@ -150,7 +151,7 @@ def test_update_equals_sgd_on_the_ppo_loss_over_both_models(parts, run):
     got = run["metrics"]["generation"]
     tables = {name: jnp.concatenate([jnp.stack([s[name] for s in stats]), jnp.zeros(4)])
               for name in ppo.STAT_NAMES}
-    want = ppo.update_metrics(roll, tables, eos_token_id=EOS, lr=0.0, episode=0)
+    want = oracle.update_metrics(roll, tables, eos_token_id=EOS, lr=0.0, episode=0)
     for name, value in want.items():
         if name not in ("lr", "episode"):
             assert float(got[name]) == pytest.approx(float(value), rel=1e-4, abs=1e-6), name
@@ -181,7 +182,7 @@ def test_micro_batch_order_is_trl_minibatch_plan():
     """Consecutive micro-batches of each epoch's permutation: TRL's mini-batch / micro-batch loops, flattened."""
     rng_state = np.random.RandomState(7)
     order = micro_batch_order(rng_state, 8, 2, 2)
-    perms = ppo.numpy_permutations(7, 8, 2, 1)[0]
-    want = [rows for perm in perms for _, _, rows in ppo.minibatch_plan(perm, 4, 2)]
+    perms = oracle.numpy_permutations(7, 8, 2, 1)[0]
+    want = [rows for perm in perms for _, _, rows in oracle.minibatch_plan(perm, 4, 2)]
     np.testing.assert_array_equal(order, np.stack(want))
     assert order.dtype == np.int32 and order.shape == (8, 2)

@@ -154,7 +154,7 @@ def test_compile_only_covers_ppo(tmp_path, tiny_checkpoint, capsys):  # noqa: F8
         "--attn_implementation", "eager"])
     assert code == 0, err
     report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
-    assert report["fits"] and set(report["programs"]) == {"rollout", "update"}
+    assert report["fits"] and set(report["programs"]) == {"rollout", "update", "score"}
     s = report["settings"]
     assert (s["algorithm"], s["num_ppo_epochs"], s["num_mini_batches"], s["num_iterations"]) == ("ppo", 2, 2, 2)
     assert s["completions_per_generation"] == 2 * 2 * 4  # pdtbs x gradient_accumulation_steps x 4 data shards

@@ -392,8 +392,7 @@ def test_tpu_decodes_from_4bit_codes_at_their_floor():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from rloo_jax import hlo
-    from rloo_jax.aot import per_chip_bytes
-    from rloo_jax.mesh import param_shardings
+    from rloo_jax.mesh import param_shardings, per_chip_bytes
     from rloo_jax.models.config import ModelConfig
     from rloo_jax.models.transformer import CausalLM, DecodeCache, PromptCache
     from rloo_jax.tpu import parse_slice, quiet_stderr, topology_devices

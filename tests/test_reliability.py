@@ -20,12 +20,12 @@ import pytest
 from flax import nnx
 
 from rloo_jax import demo
-from rloo_jax.build import model_options
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
 from rloo_jax.cli import load_config, main
 from rloo_jax.logwindow import LogWindow, steps
 from rloo_jax.metrics import drop_records_after, read_jsonl
 from rloo_jax.models import load_causal_lm
+from rloo_jax.numerics import model_options
 from rloo_jax.optimizer import make_optimizer, skipped_updates
 from rloo_jax.step import TrainState
 

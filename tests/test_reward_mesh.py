@@ -144,15 +144,16 @@ def test_compiled_reward_model_memory_per_chip_falls_with_the_slice(tmp_path):
     """The trainer's reward-model call compiled for a v5e-8 (fsdp over its 8 chips, a global batch of 64 x 128
     tokens): the compiler's per-chip argument bytes are an eighth of the weights and the batch (one chip, the old
     unsharded scorer, held all of them)."""
-    from rloo_jax.aot import lower_reward_model
-    from rloo_jax.mesh import make_mesh
+    from rloo_jax.mesh import make_mesh, per_chip_bytes
     from rloo_jax.models import abstract_model
+    from rloo_jax.programs import reward_model_program
     from rloo_jax.tpu import parse_slice, topology_devices
 
     (tmp_path / "config.json").write_text(json.dumps(REWARD_LLAMA))
     model = abstract_model(tmp_path, "reward", "bfloat16")
     mesh = make_mesh(1, -1, 1, devices=topology_devices(parse_slice("v5e-8")))
-    lower, weights = lower_reward_model(model, mesh, (64, 128))
+    program = reward_model_program("reward_model_0", model, mesh, (64, 128))
+    lower, weights = program.lower, per_chip_bytes(program.args[0])
     arguments = lower().compile().memory_analysis().argument_size_in_bytes
     total = 2 * (256 * 256 + 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512 + 2 * 256) + 256 + 256)
     batch = 2 * 64 * 128 * 4  # ids and mask, int32
@@ -175,7 +176,7 @@ def test_compile_only_report_counts_the_sharded_reward_model(tmp_path, tiny_chec
     assert code == 0, err
     report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
     programs, s = report["programs"], report["settings"]
-    assert set(programs) == {"rollout", "update", "reward_model_0"} and "est. step" in out
+    assert set(programs) == {"rollout", "update", "score", "reward_model_0"} and "est. step" in out
     # bf16 weights (bf16 is on for a TPU) of the reward model (TINY_LLAMA without its LM head, plus the score head
     # [64, 1]), / 4 chips
     d, f, v, layers = 64, 128, 160, 2

@@ -12,11 +12,11 @@ import pytest
 
 from rloo_jax import demo
 from rloo_jax.backend import visible_accelerator
-from rloo_jax.build import eos_token_ids
 from rloo_jax.cli import main
 from rloo_jax.completions import completion_lengths
 from rloo_jax.loop import crossed
 from rloo_jax.metrics import read_jsonl
+from rloo_jax.models.hf import eos_token_ids
 from rloo_jax.optimizer import lr_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,6 +10,8 @@ An algorithm is a small frozen value (``RLOO(...)``, ``GRPO(...)``) holding its 
   from one optimizer step to the next in the train state (GRPO's adaptive entropy coefficient; None for RLOO);
   optionally ``init_stats()``: zero ``stats`` (their structure), for a step begun in one generation batch and
   completed in the next (default: no statistics);
+- ``record_advantages(advantages, mask) -> [N]``: on the host, a completion's advantage as the rollout records
+  show it (PPO: the mean of its tokens');
 - ``summarize(metrics) -> metrics``: once per generation batch, inside the update program, the update's metrics
   (``{"generation", "micro" [U, M], "update" [U]}``) as the algorithm logs them (PPO: TRL 1.12's per-update record;
   RLOO, GRPO: unchanged);
@@ -25,6 +27,7 @@ The step holds no algorithm name: the same rollout and update programs run any v
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from rloo_jax.algorithms.common import LossInputs, ScoreInputs
 from rloo_jax.algorithms.grpo import GRPO
@@ -67,6 +70,8 @@ class Algorithm(Protocol):
     def next_state(self, state: Any, stats: dict[str, jax.Array]) -> tuple[Any, dict[str, jax.Array]]: ...
 
     def summarize(self, metrics: dict[str, dict[str, jax.Array]]) -> dict[str, dict[str, jax.Array]]: ...
+
+    def record_advantages(self, advantages: np.ndarray, mask: np.ndarray) -> np.ndarray: ...
 
 
 __all__ = ["CONFIGS", "DEFAULT", "GRPO", "PPO", "RLOO", "Algorithm", "GRPOConfig", "LossInputs", "PPOConfig",

@@ -21,6 +21,7 @@ from typing import Literal
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rloo_jax.algorithms.common import (
     NORM_EPS,
@@ -394,6 +395,10 @@ class GRPO:
                                          self.entropy_coef_min, self.entropy_coef_max)
             state = {"entropy_coef": coef, "last_entropy": entropy}
         return state, {"entropy_coef": state["entropy_coef"]}
+
+    def record_advantages(self, advantages: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """A completion's advantage as the rollout records show it: ``[N]`` as scored."""
+        return advantages
 
     def summarize(self, metrics: dict[str, dict[str, Array]]) -> dict[str, dict[str, Array]]:
         return metrics  # logged per optimizer step as they are (rloo_jax.logwindow)

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rloo_jax.algorithms.common import (
     NORM_EPS,
@@ -382,6 +383,10 @@ class RLOO:
 
     def next_state(self, state: Any, stats: dict[str, Array]) -> tuple[Any, dict[str, Array]]:
         return state, {}
+
+    def record_advantages(self, advantages: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """A completion's advantage as the rollout records show it: ``[N]`` as scored."""
+        return advantages
 
     def summarize(self, metrics: dict[str, dict[str, Array]]) -> dict[str, dict[str, Array]]:
         return metrics  # logged per optimizer step as they are (rloo_jax.logwindow)

@@ -51,7 +51,7 @@ def generation_config(
     are kept; its sampling fields are replaced.
 
     eos_token_id is the list of every id that ended a completion in training (the tokenizer's EOS and the base's
-    generation_config ones, `rloo_jax.build.eos_token_ids`); pad_token_id the id completions were padded with;
+    generation_config ones, `rloo_jax.models.hf.eos_token_ids`); pad_token_id the id completions were padded with;
     max_new_tokens = max_completion_length. temperature 0 (greedy) -> do_sample false and no sampling fields;
     else do_sample true, temperature, top_k (0: off, in transformers too), top_p, repetition_penalty, and min_p when
     set. E.g. eos [1, 7], pad 0, temperature 0.7 (other options off) -> {"eos_token_id": [1, 7], "pad_token_id": 0,

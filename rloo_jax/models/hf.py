@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import struct
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from rloo_jax.errors import ConfigError
 from rloo_jax.models.config import (
     ARCHITECTURES,
     ModelConfig,
@@ -750,3 +752,99 @@ def load_tokenizer(path_or_hub_id: str | Path, padding_side: str = "left") -> An
             raise ModelLoadError(f"tokenizer at {directory} has neither a pad nor an eos token")
         tok.pad_token = tok.eos_token
     return tok
+
+
+def eos_token_ids(model_dir: str, tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's EOS plus every id in the model's generation_config.json (Qwen/Llama-3 have several)."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            extra = json.load(f).get("eos_token_id")
+        ids += [int(e) for e in (extra if isinstance(extra, list) else [extra]) if e is not None]
+    return tuple(dict.fromkeys(ids))
+
+
+def refuse_custom_code(model_dir: str) -> None:
+    """A tokenizer that only loads through code shipped with the model (`auto_map` in tokenizer_config.json
+    and no tokenizer.json) is refused before transformers could offer to run that code."""
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return  # loaded as a plain PreTrainedTokenizerFast: no custom code is consulted
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            auto_map = json.load(f).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return  # missing or unreadable: the loader reports it
+    if auto_map:
+        raise ModelLoadError(
+            f"the tokenizer in {model_dir} needs code shipped with the model (auto_map in tokenizer_config.json); "
+            "rloo_jax never runs such code, whatever trust_remote_code says: save a fast tokenizer "
+            "(tokenizer.json) in that folder"
+        )
+
+
+def check_same_tokenizer(folder: str, what: str, vocab_size: int, tokenizer: Any) -> None:
+    """A model that reads the policy's token ids must embed the same vocabulary: its config's vocab_size equals
+    the policy's (`vocab_size`), and a tokenizer shipped in its folder has the policy `tokenizer`'s vocabulary (added
+    tokens such as a pad token aside). `ModelLoadError` otherwise."""
+    theirs = int(read_hf_config(Path(folder)).get("vocab_size", -1))
+    ours = vocab_size
+    if theirs != ours:
+        raise ModelLoadError(
+            f"the {what} at {folder} has another vocabulary than the policy ({theirs} against {ours} token "
+            "embeddings): PPO scores the policy's token ids with it, as TRL does; use a model of the policy's "
+            "tokenizer"
+        )
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    try:
+        other = load_tokenizer(folder)
+    except ModelLoadError:
+        return  # no usable tokenizer in the folder: the vocabulary size is all there is to check
+    if base_vocab(other) != base_vocab(tokenizer):
+        raise ModelLoadError(
+            f"the {what} at {folder} comes with another tokenizer than the policy's: PPO scores the policy's token "
+            "ids with it, as TRL does; use a model trained on the policy's tokenizer"
+        )
+
+
+def base_vocab(tokenizer: Any) -> dict[str, int]:
+    """A tokenizer's vocabulary without its added tokens (a pad token added by a script aside)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.get_vocab(with_added_tokens=False)
+    added = set(getattr(tokenizer, "get_added_vocab", dict)())
+    return {k: v for k, v in tokenizer.get_vocab().items() if k not in added}
+
+
+def given_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer passed in (TRL's processing_class) made ready as `load_tokenizer` makes its own: left padding
+    and a pad token (eos when it has none, as TRL)."""
+    if not hasattr(tokenizer, "apply_chat_template") or not hasattr(tokenizer, "batch_decode"):
+        raise ConfigError(f"processing_class must be a transformers tokenizer (got {type(tokenizer).__name__}); "
+                          "processors of multimodal models are not supported")
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError("processing_class has neither a pad nor an eos token; set tokenizer.pad_token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def head_model(folder: str, what: str, abstract: bool, vocab_size: int, tokenizer: Any, param_dtype: str,
+               options: dict[str, Any], seed: int | None = None) -> RewardModel:
+    """A model that scores the policy's token ids, from its checkpoint `folder` (checked to share the policy's
+    tokenizer: `check_same_tokenizer`): with `seed` a value model trained with the policy (a sequence-classification
+    checkpoint, or a causal LM's backbone with a new score head drawn from `seed`), else a frozen reward model; as
+    shapes only when `abstract`. `options`: the policy's compute dtype and execution options
+    (`numerics.model_options`); `param_dtype`: how it is stored."""
+    check_same_tokenizer(folder, what, vocab_size, tokenizer)
+    kinds = {k: options[k] for k in ("dtype", "scan_layers", "remat_policy", "attn_implementation")}
+    if seed is not None:
+        if abstract:
+            return abstract_value_model(folder, param_dtype=param_dtype, **kinds)
+        return load_value_model(folder, param_dtype=param_dtype, seed=seed, **kinds)
+    if abstract:
+        return abstract_model(folder, "reward", param_dtype=param_dtype, **kinds)
+    return load_reward_model(folder, param_dtype=param_dtype, **kinds)

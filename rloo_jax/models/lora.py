@@ -1,5 +1,5 @@
 """LoRA: train low-rank adapters on a frozen base model; the reference is the base with its adapters off (or, for
-adapters that start from given values, the base with a frozen copy of them: `rloo_jax.build.policy`).
+adapters that start from given values, the base with a frozen copy of them: `rloo_jax.policy.policy`).
 
 Plain pytrees all the way (the research API):
 
