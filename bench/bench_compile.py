@@ -4,7 +4,7 @@
    three fresh processes: `--compilation_cache false`; `true` with an empty cache folder (cold: compiles and
    writes the cache); `true` again with the same folder (warm: reads it). Reported from each run's own
    `step_time` of step 1, next to the mean warm step.
-2. Recompilations: `rloo_jax.train.train(cfg)` in this process for --steps (50) steps over the 256 prompts of 8..24
+2. Recompilations: `rloo_jax.loop.train(cfg)` in this process for --steps (50) steps over the 256 prompts of 8..24
    words (prompt lengths vary every step, inside the one 32-token bucket), counting jax's monitoring events
    (`/jax/core/compile/backend_compile_duration` = an XLA compile, `/jax/core/compile/jaxpr_trace_duration` = a
    trace) that happen from the second rollout call (step 2) until the last `update` returned.

@@ -1,11 +1,13 @@
-"""`python -m rloo_jax.train [--config FILE.yaml] [--name value ...]`: the RLOO training loop.
+"""The training loop, for any algorithm (what `RLOOTrainer.train()`, `GRPOTrainer.train()`, `PPOTrainer.train()` and
+`python -m rloo_jax.train` run): `train(cfg, given)`.
 
-Four phases, each a function: `setup` (multi-process start, config, everything built by `rloo_jax.build`, the
-step and its state; nothing written yet, so a bad invocation leaves an existing output_dir untouched) -> `resume`
-(the newest checkpoint, the records after it dropped, outputs opened) -> `loop` (for each generation: prompts,
-rollout (jitted), decode, rewards (host), update (jitted), metrics, records, evaluation, checkpoint, reference sync)
--> `finish` (the final Hugging Face export). `--compile_only` stops after building and compiles instead
-(`rloo_jax.aot`).
+Four phases, each a function: `setup` (multi-process start, the run assembled by `rloo_jax.build.assemble` as
+compile-only assembles it, its fresh state; nothing written yet, so a bad invocation leaves an existing output_dir
+untouched) -> `resume` (the newest checkpoint, the records after it dropped, outputs opened) -> `loop` (for each
+generation batch, `train_step`: prompts, sample (jitted), the reference pass (jitted) while the host decodes and
+rewards, update (jitted); then metrics, records, evaluation, checkpoint, reference sync) -> `finish` (the final
+Hugging Face export). What differs between algorithms reaches the loop as values: the programs' algorithm, the
+config's hooks (a step is an optimizer step, or a generation batch for PPO: `per_generation`).
 
 With more than one device the step runs on a (data, fsdp, tensor) mesh (`rloo_jax.mesh`). Every process runs this
 same loop on the same global batch indices; it encodes, decodes and rewards only its own rows (`Placement`), the

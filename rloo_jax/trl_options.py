@@ -34,7 +34,7 @@ Status = Literal["supported", "accepted", "refused"]
 class Decision:
     """What one TRL option does here. `takes`: for accepted options the values taken (None: any), for refused
     ones the values that ask for nothing (TRL's off values), described for people by `takes_text`. `translate`:
-    a TRL value -> our options (a dict of `RLOOConfig` fields), for options whose TRL type differs from ours."""
+    a TRL value -> our options (a dict of config fields), for options whose TRL type differs from ours."""
 
     status: Status
     why: str
