@@ -26,6 +26,7 @@ from rloo_jax import demo, numerics, outputs
 from rloo_jax.config import TrainConfig
 from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError, DataError
+from rloo_jax.given import Given
 from rloo_jax.mesh import host_memory, make_mesh, per_chip_bytes, reshaped, rollout_mesh_shape
 from rloo_jax.metrics import check_report_to
 from rloo_jax.models import hf
@@ -60,19 +61,6 @@ class Prepared:
     value_model: Any = None  # a RewardModel trained as the value model (PPO), loaded or abstract; else None
     device_reward_model: Any = None  # a RewardModel scored on the token ids on the device (PPO); else None
     device_reward_names: list[str] = dataclasses.field(default_factory=list)  # its name in the metrics
-
-
-@dataclasses.dataclass
-class Given:
-    """Objects the Python API (`rloo_jax.RLOOTrainer`) passes instead of what the config names; None: load what
-    the config names."""
-
-    tokenizer: Any = None  # the policy's tokenizer (TRL's processing_class)
-    train_dataset: Any = None  # datasets.Dataset with a `prompt` column
-    eval_dataset: Any = None  # one set, or {name: set} (TRL's metric prefixes eval_<name>_)
-    reward_funcs: list[Any] | None = None  # callables and/or reward_funcs strings, in scoring order
-    reward_tokenizers: list[Any] | None = None  # one per reward_funcs entry (None: a reward model's own)
-    callbacks: list[Any] | None = None  # transformers-style callbacks (rloo_jax.callbacks)
 
 
 def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None) -> Prepared:

@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rloo_jax import logwindow, numerics, outputs
 from rloo_jax import resume as resumed
 from rloo_jax.backend import enable_compilation_cache, start_distributed
-from rloo_jax.build import Given, Prepared, assemble
+from rloo_jax.build import Prepared, assemble
 from rloo_jax.callbacks import CallbackHandler
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
 from rloo_jax.completions import Scored, decode, decode_and_score, encode_rows, print_completions
@@ -41,6 +41,7 @@ from rloo_jax.config import replace as replace_config
 from rloo_jax.data import PromptIterator, prompt_texts
 from rloo_jax.errors import ConfigError
 from rloo_jax.evaluation import eval_prefix, evaluate
+from rloo_jax.given import Given
 from rloo_jax.metrics import (
     JsonlWriter,
     Sinks,

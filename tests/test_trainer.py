@@ -13,9 +13,9 @@ import rloo_jax
 from rloo_jax import demo
 from rloo_jax.cli import main
 from rloo_jax.errors import ConfigError
+from rloo_jax.given import lora_options
 from rloo_jax.metrics import Sinks, read_jsonl
 from rloo_jax.timing import phase_timings
-from rloo_jax.trainers import lora_options
 
 # the demo task, shrunk: 4 prompts x G=4 per step, 8-token completions
 SETTINGS = dict(

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from rloo_jax.algorithms.common import ImportanceSampling
-from rloo_jax.config import TrainConfig, _at_least_one, _check, _opt
+from rloo_jax.config import TrainConfig
 from rloo_jax.errors import ConfigError
+from rloo_jax.options import _at_least_one, _check, _opt
 
 OLD = "the old TRL name of `{}` (TRL <= 0.21)"
 VLLM = "TRL GRPO's name of `{}` (here between our sampler and trainer)"

@@ -10,8 +10,9 @@ from typing import Any, ClassVar, Literal
 from rloo_jax import demo
 from rloo_jax.algorithms.group_config import GroupConfig
 from rloo_jax.algorithms.grpo import GRPO
-from rloo_jax.config import _check, _opt, takes_trl_options
+from rloo_jax.config import takes_trl_options
 from rloo_jax.errors import ConfigError
+from rloo_jax.options import _check, _opt
 from rloo_jax.trl_options import Decision, accepted, is_none, off, refused, supported, table
 
 logger = logging.getLogger("rloo_jax")

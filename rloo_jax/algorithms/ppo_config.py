@@ -9,8 +9,9 @@ from typing import Any, ClassVar, Literal
 
 from rloo_jax import demo
 from rloo_jax.algorithms.ppo import PPO, TEMPERATURE_EPS
-from rloo_jax.config import TrainConfig, _check, _opt, _require, takes_trl_options
+from rloo_jax.config import TrainConfig, takes_trl_options
 from rloo_jax.errors import ConfigError
+from rloo_jax.options import _check, _opt, _require
 from rloo_jax.trl_options import _VLLM, Decision, accepted, is_none, off, refused, supported, table
 
 logger = logging.getLogger("rloo_jax")

@@ -7,8 +7,9 @@ from typing import Any, ClassVar, Literal
 from rloo_jax import demo
 from rloo_jax.algorithms.group_config import GroupConfig
 from rloo_jax.algorithms.rloo import RLOO
-from rloo_jax.config import _opt, takes_trl_options
+from rloo_jax.config import takes_trl_options
 from rloo_jax.errors import ConfigError
+from rloo_jax.options import _opt
 from rloo_jax.trl_options import _GENERATION_ENGINE, Decision, off, refused, supported, table
 
 OWN: list[tuple[str, str, Decision]] = [
