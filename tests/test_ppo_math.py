@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from rloo_jax.algorithms import ppo
-from rloo_jax.algorithms import ppo_trl112_fields as vendored
+from tests import ppo_trl112_fields as vendored
 from tests import ppo_oracle as oracle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -822,7 +822,7 @@ def test_batching_matches_trl112(case, trl_run):
 
 @pytest.mark.parity
 def test_vendored_trl112_fields_match_the_release(trl_run):
-    """rloo_jax/algorithms/ppo_trl112_fields.py equals TRL 1.12.0's PPOConfig, base config, constructor, reads."""
+    """tests/ppo_trl112_fields.py equals TRL 1.12.0's PPOConfig, base config, constructor, reads."""
     _, meta = trl_run
     fields = meta["fields"]
     assert vendored.TRL_VERSION == "1.12.0"

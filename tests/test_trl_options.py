@@ -188,7 +188,7 @@ def _trl112_ppo_options() -> set[str]:
     the list against the release)."""
     import transformers
 
-    from rloo_jax.algorithms import ppo_trl112_fields as v
+    from tests import ppo_trl112_fields as v
 
     return ({n for n, _, _ in v.PPO_CONFIG_FIELDS} | {n for n, _, _ in v.BASE_CONFIG_FIELDS}
             | {f.name for f in dataclasses.fields(transformers.TrainingArguments)} | set(v.MODEL_CONFIG_FIELDS)
@@ -221,7 +221,7 @@ def test_trl112_ppo_defaults_ask_for_nothing_refused():
     import transformers
 
     from rloo_jax.algorithms import PPOConfig
-    from rloo_jax.algorithms import ppo_trl112_fields as v
+    from tests import ppo_trl112_fields as v
     PPO_DECISIONS = PPOConfig.TRL_OPTIONS
 
     defaults = {n: ast.literal_eval(d) for n, _, d in v.PPO_CONFIG_FIELDS + v.BASE_CONFIG_FIELDS}

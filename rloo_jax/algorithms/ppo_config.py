@@ -123,7 +123,7 @@ class PPOConfig(TrainConfig):
     TRL_RELEASE: ClassVar[str] = "1.12"  # the last release with PPOTrainer
     TRL_OPTIONS: ClassVar[dict[str, Decision]] = table(OWN, exclude=NOT_IN_TRL)
     """TRL 1.12's PPO options (`trl.experimental.ppo.PPOConfig`, the ppo_tldr.py script's `ModelConfig` and
-    `ScriptArguments`; vendored in `rloo_jax.algorithms.ppo_trl112_fields`)."""
+    `ScriptArguments`; vendored in tests/ppo_trl112_fields.py)."""
     TRL_SOURCES: ClassVar[tuple[str, ...]] = ("trl.experimental.ppo.PPOConfig (1.12)", "trl.ModelConfig (1.12)",
                                               "trl.ScriptArguments (1.12)")
     NOT_OPTIONS: ClassVar[dict[str, tuple[Any, str]]] = NOT_OPTIONS
