@@ -63,16 +63,17 @@ class Prepared:
     device_reward_names: list[str] = dataclasses.field(default_factory=list)  # its name in the metrics
 
 
-def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None) -> Prepared:
-    """Resolve the config for the platform (a TPU slice's when `abstract`, else JAX's backend: `numerics.for_platform`,
-    the run's matmul precision set, the models' options), resolve the demo, load tokenizer, policy, data and
-    reward functions (and PPO's value and reward models); check the first batch encodes.
+def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None, platform: str | None = None
+            ) -> Prepared:
+    """Resolve the config for the platform (`platform`; default: a TPU slice's when `abstract`, else JAX's backend:
+    `numerics.for_platform`, the run's matmul precision set, the models' options), resolve the demo, load tokenizer,
+    policy, data and reward functions (and PPO's value and reward models); check the first batch encodes.
 
     `abstract`: the policy and reward models as shapes from their `config.json` (no weights read), no dataset;
     Python reward functions are still imported (a wrong name fails here, as in training). `given`: objects
     that replace what the config names (the Python API).
     """
-    platform = "tpu" if abstract else jax.default_backend()
+    platform = platform or ("tpu" if abstract else jax.default_backend())
     cfg = numerics.for_platform(cfg, platform)  # platform-dependent options: what runs, is printed and is recorded
     numerics.use_matmul_precision(cfg.matmul_precision)
     options = numerics.model_options(cfg, platform)
@@ -271,15 +272,16 @@ class Assembly:
 
 def assemble(
     cfg: TrainConfig, devices: Any = None, abstract: bool = False, given: Given | None = None,
-    device_bytes: int | None = None,
+    device_bytes: int | None = None, platform: str | None = None,
 ) -> Assembly:
     """The run of `cfg`, built once (nothing written): the config resolved for the platform (and the run's matmul
     precision set: callers keep the session's with `numerics.kept_matmul_precision`), `prepare`d, the policy and the
     other models by role, the optimizer over the run's steps, the mesh over `devices` (default: every device JAX
     sees; one device: no mesh) and the sampler's mesh, and the programs. `abstract`: for compile-only, on a TPU
-    slice's `devices` whose chips hold `device_bytes`: shapes from config.json, no weights, no dataset. The loop
-    (`rloo_jax.loop.setup`) and compile-only (`rloo_jax.aot.compile_run`) both call this."""
-    prepared = prepare(cfg, abstract, given)
+    slice's `devices` whose chips hold `device_bytes`: shapes from config.json, no weights, no dataset (`platform`:
+    another than the TPU, for tests). The loop (`rloo_jax.loop.setup`) and compile-only (`rloo_jax.aot.compile_run`)
+    both call this."""
+    prepared = prepare(cfg, abstract, given, platform)
     cfg, platform = prepared.cfg, prepared.platform
     mesh = None if devices is None and cfg.device_count == 1 else make_mesh(*cfg.mesh_shape, devices=devices)
     rollout_mesh = None if mesh is None else reshaped(mesh, rollout_mesh_shape(cfg, prepared.model, device_bytes))

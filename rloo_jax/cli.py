@@ -23,7 +23,6 @@ from rloo_jax.backend import cpu_compile_flags, skip_absent_tpu, start_distribut
 from rloo_jax.checkpoint import NonFiniteError
 from rloo_jax.config import (
     TrainConfig,
-    _check_processes,
     coerce,
     format_help,
     from_dict,
@@ -33,6 +32,7 @@ from rloo_jax.config import (
 )
 from rloo_jax.errors import ConfigError, DataError, RewardError
 from rloo_jax.models import ModelLoadError
+from rloo_jax.options import check_processes
 from rloo_jax.rewards import format_reward_error
 from rloo_jax.trainers import TRAINERS
 
@@ -116,7 +116,7 @@ def distributed_options(argv: Sequence[str]) -> tuple[str | None, int | None, in
     _, values = _raw_values(argv, None)
     address = coerce(values.get("coordinator_address"), str | None, "coordinator_address")
     count, index = (coerce(values.get(name), int | None, name) for name in ("num_processes", "process_id"))
-    _check_processes(count, index)
+    check_processes(count, index)
     return address, count, index
 
 

@@ -56,7 +56,7 @@ def _is_size(size: str) -> bool:
         return False
 
 
-def _check_processes(num_processes: int | None, process_id: int | None) -> None:
+def check_processes(num_processes: int | None, process_id: int | None) -> None:
     _check(num_processes is None or num_processes >= 1, "num_processes", "must be >= 1 or None", num_processes)
     _check(process_id is None or process_id >= 0, "process_id", "must be >= 0 or None", process_id)
     if num_processes is not None and process_id is not None and process_id >= num_processes:
@@ -794,4 +794,4 @@ class DistributedOptions:
             except ValueError as e:
                 raise ConfigError(f"rollout_mesh: {e}; give data,fsdp,tensor sizes whose product is the device count "
                                   "(one may be -1), or leave it unset") from None
-        _check_processes(self.num_processes, self.process_id)
+        check_processes(self.num_processes, self.process_id)

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from rloo_jax.algorithms import ppo
-from tests import ppo_trl112_fields as vendored
 from tests import ppo_oracle as oracle
+from tests import ppo_trl112_fields as vendored
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL112 = ROOT / ".venv-trl112"
