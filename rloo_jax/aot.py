@@ -437,11 +437,11 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     from rloo_jax.tpu import topology_devices
 
     with numerics.kept_matmul_precision():
-        run = build.assemble(cfg, topology_devices(slc), abstract=True, device_bytes=slc.chip.hbm_bytes)
-        out(numerics.describe(cfg, run.cfg, "tpu"))
-        cfg, shapes, state = run.cfg, run.shapes(), run.abstract_state()
-        costs = expected_costs(run, shapes, slc.chips)
-        compile_set = [*run.compile_set(shapes), run.programs.layout_program()]
+        assembly = build.assemble(cfg, topology_devices(slc), abstract=True, device_bytes=slc.chip.hbm_bytes)
+        out(numerics.describe(cfg, assembly.cfg, "tpu"))
+        cfg, shapes, state = assembly.cfg, assembly.shapes(), assembly.abstract_state()
+        costs = expected_costs(assembly, shapes, slc.chips)
+        compile_set = [*assembly.compile_set(shapes), assembly.programs.layout_program()]
         reward_models = [p for p in compile_set if p.name.startswith("reward_model_")]
         # resident whatever runs: the train state and the reward models' weights (the trainer keeps both on the chips)
         state_bytes = per_chip_bytes(state) + sum(per_chip_bytes(p.args[0]) for p in reward_models)
@@ -459,14 +459,14 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
             report.estimated_seconds = report.roofline(slc.chip)
             lines.setdefault(phase_of.get(program.name, program.name), []).append(report)
     reshard = lines.pop("rollout_layout")[0]
-    settings = run.settings(shapes)
+    settings = assembly.settings(shapes)
     if reward_models:  # their weights per chip, resident in every program's figure
         settings["reward_model_bytes_per_chip"] = [per_chip_bytes(p.args[0]) for p in reward_models]
     return Report(slc, [phase(name, parts) for name, parts in lines.items()], settings, reshard,
                   tokens_per_step=n * (shapes.prompt_length + c))
 
 
-def expected_costs(run: Any, shapes: Any, chips: int) -> dict[str, tuple[float, float]]:
+def expected_costs(assembly: Any, shapes: Any, chips: int) -> dict[str, tuple[float, float]]:
     """What the model needs of each program, per chip (`rloo_jax.efficiency`): {program: (model FLOPs per call,
     the decode loop's floor in bytes per step (NaN: no decode loop))}, for the programs of `Assembly.compile_set`
     (width-suffixed names; update plans share their width's figure)."""
@@ -474,11 +474,11 @@ def expected_costs(run: Any, shapes: Any, chips: int) -> dict[str, tuple[float, 
 
     from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops
 
-    cfg, prepared, scfg = run.cfg, run.prepared, run.programs.cfg
+    cfg, prepared, scfg = assembly.cfg, assembly.prepared, assembly.programs.cfg
     model = Transformer.of(prepared.model.config, cfg.quant_spec)
     b, p, c, g = shapes.prompts, shapes.prompt_length, cfg.max_completion_length, cfg.num_generations
     itemsize = 2 if cfg.bf16 else 4  # the compute dtype: the sampler's matrices and KV caches
-    tensor = 1 if run.rollout_mesh is None else run.rollout_mesh.shape["tensor"]
+    tensor = 1 if assembly.rollout_mesh is None else assembly.rollout_mesh.shape["tensor"]
 
     def decode_floor(prompts: int, group: int) -> float:
         """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
@@ -493,7 +493,7 @@ def expected_costs(run: Any, shapes: Any, chips: int) -> dict[str, tuple[float, 
              for m in (prepared.value_model, prepared.device_reward_model) if m is not None]
     # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
     # gradients (2 forwards) and the adapters, trained matrices of their own, 6 FLOPs per parameter and token
-    adapter_params = sum(x.size for x in jax.tree.leaves(run.policy.params)) if cfg.use_peft else 0
+    adapter_params = sum(x.size for x in jax.tree.leaves(assembly.policy.params)) if cfg.use_peft else 0
     critic = heads[0] if prepared.value_model is not None else None
 
     def finish_flops(width: int) -> float:
