@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,8 @@ class ProgramReport:
     estimated_seconds: float = math.nan  # roofline (`roofline`)
     code_bytes: int = 0  # the program's code, held in HBM beside its heap (the compiler's "overlays")
     analysis_temp_bytes: int = 0  # memory_analysis's temporaries: the heap + its fragmentation again (not held)
+    lower_seconds: float = math.nan  # of compile_seconds: tracing and lowering (the rest is the TPU compiler's)
+    hlo_instructions: int = 0  # of the optimized program, every computation: its size, whatever the host's load
     parts: list[ProgramReport] = dataclasses.field(default_factory=list)  # a phase of several programs (`phase`)
 
     @property
@@ -112,6 +115,8 @@ class ProgramReport:
             "ici_bytes": self.ici_bytes,
             "estimated_seconds": self.estimated_seconds,
             "compile_seconds": self.compile_seconds,
+            "lower_seconds": self.lower_seconds,
+            "hlo_instructions": self.hlo_instructions,
         } | ({} if not self.parts else {"parts": {p.name: p.to_json() for p in self.parts}}) | (
             {} if self.decode is None else {
             "decode_steps": self.decode.trips,
@@ -161,12 +166,15 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
     from rloo_jax.sampling import DECODE_LOOP
 
     t0 = time.perf_counter()
+    lower_seconds = math.nan
     with tempfile.TemporaryDirectory() as dump:
         options = {"xla_tpu_max_hbm_size_mib": hbm_bytes // 2**20, "xla_dump_to": dump,
                    "xla_dump_hlo_pass_re": "^$"}  # no per-pass dumps: the buffer assignment is what we read
         try:
             with quiet_stderr(), compile_target("tpu"):  # traced on this host's CPU for a TPU (attention kernels)
-                compiled = lower().compile(options)
+                lowered = lower()
+                lower_seconds = time.perf_counter() - t0
+                compiled = lowered.compile(options)
         except Exception as e:  # noqa: BLE001 - only the out-of-memory verdict is a result; the rest re-raises
             text = str(e)
             program, total = _PROGRAM_HBM.search(text), _OVER_HBM.search(text)
@@ -175,11 +183,13 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
             # the early exit counts the arguments in: what is left past the resident state, at least
             temp = _figure(program) if program else max(_figure(total) - resident_bytes, 0)
             seconds = time.perf_counter() - t0
-            return ProgramReport(name, False, resident_bytes, 0, 0, 0, temp, 0, math.nan, seconds)
+            return ProgramReport(name, False, resident_bytes, 0, 0, 0, temp, 0, math.nan, seconds,
+                                 lower_seconds=lower_seconds)
         heap = temp_heap_bytes(dump)
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    analysis = hlo.analyze(compiled.as_text())
+    text = compiled.as_text()
+    analysis = hlo.analyze(text)
     report = ProgramReport(
         name=name,
         fits=True,
@@ -196,6 +206,8 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
         decode=hlo.named_loop(analysis, DECODE_LOOP),
         code_bytes=int(mem.generated_code_size_in_bytes),
         analysis_temp_bytes=int(mem.temp_size_in_bytes),
+        lower_seconds=lower_seconds,
+        hlo_instructions=sum(len(body) for k, body in hlo.parse(text).items() if k != "ENTRY"),  # (an alias)
     )
     report.fits = report.peak_bytes_per_chip <= hbm_bytes
     return report
@@ -219,6 +231,7 @@ def phase(name: str, parts: list[ProgramReport]) -> ProgramReport:
         decode_floor_bytes=math.nan if decoding is None else decoding.decode_floor_bytes,
         estimated_seconds=total("estimated_seconds"), code_bytes=largest.code_bytes,
         analysis_temp_bytes=largest.analysis_temp_bytes, parts=list(parts),
+        lower_seconds=total("lower_seconds"), hlo_instructions=total("hlo_instructions"),
     )
 
 
@@ -235,6 +248,7 @@ class Report:
     settings: dict[str, Any]
     reshard: ProgramReport | None = None  # the move of the weights into the sampler's layout (inside the rollout)
     tokens_per_step: int = 0  # prompt + completion tokens of one generation batch, at the compiled (maximum) lengths
+    host: dict[str, Any] = dataclasses.field(default_factory=dict)  # the compiling machine: CPUs, load before / after
 
     @property
     def fits(self) -> bool:
@@ -270,6 +284,7 @@ class Report:
                          "ici_bidirectional_bytes_per_second": chip.ici_bandwidth, "assumption": ROOFLINE},
             "settings": self.settings,
             "programs": {p.name: p.to_json() for p in self.programs},
+            "compile_host": self.host,  # compile seconds scale with the host's load; hlo_instructions do not
         } | ({} if self.reshard is None else {"rollout_reshard": {
             "ici_bytes_per_chip": self.reshard.ici_bytes, "hbm_bytes_per_chip": self.reshard.bytes_accessed,
             "copy_bytes_per_chip": self.reshard.output_bytes, "estimated_seconds": self.reshard.estimated_seconds,
@@ -436,6 +451,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     from rloo_jax import build, numerics
     from rloo_jax.tpu import topology_devices
 
+    load = os.getloadavg()
     with numerics.kept_matmul_precision():
         assembly = build.assemble(cfg, topology_devices(slc), abstract=True, device_bytes=slc.chip.hbm_bytes)
         out(numerics.describe(cfg, assembly.cfg, "tpu"))
@@ -462,8 +478,10 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     settings = assembly.settings(shapes)
     if reward_models:  # their weights per chip, resident in every program's figure
         settings["reward_model_bytes_per_chip"] = [per_chip_bytes(p.args[0]) for p in reward_models]
+    host = {"cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()]}
     return Report(slc, [phase(name, parts) for name, parts in lines.items()], settings, reshard,
-                  tokens_per_step=n * (shapes.prompt_length + c))
+                  tokens_per_step=n * (shapes.prompt_length + c), host=host)
 
 
 def expected_costs(assembly: Any, shapes: Any, chips: int) -> dict[str, tuple[float, float]]:
