@@ -4,8 +4,8 @@ Each round runs `python -m rloo_jax.train --compile_only` (bench_fit.py's SETTIN
 default) in a fresh process per tree, with that tree first on PYTHONPATH (a `git worktree` of another commit:
 compare commits on one machine, in the same rounds), and prints per program its compile seconds (trace + lower +
 the TPU compiler) and the size of the optimized program in HLO instructions, with the machine's load average and
-the run's wall and CPU seconds. Compile seconds follow the host's load (BENCHMARKS.md: ~10x on this 2-core machine under a
-load of 10); the instruction counts do not, so a program that grew shows there whatever the load. The counts are
+the run's wall and CPU seconds. Compile seconds follow the host's load (BENCHMARKS.md: ~10x on this 2-core machine
+under a load of 10); the instruction counts do not, so a program that grew shows there whatever the load. The counts are
 taken in the child process from the compiled text that `rloo_jax.aot.compile_program` hands to `hlo.analyze`, so
 trees older than the report's own `hlo_instructions` field give them too.
 
