@@ -109,7 +109,8 @@ def main() -> None:
                 runs.append(dict(res, round=r))
                 cells = " ".join(f"{n} {s:.0f} s ({res['hlo_instructions'].get(n, '?')} instr)"
                                  for n, s in res["compile_seconds"].items())
-                print(f"round {r} {res['commit']}: whole run {res['wall_seconds']:.0f} s ({res['cpu_seconds']:.0f} CPU s), load "
+                print(f"round {r} {res['commit']}: whole run {res['wall_seconds']:.0f} s "
+                      f"({res['cpu_seconds']:.0f} CPU s), load "
                       f"{res['load_before'][0]:.1f} -> {res['load_after'][0]:.1f}: {cells}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
