@@ -46,7 +46,7 @@ VLLM_ALIASES = {
     "vllm_importance_sampling_cap": "importance_sampling_clip_max",  # TRL's deprecated name of clip_max
 }
 REPORT_TO_CHOICES = ("none", "tensorboard", "wandb")
-DEFAULT_CACHE_DIR = "~/.cache/rloo_jax"
+DEFAULT_CACHE_DIR = os.environ.get("RLOO_JAX_CACHE", "~/.cache/rloo_jax")  # as build.CACHE_ROOT
 
 
 def _opt(default: Any, group: str, help: str) -> Any:
