@@ -45,11 +45,15 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check rloo_jax tests bench notebooks scripts
 
 # JAX_PLATFORMS=cpu: libtpu (test extra) is installed, but tests run on the CPU and compile for TPUs ahead of time.
-# Two workers, each taking whole test files (their module fixtures build once); PYTEST_WORKERS=0 runs serially; the
-# 15 slowest tests are listed at the end (CI's budget: well under 25 minutes on the 2-core machine).
+# Two workers, each taking whole test files (their module fixtures build once); PYTEST_WORKERS=0 runs serially. The
+# whole suite (no PYTEST_ARGS) fails unless the tests that skip are exactly tests/expected_skips.txt
+# (tests/suite_checks.py). The 25 slowest tests and 10 slowest files are listed at the end (CI's budget: 15 minutes
+# on the 2-core machine).
 PYTEST_WORKERS ?= 2
+PYTEST = $(OFFLINE) JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile \
+	--durations 25 --durations-by-file 10
 test: lint
-	$(OFFLINE) JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations 15 $(PYTEST_ARGS)
+	$(PYTEST) $(if $(PYTEST_ARGS),,--expect-skips tests/expected_skips.txt) $(PYTEST_ARGS)
 
 # The suite on the accelerator JAX finds (JAX_PLATFORMS empty): float32 tests compute at `highest` matmul precision
 # and XLA's deterministic GPU ops are on (tests/conftest.py); tests marked cpu_only are skipped, each with its reason;

@@ -1,6 +1,6 @@
 """Test-wide settings: no hub lookups (the network is closed), CPU jax unless asked for the accelerator, float32
 matmuls in float32 on every backend, deterministic GPU programs, `cpu_only` tests skipped on an accelerator, a cache
-folder of the run's own."""
+folder of the run's own, the run-wide checks of tests/suite_checks.py."""
 
 import os
 import shutil
@@ -41,7 +41,7 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # Session-scoped tiny offline checkpoints (built once per test session), usable from every test module.
-pytest_plugins = ["tests.fixtures_models"]
+pytest_plugins = ["tests.fixtures_models", "tests.suite_checks"]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
