@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
+from tests.diffs import abs_diffs, rel_diffs, tree_max_abs_diff
 
 VOCAB = ["<pad>", "<eos>"] + [f"w{i}" for i in range(62)]
 PAD, EOS = 0, 1
@@ -167,7 +167,8 @@ def run_ours(kind: str, model: str, out: str, by_position: bool = True, peft_mod
 
 def compare(trl_run: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     """The largest absolute / relative differences of every compared metric over the steps, and of the final
-    weights (by Hugging Face name); raises if the two runs sampled different tokens or logged other steps."""
+    weights (by Hugging Face name); raises if the two runs sampled different tokens or logged other steps, or if
+    either side holds a NaN where the other does not (or both do: no compared metric is NaN by design)."""
     assert trl_run["completions"] == ours["completions"], "the two trainers sampled different completions"
     theirs, mine = trl_run["records"], ours["records"]
     assert [r["step"] for r in theirs] == [r["step"] for r in mine], ([r["step"] for r in theirs],
@@ -182,8 +183,10 @@ def compare(trl_run: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
             if x is None or y is None:
                 assert x is None and y is None, (a["step"], name, x, y)
                 continue
-            d = abs(x - y)
+            # NaN on either side fails (tests/diffs.py): max(0.0, nan) is 0.0, so a NaN would otherwise count as equal
+            where = f"step {a['step']} {name} (TRL vs ours)"
+            d, r = float(abs_diffs(x, y, where)), float(rel_diffs(x, y, where))
             old = diffs.get(name, (0.0, 0.0))
-            diffs[name] = (max(old[0], d), max(old[1], d / max(abs(x), 1e-12)))
-    weights = max(float(np.max(np.abs(trl_run["weights"][k] - ours["weights"][k]))) for k in trl_run["weights"])
+            diffs[name] = (max(old[0], d), max(old[1], r))
+    weights = tree_max_abs_diff(trl_run["weights"], ours["weights"], "final weights (TRL vs ours)")
     return {"metrics": diffs, "weights": weights, "steps": len(theirs)}
