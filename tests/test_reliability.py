@@ -74,7 +74,7 @@ class Launch:
             [sys.executable, "-m", "rloo_jax.train", *args], cwd=ROOT, env=env, stdout=self.stdout, stderr=self.stderr
         )
 
-    def wait(self, timeout=240):
+    def wait(self, timeout=480):  # a 12-step CLI run took 232-241 s under a load of 7 (2 cores)
         try:
             return self.proc.wait(timeout=timeout)
         finally:
