@@ -145,7 +145,7 @@ def test_compile_only_covers_grpo(tmp_path, tiny_checkpoint, capsys):  # noqa: F
                                        "true"])
     assert code == 0, err
     report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
-    assert report["fits"] is True and set(report["programs"]) == {"rollout", "update"}
+    assert report["fits"] is True and set(report["programs"]) == {"rollout", "update", "score"}
     s = report["settings"]
     assert (s["algorithm"], s["loss_type"], s["beta"], s["recompute_old_logps"]) == ("grpo", "vespo", 0.04, True)
     assert s["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and s["completions_per_generation"] == 32
