@@ -538,8 +538,9 @@ def expected_costs(assembly: Any, shapes: Any, chips: int) -> dict[str, tuple[fl
     for i, folder in enumerate(prepared.reward_models):
         from rloo_jax.models import abstract_model
 
-        t = Transformer.of(abstract_model(folder, "reward").config)  # its head: D x 1 at one position per row
-        flops = forward_flops(t.layer_params, t.num_layers, t.hidden_size, t.attention_width, tokens=n * width,
-                              scored=n, pairs=n * causal_pairs(0, width, t.window))
+        rm_config = abstract_model(folder, "reward").config
+        t = Transformer.of(rm_config)  # its head: D x 1 at one position per row
+        flops = forward_flops(t.layer_params, t.num_layers, rm_config.hidden_size, t.attention_width,
+                              tokens=n * width, scored=n, pairs=n * causal_pairs(0, width, t.window))
         costs[f"reward_model_{i}"] = (flops / chips, math.nan)
     return costs
