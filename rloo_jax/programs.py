@@ -122,10 +122,6 @@ class Programs:
         self.state_abstract: TrainState | None = None  # the state as ShapeDtypeStructs (with its shardings)
         self._jits: dict[tuple, Callable] = {}
         self._programs: dict[tuple, Program] = {}
-        # one device: the programs take every input on it, committed or not (a loaded state arrives committed, a
-        # fresh one and the host's arrays do not), so they lower the same from abstract inputs (compile_update: the
-        # call reuses that executable) and from arrays, whichever way these were made
-        self._device = None if mesh is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     @property
     def rollout_mesh(self) -> jax.sharding.Mesh | None:
@@ -288,7 +284,7 @@ class Programs:
             b = self._sharding(num_prompts)
             fn = self._jit(("sample", b, sc), lambda: jax.jit(
                 self._on_mesh(lambda s, i, m, k: self.step.sample(s, i, m, k, sc)),
-                in_shardings=self._device if self.mesh is None else (self.state_shardings, b, b, self._replicated()),
+                in_shardings=None if self.mesh is None else (self.state_shardings, b, b, self._replicated()),
                 out_shardings=None if self.mesh is None else self._sampled_shardings(num_prompts, sc),
             ))
             ids = self._sds((num_prompts, prompt_len), jnp.int32, b)
@@ -311,7 +307,7 @@ class Programs:
             ro_in = self._rollout_shardings(num_prompts, finished=False)
             fn = self._jit(("finish", ro_in.completion_ids, width), lambda: jax.jit(
                 self._on_mesh(lambda s, r: self.step.finish(s, r, width)),
-                in_shardings=self._device if self.mesh is None else (self.state_shardings, ro_in),
+                in_shardings=None if self.mesh is None else (self.state_shardings, ro_in),
                 out_shardings=None if self.mesh is None else self._rollout_shardings(num_prompts, finished=True),
             ))
             sampled = self._abstract_rollout(num_prompts, prompt_len, self.cfg.sampling.max_new_tokens, False)
@@ -326,7 +322,7 @@ class Programs:
             b = self._sharding(num_prompts)
             fn = self._jit(("rollout", b), lambda: jax.jit(
                 self._on_mesh(self.step.rollout),
-                in_shardings=self._device if self.mesh is None else (self.state_shardings, b, b, self._replicated()),
+                in_shardings=None if self.mesh is None else (self.state_shardings, b, b, self._replicated()),
                 out_shardings=None if self.mesh is None else self._rollout_shardings(num_prompts, finished=True),
             ))
             ids = self._sds((num_prompts, prompt_len), jnp.int32, b)
@@ -365,7 +361,7 @@ class Programs:
             n, rep = ro.completion_ids, self._replicated()
             fn = self._jit(("score", n), lambda: jax.jit(
                 self._on_mesh(self.step.score),
-                in_shardings=self._device if self.mesh is None else (ro, n, rep),
+                in_shardings=None if self.mesh is None else (ro, n, rep),
                 out_shardings=None if self.mesh is None else (n, rep),
             ))
             rewards, weights = self._rewards(num_prompts, num_rewards)
@@ -388,8 +384,7 @@ class Programs:
             ordered = self.cfg.row_order
             fn = self._jit(("update", n, plan), lambda: jax.jit(
                 self._on_mesh(functools.partial(self.step.update, plan=plan)),  # named `update` (logs, reports)
-                in_shardings=(self._device if self.mesh is None
-                              else (self.state_shardings, ro, n, rep) + (rep,) * ordered),
+                in_shardings=None if self.mesh is None else (self.state_shardings, ro, n, rep) + (rep,) * ordered,
                 out_shardings=None if self.mesh is None else (self.state_shardings, rep),
                 donate_argnums=0,
             ))
@@ -410,7 +405,7 @@ class Programs:
             n = self._sharding(num_prompts * sc.num_generations)
             fn = self._jit(("device_scores", n, sc), lambda: jax.jit(
                 self._on_mesh(self.step.device_scores),
-                in_shardings=self._device if self.mesh is None else (self.state_shardings,
+                in_shardings=None if self.mesh is None else (self.state_shardings,
                                                              self._sampled_shardings(num_prompts, sc)),
                 out_shardings=n,
             ))
@@ -425,7 +420,7 @@ class Programs:
         def make() -> Program:
             fn = self._jit(("sync_reference", alpha), lambda: jax.jit(
                 lambda s: self.step.sync_reference(s, alpha),
-                in_shardings=self._device if self.mesh is None else (self.state_shardings,),
+                in_shardings=None if self.mesh is None else (self.state_shardings,),
                 out_shardings=self.state_shardings,
             ))
             return Program("sync_reference", fn, (self._state(),))
