@@ -27,7 +27,11 @@ for _name, _value in {"FSSPEC_GCS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUP
                       "NO_GCE_CHECK": "true"}.items():
     os.environ.setdefault(_name, _value)
 
-if os.environ["JAX_PLATFORMS"] != "cpu":
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    from tests.xla_flags import compile_fast
+
+    compile_fast()
+else:
     from rloo_jax.numerics import enable_determinism
 
     enable_determinism()  # same-seed runs (in-process and the CLI subprocesses, which inherit XLA_FLAGS) agree

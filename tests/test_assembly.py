@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.xla_flags import forced_devices
+
 ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = r'''
@@ -67,7 +69,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_the_loop_runs_what_compile_only_compiles(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=forced_devices(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path)], capture_output=True, text=True, env=env,
                             cwd=tmp_path, timeout=900)

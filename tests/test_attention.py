@@ -17,6 +17,7 @@ import pytest
 from rloo_jax.efficiency import attention_kernel_flops, block_sparse_pairs
 from rloo_jax.models import attention
 from rloo_jax.models.transformer import positions_from_mask
+from tests.xla_flags import forced_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 H, K, DH = 4, 2, 16  # GQA: two query heads per kv head
@@ -255,7 +256,7 @@ print("RESULT " + json.dumps(out))
 def test_splash_inside_shard_map_on_a_mesh():
     """8 forced CPU devices, rows over data x fsdp and heads over tensor (and a tensor size that does not divide the
     kv heads: heads then stay whole): the kernel inside `shard_map` gives the einsum's values and gradients."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=forced_devices(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", MESH_WORKER], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)

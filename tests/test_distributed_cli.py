@@ -23,6 +23,7 @@ import pytest
 from rloo_jax.cli import config_from_dict, distributed_options, load_config
 from rloo_jax.errors import ConfigError
 from rloo_jax.metrics import read_jsonl
+from tests.xla_flags import forced_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240
@@ -114,7 +115,7 @@ def test_distributed_options_are_read_before_the_config(tmp_path):
 def _env(devices: int, cache: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=forced_devices(devices),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
         RLOO_JAX_CACHE=str(cache),  # the demo model and data, shared by all runs (written atomically)

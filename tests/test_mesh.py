@@ -24,6 +24,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from rloo_jax import mesh as rmesh
 from rloo_jax.models import init_causal_lm
+from tests.xla_flags import forced_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 400
@@ -230,7 +231,7 @@ print("RESULT " + json.dumps(out))
 def _env(devices: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=forced_devices(devices),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
         TINY_JSON=json.dumps(TINY),

@@ -19,6 +19,7 @@ import pytest
 
 from rloo_jax import demo
 from rloo_jax.models import init_reward_model, save_pretrained
+from tests.xla_flags import forced_devices
 
 pytestmark = pytest.mark.slow  # three JAX processes (~30-60 s), and two TPU compiles
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ print("RESULT " + json.dumps(out))
 
 
 def _env(devices: int) -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=forced_devices(devices))
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     return env
 

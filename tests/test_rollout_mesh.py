@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from rloo_jax.metrics import read_jsonl
+from tests.xla_flags import forced_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 300
@@ -39,7 +40,7 @@ COMMON = [
 def _env(cache: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=forced_devices(8),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
         RLOO_JAX_CACHE=str(cache),

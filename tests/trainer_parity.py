@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.diffs import abs_diffs, rel_diffs, tree_max_abs_diff
+from tests.xla_flags import forced_devices
 
 VOCAB = ["<pad>", "<eos>"] + [f"w{i}" for i in range(62)]
 PAD, EOS = 0, 1
@@ -206,7 +207,7 @@ def run_ours_on_devices(devices: int, kind: str, model: str, out: str, **options
     with open(os.path.join(out, "spec.json"), "w") as f:
         json.dump({"kind": kind, "model": model, "options": options}, f)
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=forced_devices(devices), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(name, None)
