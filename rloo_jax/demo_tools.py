@@ -1,13 +1,13 @@
 """The built-in tool-calling task, with no network: arithmetic the policy cannot do alone, and a calculator.
 
-`python -m rloo_jax.train grpo --config configs/tools_demo.yaml` trains it (README). The policy is a tiny
+docs/agents.md shows a run (`GRPOTrainer(model_folder(), answer_reward, tools=TOOLS, ...)`). The policy is a tiny
 Qwen3-shaped model that this module SFTs on CPU in JAX on first use (cached under `demo.CACHE_ROOT`), with a
 byte-level BPE trained on the same conversations and TRL's Qwen3 training chat template (prefix-preserving, so a tool
 result's tokens are an exact suffix) and the Qwen3 response template (so `parse_response` reads its tool calls).
 
 The task: `What is 47 * 86?`. The SFT data answers half of the multiplication questions by calling `multiply` and
-reading its result back, the other half with a made-up number, so the policy starts at a reward of about 0.5 and
-GRPO has only to learn to call the tool (reward: the final answer equals the product). Other prompt kinds make
+reading its result back, the other half with a made-up number (reward: the final answer equals the product; a
+greedy policy that guesses gets 0, and calling the tool is what there is to learn). Other prompt kinds make
 greedy decoding call a tool, call an unknown one (`power`), pass bad arguments, raise (`divide` by 0), make two calls
 in one turn, chain two rounds, or answer directly: the whole-trainer parity test against TRL (tests/test_tools_parity.py)
 uses them.

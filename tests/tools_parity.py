@@ -76,10 +76,10 @@ class Calculator:
 
 def _common(out: str, **options: Any) -> dict[str, Any]:
     base = dict(
-        output_dir=out, per_device_train_batch_size=2, num_generations=G, max_completion_length=128, top_k=1,
-        temperature=1.0, learning_rate=5e-3, max_steps=4, logging_steps=1, seed=0, shuffle_dataset=False,
+        output_dir=out, per_device_train_batch_size=1, num_generations=G, max_completion_length=128, top_k=1,
+        temperature=2.0, learning_rate=5e-3, max_steps=16, logging_steps=1, seed=0, shuffle_dataset=False,
         bf16=False, report_to="none", save_steps=1000, max_grad_norm=1.0, lr_scheduler_type="linear",
-        steps_per_generation=4, gradient_accumulation_steps=1, beta=0.04,
+        steps_per_generation=8, gradient_accumulation_steps=1, beta=0.04,
     )
     base.update(options)
     return base
