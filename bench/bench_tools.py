@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_completion_length", type=int, default=128)
     args = parser.parse_args(argv)
 
+    import datasets
     import jax
     import torch
     import trl
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     ours = rj.GRPOTrainer(model, lambda completions, **kw: [0.0] * len(completions),
                           args=rj.GRPOConfig(output_dir="/tmp/bench_tools_ours", compilation_cache=False, **{
                               k: v for k, v in common.items() if k != "report_to"}),
-                          processing_class=tokenizer(), train_dataset=rows, tools=demo_tools.TOOLS)
+                          processing_class=tokenizer(), train_dataset=datasets.Dataset.from_list(rows),
+                                  tools=demo_tools.TOOLS)
     session = setup(ours.args, ours.given)
     batch = {"prompt": [r["prompt"] for r in rows]}
     key = jax.random.key(0)
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     trl_trainer = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
                                   reward_funcs=[reward], args=trl.GRPOConfig(output_dir="/tmp/bench_tools_trl",
                                                                              use_cpu=True, **common),
-                                  processing_class=tokenizer(), train_dataset=rows, tools=demo_tools.TOOLS)
+                                  processing_class=tokenizer(), train_dataset=datasets.Dataset.from_list(rows),
+                                  tools=demo_tools.TOOLS)
     trl_trainer.model.eval()
     prefilled = [0]
     single_turn = trl_trainer._generate_single_turn
