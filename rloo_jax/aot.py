@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,8 @@ class ProgramReport:
     estimated_seconds: float = math.nan  # roofline (`roofline`)
     code_bytes: int = 0  # the program's code, held in HBM beside its heap (the compiler's "overlays")
     analysis_temp_bytes: int = 0  # memory_analysis's temporaries: the heap + its fragmentation again (not held)
+    lower_seconds: float = math.nan  # of compile_seconds: tracing and lowering (the rest is the TPU compiler's)
+    hlo_instructions: int = 0  # of the optimized program, every computation: its size, whatever the host's load
     parts: list[ProgramReport] = dataclasses.field(default_factory=list)  # a phase of several programs (`phase`)
 
     @property
@@ -112,6 +115,8 @@ class ProgramReport:
             "ici_bytes": self.ici_bytes,
             "estimated_seconds": self.estimated_seconds,
             "compile_seconds": self.compile_seconds,
+            "lower_seconds": self.lower_seconds,
+            "hlo_instructions": self.hlo_instructions,
         } | ({} if not self.parts else {"parts": {p.name: p.to_json() for p in self.parts}}) | (
             {} if self.decode is None else {
             "decode_steps": self.decode.trips,
@@ -161,12 +166,15 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
     from rloo_jax.sampling import DECODE_LOOP
 
     t0 = time.perf_counter()
+    lower_seconds = math.nan
     with tempfile.TemporaryDirectory() as dump:
         options = {"xla_tpu_max_hbm_size_mib": hbm_bytes // 2**20, "xla_dump_to": dump,
                    "xla_dump_hlo_pass_re": "^$"}  # no per-pass dumps: the buffer assignment is what we read
         try:
             with quiet_stderr(), compile_target("tpu"):  # traced on this host's CPU for a TPU (attention kernels)
-                compiled = lower().compile(options)
+                lowered = lower()
+                lower_seconds = time.perf_counter() - t0
+                compiled = lowered.compile(options)
         except Exception as e:  # noqa: BLE001 - only the out-of-memory verdict is a result; the rest re-raises
             text = str(e)
             program, total = _PROGRAM_HBM.search(text), _OVER_HBM.search(text)
@@ -175,11 +183,13 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
             # the early exit counts the arguments in: what is left past the resident state, at least
             temp = _figure(program) if program else max(_figure(total) - resident_bytes, 0)
             seconds = time.perf_counter() - t0
-            return ProgramReport(name, False, resident_bytes, 0, 0, 0, temp, 0, math.nan, seconds)
+            return ProgramReport(name, False, resident_bytes, 0, 0, 0, temp, 0, math.nan, seconds,
+                                 lower_seconds=lower_seconds)
         heap = temp_heap_bytes(dump)
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    analysis = hlo.analyze(compiled.as_text())
+    text = compiled.as_text()
+    analysis = hlo.analyze(text)
     report = ProgramReport(
         name=name,
         fits=True,
@@ -196,6 +206,8 @@ def compile_program(name: str, lower: Callable[[], Any], hbm_bytes: int, residen
         decode=hlo.named_loop(analysis, DECODE_LOOP),
         code_bytes=int(mem.generated_code_size_in_bytes),
         analysis_temp_bytes=int(mem.temp_size_in_bytes),
+        lower_seconds=lower_seconds,
+        hlo_instructions=sum(len(body) for k, body in hlo.parse(text).items() if k != "ENTRY"),  # (an alias)
     )
     report.fits = report.peak_bytes_per_chip <= hbm_bytes
     return report
@@ -219,6 +231,7 @@ def phase(name: str, parts: list[ProgramReport]) -> ProgramReport:
         decode_floor_bytes=math.nan if decoding is None else decoding.decode_floor_bytes,
         estimated_seconds=total("estimated_seconds"), code_bytes=largest.code_bytes,
         analysis_temp_bytes=largest.analysis_temp_bytes, parts=list(parts),
+        lower_seconds=total("lower_seconds"), hlo_instructions=total("hlo_instructions"),
     )
 
 
@@ -235,6 +248,7 @@ class Report:
     settings: dict[str, Any]
     reshard: ProgramReport | None = None  # the move of the weights into the sampler's layout (inside the rollout)
     tokens_per_step: int = 0  # prompt + completion tokens of one generation batch, at the compiled (maximum) lengths
+    host: dict[str, Any] = dataclasses.field(default_factory=dict)  # the compiling machine: CPUs, load before / after
 
     @property
     def fits(self) -> bool:
@@ -270,6 +284,7 @@ class Report:
                          "ici_bidirectional_bytes_per_second": chip.ici_bandwidth, "assumption": ROOFLINE},
             "settings": self.settings,
             "programs": {p.name: p.to_json() for p in self.programs},
+            "compile_host": self.host,  # compile seconds scale with the host's load; hlo_instructions do not
         } | ({} if self.reshard is None else {"rollout_reshard": {
             "ici_bytes_per_chip": self.reshard.ici_bytes, "hbm_bytes_per_chip": self.reshard.bytes_accessed,
             "copy_bytes_per_chip": self.reshard.output_bytes, "estimated_seconds": self.reshard.estimated_seconds,
@@ -436,12 +451,13 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     from rloo_jax import build, numerics
     from rloo_jax.tpu import topology_devices
 
+    load = os.getloadavg()
     with numerics.kept_matmul_precision():
-        run = build.assemble(cfg, topology_devices(slc), abstract=True, device_bytes=slc.chip.hbm_bytes)
-        out(numerics.describe(cfg, run.cfg, "tpu"))
-        cfg, shapes, state = run.cfg, run.shapes(), run.abstract_state()
-        costs = expected_costs(run, shapes, slc.chips)
-        compile_set = [*run.compile_set(shapes), run.programs.layout_program()]
+        assembly = build.assemble(cfg, topology_devices(slc), abstract=True, device_bytes=slc.chip.hbm_bytes)
+        out(numerics.describe(cfg, assembly.cfg, "tpu"))
+        cfg, shapes, state = assembly.cfg, assembly.shapes(), assembly.abstract_state()
+        costs = expected_costs(assembly, shapes, slc.chips)
+        compile_set = [*assembly.compile_set(shapes), assembly.programs.layout_program()]
         reward_models = [p for p in compile_set if p.name.startswith("reward_model_")]
         # resident whatever runs: the train state and the reward models' weights (the trainer keeps both on the chips)
         state_bytes = per_chip_bytes(state) + sum(per_chip_bytes(p.args[0]) for p in reward_models)
@@ -459,14 +475,16 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
             report.estimated_seconds = report.roofline(slc.chip)
             lines.setdefault(phase_of.get(program.name, program.name), []).append(report)
     reshard = lines.pop("rollout_layout")[0]
-    settings = run.settings(shapes)
+    settings = assembly.settings(shapes)
     if reward_models:  # their weights per chip, resident in every program's figure
         settings["reward_model_bytes_per_chip"] = [per_chip_bytes(p.args[0]) for p in reward_models]
+    host = {"cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()]}
     return Report(slc, [phase(name, parts) for name, parts in lines.items()], settings, reshard,
-                  tokens_per_step=n * (shapes.prompt_length + c))
+                  tokens_per_step=n * (shapes.prompt_length + c), host=host)
 
 
-def expected_costs(run: Any, shapes: Any, chips: int) -> dict[str, tuple[float, float]]:
+def expected_costs(assembly: Any, shapes: Any, chips: int) -> dict[str, tuple[float, float]]:
     """What the model needs of each program, per chip (`rloo_jax.efficiency`): {program: (model FLOPs per call,
     the decode loop's floor in bytes per step (NaN: no decode loop))}, for the programs of `Assembly.compile_set`
     (width-suffixed names; update plans share their width's figure)."""
@@ -474,11 +492,11 @@ def expected_costs(run: Any, shapes: Any, chips: int) -> dict[str, tuple[float, 
 
     from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops
 
-    cfg, prepared, scfg = run.cfg, run.prepared, run.programs.cfg
+    cfg, prepared, scfg = assembly.cfg, assembly.prepared, assembly.programs.cfg
     model = Transformer.of(prepared.model.config, cfg.quant_spec)
     b, p, c, g = shapes.prompts, shapes.prompt_length, cfg.max_completion_length, cfg.num_generations
     itemsize = 2 if cfg.bf16 else 4  # the compute dtype: the sampler's matrices and KV caches
-    tensor = 1 if run.rollout_mesh is None else run.rollout_mesh.shape["tensor"]
+    tensor = 1 if assembly.rollout_mesh is None else assembly.rollout_mesh.shape["tensor"]
 
     def decode_floor(prompts: int, group: int) -> float:
         """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
@@ -493,7 +511,7 @@ def expected_costs(run: Any, shapes: Any, chips: int) -> dict[str, tuple[float, 
              for m in (prepared.value_model, prepared.device_reward_model) if m is not None]
     # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
     # gradients (2 forwards) and the adapters, trained matrices of their own, 6 FLOPs per parameter and token
-    adapter_params = sum(x.size for x in jax.tree.leaves(run.policy.params)) if cfg.use_peft else 0
+    adapter_params = sum(x.size for x in jax.tree.leaves(assembly.policy.params)) if cfg.use_peft else 0
     critic = heads[0] if prepared.value_model is not None else None
 
     def finish_flops(width: int) -> float:
@@ -520,8 +538,9 @@ def expected_costs(run: Any, shapes: Any, chips: int) -> dict[str, tuple[float, 
     for i, folder in enumerate(prepared.reward_models):
         from rloo_jax.models import abstract_model
 
-        t = Transformer.of(abstract_model(folder, "reward").config)  # its head: D x 1 at one position per row
-        flops = forward_flops(t.layer_params, t.num_layers, t.hidden_size, t.attention_width, tokens=n * width,
-                              scored=n, pairs=n * causal_pairs(0, width, t.window))
+        rm_config = abstract_model(folder, "reward").config
+        t = Transformer.of(rm_config)  # its head: D x 1 at one position per row
+        flops = forward_flops(t.layer_params, t.num_layers, rm_config.hidden_size, t.attention_width,
+                              tokens=n * width, scored=n, pairs=n * causal_pairs(0, width, t.window))
         costs[f"reward_model_{i}"] = (flops / chips, math.nan)
     return costs

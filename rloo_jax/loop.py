@@ -224,16 +224,16 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
     start_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     cfg = for_this_machine(cfg)
     enable_compilation_cache(cfg.compilation_cache_dir if cfg.compilation_cache else None)
-    run = assemble(cfg, given=given)  # the config resolved for the platform: what runs, is printed and is recorded
+    assembly = assemble(cfg, given=given)  # the config resolved for the platform: what runs, is printed and is recorded
     if jax.process_index() == 0:
-        print(numerics.describe(cfg, run.cfg, run.platform))
-    cfg, prepared = run.cfg, run.prepared
-    place = Placement(run.mesh)
+        print(numerics.describe(cfg, assembly.cfg, assembly.platform))
+    cfg, prepared = assembly.cfg, assembly.prepared
+    place = Placement(assembly.mesh)
     place_reward_models(prepared.reward_funcs, place.mesh)  # host reward models sharded like the policy
     iterator = PromptIterator(len(prepared.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
-    lr_at = jax.jit(run.schedule)  # one dispatch, not a handful of eager ops, per logged step
+    lr_at = jax.jit(assembly.schedule)  # one dispatch, not a handful of eager ops, per logged step
     lr_at(0)  # compiled here, not at the first logged step (no compile after step 1)
-    state = run.init_state()  # with a mesh: placed on its shardings (FSDP / tensor parallel)
+    state = assembly.init_state()  # with a mesh: placed on its shardings (FSDP / tensor parallel)
     base_key = jax.random.key(cfg.seed)
     if place.mesh is None:
         # committed to the device, like the arrays a checkpoint restores: jit lowers committed arguments with their
@@ -250,8 +250,8 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
         "config": outputs.join(out, "config.yaml"),
     }
     return Session(
-        cfg=cfg, prepared=prepared, place=place, programs=run.programs, graphdef=run.policy.graphdef,
-        iterator=iterator, total_steps=run.total_steps,
+        cfg=cfg, prepared=prepared, place=place, programs=assembly.programs, graphdef=assembly.policy.graphdef,
+        iterator=iterator, total_steps=assembly.total_steps,
         lr_at=lr_at, weights=place.replicate(jnp.asarray(prepared.reward_weights, jnp.float32)),
         names=prepared.device_reward_names + [f.name for f in prepared.reward_funcs],
         eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
@@ -259,9 +259,9 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
         callbacks=CallbackHandler(None if given is None else given.callbacks),
         # the micro-batch shuffles: NumPy's legacy generator seeded with `seed`, the stream TRL 1.12's PPO draws from
         # np.random after np.random.seed(seed) (tests/test_ppo_trainer.py seeds it so)
-        order_rng=np.random.RandomState(cfg.seed) if run.programs.cfg.row_order else None,
+        order_rng=np.random.RandomState(cfg.seed) if assembly.programs.cfg.row_order else None,
         trainer_state=TrainerState(
-            max_steps=run.total_steps, num_train_epochs=cfg.num_train_epochs, logging_steps=cfg.logging_steps,
+            max_steps=assembly.total_steps, num_train_epochs=cfg.num_train_epochs, logging_steps=cfg.logging_steps,
             eval_steps=cfg.eval_steps, save_steps=cfg.save_steps, train_batch_size=cfg.per_device_train_batch_size,
             is_world_process_zero=place.is_main,
         ),

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import textwrap
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, Literal
 
 import jax
@@ -43,7 +43,8 @@ AUTO: dict[str, Callable[[dict[str, Any], str], Any]] = {
     # memory is the limit on accelerators; on CPU both cost time (BENCHMARKS.md)
     "gradient_checkpointing": lambda done, platform: platform != "cpu",
     "scan_layers": lambda done, platform: platform != "cpu",
-    # fused kernels where the platform has them (splash on TPU, cuDNN flash on GPU in bf16), else the einsum
+    # fused kernels where the platform has them (splash on TPU, cuDNN flash on GPU in bf16 without XLA's
+    # deterministic ops), else the einsum
     "attn_implementation": lambda done, platform: _best_attention(platform, done["bf16"]),
 }
 
@@ -51,7 +52,7 @@ AUTO: dict[str, Callable[[dict[str, Any], str], Any]] = {
 def _best_attention(platform: str, bf16: bool) -> str:
     from rloo_jax.models import attention  # the models import jax's Pallas modules: only when a run resolves
 
-    return attention.resolve(None, platform, "bfloat16" if bf16 else "float32")
+    return attention.resolve(None, platform, "bfloat16" if bf16 else "float32", determinism_enabled())
 
 # XLA's flag for run-to-run deterministic GPU programs (present in jaxlib 0.10's XLA: "Guarantees run-to-run
 # determinism on GPU"; it implies xla_gpu_exclude_nondeterministic_ops, deterministic scatter, and autotuning that
@@ -131,6 +132,12 @@ def with_flags(xla_flags: str, flags: tuple[str, ...]) -> str:
     return " ".join([*kept, *flags])
 
 
+def determinism_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process asks XLA for deterministic GPU programs (`DETERMINISM_FLAGS` in XLA_FLAGS: set by
+    `enable_determinism`, `--full_determinism true` or the caller's environment)."""
+    return set(DETERMINISM_FLAGS) <= set(environ.get("XLA_FLAGS", "").split())
+
+
 def enable_determinism(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Ask XLA for run-to-run deterministic programs (`DETERMINISM_FLAGS` added to XLA_FLAGS); returns whether
     this process's programs are deterministic. XLA reads its flags once, when the JAX backend starts: called later
@@ -141,7 +148,7 @@ def enable_determinism(environ: MutableMapping[str, str] = os.environ) -> bool:
     script that builds an `RLOOTrainer`; the CLI does it for `--full_determinism true`.
     """
     current = environ.get("XLA_FLAGS", "")
-    if set(DETERMINISM_FLAGS) <= set(current.split()):
+    if determinism_enabled(environ):
         return True
     if backend_started():
         if jax.default_backend() in ("cpu", "tpu"):
@@ -170,7 +177,7 @@ def model_options(cfg: Any, platform: str) -> dict[str, Any]:
     settings = resolved_settings(cfg, platform)
     dtype = "bfloat16" if settings["bf16"] else "float32"
     try:
-        attn = attention.resolve(settings["attn_implementation"], platform, dtype)
+        attn = attention.resolve(settings["attn_implementation"], platform, dtype, determinism_enabled())
     except ValueError as e:
         raise ConfigError(f"{e}; fix --attn_implementation") from None
     return {

@@ -16,7 +16,7 @@ from rloo_jax.quant import QuantSpec
 from rloo_jax.tpu import parse_slice
 
 REPORT_TO_CHOICES = ("none", "tensorboard", "wandb")
-DEFAULT_CACHE_DIR = "~/.cache/rloo_jax"
+DEFAULT_CACHE_DIR = os.environ.get("RLOO_JAX_CACHE", "~/.cache/rloo_jax")  # as demo.CACHE_ROOT
 
 
 def _opt(default: Any, group: str, help: str) -> Any:

@@ -1,7 +1,10 @@
 """Test-wide settings: no hub lookups (the network is closed), CPU jax unless asked for the accelerator, float32
-matmuls in float32 on every backend, deterministic GPU programs, `cpu_only` tests skipped on an accelerator."""
+matmuls in float32 on every backend, deterministic GPU programs, `cpu_only` tests skipped on an accelerator, a cache
+folder of the run's own, the run-wide checks of tests/suite_checks.py."""
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -9,6 +12,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# rloo_jax's cache folder (the demo model and data; the JAX compilation cache of runs that keep it on), fresh for each
+# test run instead of the user's ~/.cache/rloo_jax, so the suite's time and outcome do not depend on a warm home
+# cache. Shared within the run: xdist workers and the CLI subprocesses inherit it (set before rloo_jax is imported).
+# An RLOO_JAX_CACHE set outside is used as is.
+_OWN_CACHE = None
+if not os.environ.get("RLOO_JAX_CACHE"):
+    _OWN_CACHE = os.environ["RLOO_JAX_CACHE"] = tempfile.mkdtemp(prefix="rloo_jax_test_cache_")
 # `make test`: the CPU. `make test-accelerator` sets JAX_PLATFORMS empty: JAX picks the GPU or TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # GCS clients (gs:// tests against a local fake, tests/gcs.py) never look for credentials or probe a metadata
@@ -31,7 +41,12 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # Session-scoped tiny offline checkpoints (built once per test session), usable from every test module.
-pytest_plugins = ["tests.fixtures_models"]
+pytest_plugins = ["tests.fixtures_models", "tests.suite_checks"]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _OWN_CACHE is not None:  # the process that made it: the xdist controller, or the only process
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.diffs import max_abs_diff, rel_diffs, tree_max_abs_diff
+
 ROOT = Path(__file__).resolve().parents[1]
 TRL112 = ROOT / ".venv-trl112"
 VOCAB = ["<pad>", "<eos>"] + [f"w{i}" for i in range(46)]
@@ -222,20 +224,23 @@ def completion_texts(token_rows: list[list[int]], stop: int | None) -> list[str]
 
 def compare(theirs: dict[str, Any], ours: dict[str, Any], weights: str = "") -> dict[str, Any]:
     """The largest (absolute, relative) difference of each logged metric over the updates, and the largest weight
-    difference over the weights whose names start with `weights` ("policy/", "value/"; "": all)."""
+    difference over the weights whose names start with `weights` ("policy/", "value/"; "": all). A NaN on either
+    side raises (tests/diffs.py; no compared metric or weight is NaN by design)."""
     trl_logs = [r for r in theirs["logs"] if "objective/kl" in r]
     our_logs = [r for r in ours["records"] if "objective/kl" in r]
     assert len(trl_logs) == len(our_logs) == UPDATES, (len(trl_logs), len(our_logs))
     metrics = {}
     for name in METRICS:
-        a = np.array([r[name] for r in trl_logs], np.float64)
-        b = np.array([r[name] for r in our_logs], np.float64)
-        diff = np.abs(a - b)
-        metrics[name] = (float(diff.max()), float((diff / np.maximum(np.abs(a), 1e-12)).max()))
+        a = [r[name] for r in trl_logs]
+        b = [r[name] for r in our_logs]
+        where = f"{name} over the updates (TRL vs ours)"
+        metrics[name] = (max_abs_diff(a, b, where), float(rel_diffs(a, b, where).max()))
     common = sorted(set(theirs["weights"]) & set(ours["weights"]))
     assert len(common) == len(theirs["weights"]), sorted(set(theirs["weights"]) - set(ours["weights"]))
-    weight = max(float(np.abs(theirs["weights"][k] - ours["weights"][k]).max())
-                 for k in common if k.startswith(weights))
+    chosen = [k for k in common if k.startswith(weights)]
+    assert chosen, f"no weight named {weights}*"
+    weight = tree_max_abs_diff({k: theirs["weights"][k] for k in chosen}, {k: ours["weights"][k] for k in chosen},
+                               f"final weights {weights}* (TRL vs ours)")
     return {"metrics": metrics, "weights": weight}
 
 

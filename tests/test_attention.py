@@ -54,6 +54,26 @@ def test_resolve_defaults_and_refusals():
             attention.resolve(impl, platform, "bfloat16")
     with pytest.raises(ValueError, match="needs bf16/fp16"):
         attention.resolve("cudnn", "gpu", "float32")
+    # XLA's deterministic GPU ops: not chosen (an update program failed executing with it on an H200), refused
+    assert attention.resolve(None, "gpu", "bfloat16", deterministic=True) == "eager"
+    assert attention.resolve(None, "tpu", "bfloat16", deterministic=True) == "splash"  # TPUs need no flag
+    with pytest.raises(ValueError, match="deterministic GPU ops"):
+        attention.resolve("cudnn", "gpu", "bfloat16", deterministic=True)
+
+
+def test_model_options_follow_the_determinism_flag(monkeypatch):
+    """`full_determinism` (XLA_FLAGS) on a GPU: the run resolves eager attention, and refuses cudnn in one line."""
+    from rloo_jax import numerics
+    from rloo_jax.algorithms import RLOOConfig
+    from rloo_jax.errors import ConfigError
+
+    cfg = RLOOConfig()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+    assert numerics.model_options(cfg, "gpu")["attn_implementation"] == "cudnn"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere --xla_gpu_deterministic_ops=true")
+    assert numerics.determinism_enabled() and numerics.model_options(cfg, "gpu")["attn_implementation"] == "eager"
+    with pytest.raises(ConfigError, match="deterministic GPU ops.*fix --attn_implementation"):
+        numerics.model_options(cfg.replace(attn_implementation="cudnn"), "gpu")
 
 
 def test_splash_layout_goldens():

@@ -133,6 +133,31 @@ def test_compile_only_reports_a_fitting_run(tmp_path, tiny_checkpoint, capsys): 
     assert not (tmp_path / "out" / "checkpoints").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def test_compile_only_covers_grpo(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
+    """--compile_only on a GRPO run (vespo, KL in the loss, off-policy, the adaptive entropy controller): the TPU
+    compiler builds its rollout (sampling, the reference and old log-probs' forwards) and its update (the loss, the
+    entropies, the controller's state replicated over the slice) for the same batch as RLOO's test above, with the
+    same model FLOPs per chip."""
+    model = config_only_model(tmp_path, TINY_LLAMA, tiny_checkpoint("tokenizer"))
+    code, out, err = run_main(capsys, ["grpo", *common(tmp_path, model), "--topology", "v5e-4",
+                                       "--steps_per_generation", "2", "--attn_implementation", "eager",
+                                       "--loss_type", "vespo", "--entropy_coef", "0.01", "--use_adaptive_entropy",
+                                       "true"])
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
+    assert report["fits"] is True and set(report["programs"]) == {"rollout", "update", "score"}
+    s = report["settings"]
+    assert (s["algorithm"], s["loss_type"], s["beta"], s["recompute_old_logps"]) == ("grpo", "vespo", 0.04, True)
+    assert s["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and s["completions_per_generation"] == 32
+    rollout, update = report["programs"]["rollout"], report["programs"]["update"]
+    assert (rollout["model_flops"], update["model_flops"]) == ((202440704 + 2 * 208437248) / 4, 3 * 208437248 / 4)
+    assert 1.0 < rollout["flops_ratio"] < 1.1 and 1.2 < update["flops_ratio"] < 1.4
+    for p in report["programs"].values():
+        assert p["fits"] and 0 < p["peak_bytes_per_chip"] < 2**30 and p["compile_seconds"] > 0
+    assert "FITS: every program fits v5e-4" in out
+    assert not (tmp_path / "out" / "checkpoints").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_compile_only_with_lora_and_completion_buckets(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
     """LoRA: the adapters are the trained state (two forwards of model FLOPs per update: no weight gradients for
     the base); completion_bucket 8 of 32: the update compiled at every narrower width too, cheaper each."""

@@ -136,7 +136,7 @@ def test_matches_trl_grpo(case, tiny_model_dir, tmp_path):
         ref_logps=None if algo.beta == 0 else jnp.asarray(out["ref_per_token_logps"]),
         num_items=jnp.asarray(num_items), algo_state=algo.init_state(),
     )
-    loss, metrics, _ = algo.loss(inputs)
+    loss, metrics, stats = algo.loss(inputs)
     assert float(loss) == pytest.approx(run["loss"], abs=1e-5, rel=1e-4)
     theirs = run["metrics"]
     expected = {k for k in theirs if k not in ("entropy", "entropy_coef")}
@@ -150,6 +150,15 @@ def test_matches_trl_grpo(case, tiny_model_dir, tmp_path):
             assert got == pytest.approx(want, abs=1e-5, rel=1e-4), name
     assert float(rj.masked_mean(jnp.asarray(run["ent"]), jnp.asarray(mask))) == pytest.approx(theirs["entropy"],
                                                                                               abs=1e-5)
+    # entropy_coef: TRL logs it in _compute_loss at the optimizer step's end (after the adaptive update); ours comes
+    # from the step's end too, GRPO.next_state over the step's entropy statistics (here one micro-batch). Float32
+    # against TRL's Python float: measured 7.5e-10 (0.05), 3.0e-10 (0.055); a wrong branch is 0.005 off
+    assert ("entropy_coef" in theirs) == algo.entropy_bonus
+    if algo.entropy_bonus:
+        _, step_metrics = algo.next_state(algo.init_state(), stats)
+        assert float(step_metrics["entropy_coef"]) == pytest.approx(theirs["entropy_coef"], abs=1e-8)
+        if algo.use_adaptive_entropy:  # the entropy (2.60 nats) is below the target 10: the coefficient went up
+            assert theirs["entropy_coef"] == pytest.approx(spec["entropy_coef"] + algo.entropy_coef_delta)
     if off:
         assert abs(run["loss"]) > 1e-4  # the ratio really moved
     if "clip_ratio/region_mean" in theirs and spec.get("epsilon", 0.2) < 0.1:

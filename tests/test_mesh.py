@@ -50,6 +50,7 @@ from rloo_jax.models import init_causal_lm
 from rloo_jax.sampling import SamplingConfig
 from rloo_jax.programs import Programs, flat_metrics
 from rloo_jax.step import StepConfig, completion_logps
+from tests.diffs import tree_max_abs_diff  # NaN-proof (cwd: the repository root)
 
 TINY = json.loads(os.environ["TINY_JSON"])
 G, C, B, P = 2, 6, 4, 5
@@ -183,9 +184,7 @@ else:
     a = l_state.params["model"]["layers"]["attn"]["q"]["lora_a"][...]  # [L 2, embed 32, r 4]
     out["lora_a"] = {"shard": list(a.addressable_shards[0].data.shape), "spec": str(a.sharding.spec)}
     out["lora_frozen_head_shard"] = list(l_state.frozen["lm_head"]["kernel"][...].addressable_shards[0].data.shape)
-    out["param_max_diff"] = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(jax.tree.leaves(s_state.params), jax.tree.leaves(m_state.params), strict=True))
+    out["param_max_diff"] = tree_max_abs_diff(s_state.params, m_state.params, "params, one device vs the mesh")
     # the loss and its gradients, jitted with sharded params/batch vs on one device
     graphdef, params = nnx.split(init_causal_lm(TINY, seed=0))
     sp = M.shard_params(params, M.param_shardings(params, mesh))
@@ -205,8 +204,7 @@ else:
     put = lambda x: jax.device_put(x, M.batch_sharding(mesh, x.shape))
     l8, gr8 = vg(sp, jax.tree.map(put, ro), put(rewards))
     out["loss"] = [float(l1), float(l8)]
-    out["grad_max_diff"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                               for a, b in zip(jax.tree.leaves(gr1), jax.tree.leaves(gr8), strict=True))
+    out["grad_max_diff"] = tree_max_abs_diff(gr1, gr8, "gradients, one device vs the mesh")
     out["grad_norm"] = float(optax.global_norm(gr1))
     # FSDP x tensor: the state is really split across devices
     w = m_state.params["lm_head"]["kernel"][...]

@@ -16,6 +16,7 @@ from rloo_jax.programs import Programs
 from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig, completion_logps, head_scores, last_scores, micro_batch_order
 from tests import ppo_oracle as oracle
+from tests.diffs import max_abs_diff
 
 TINY = dict(
     model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=64,
@@ -169,9 +170,9 @@ def test_state_trains_policy_and_value_with_one_optimizer(parts, run):
     new = run["new"]  # the shared run's update (SGD)
     for a, b in zip(jax.tree.leaves(new.reward_params), jax.tree.leaves(rp), strict=True):
         np.testing.assert_array_equal(a, b)
-    moved = [float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(new.value_params), jax.tree.leaves(vp),
-                                                         strict=True)]
-    assert min(moved) > 0  # every value parameter, the score head included, is trained
+    moved = [max_abs_diff(a, b, "value parameter") for a, b in zip(jax.tree.leaves(new.value_params),
+                                                                     jax.tree.leaves(vp), strict=True)]
+    assert min(moved) > 0  # every value parameter, the score head included, is trained (NaN raises, tests/diffs.py)
     with pytest.raises(ValueError, match="value_params missing"):
         programs.init_state(_copy(params), _copy(params), reward_params=_copy(rp))
     with pytest.raises(ValueError, match="needs a value model"):

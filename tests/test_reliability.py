@@ -74,7 +74,7 @@ class Launch:
             [sys.executable, "-m", "rloo_jax.train", *args], cwd=ROOT, env=env, stdout=self.stdout, stderr=self.stderr
         )
 
-    def wait(self, timeout=240):
+    def wait(self, timeout=480):  # a 12-step CLI run took 232-241 s under a load of 7 (2 cores)
         try:
             return self.proc.wait(timeout=timeout)
         finally:
@@ -386,6 +386,9 @@ def test_optimizer_skips_non_finite_updates_and_counts_them():
     assert not nonfinite_leaves((params, states["cpu"]))
 
 
+@pytest.mark.cpu_only(reason="its trigger, float32 overflow of the leave-one-out sums of +-3e38 rewards, follows "
+                              "XLA:CPU's summation order; on an H200 (2026-11-28) the same run's updates came out "
+                              "finite (advantages 0, grad norm 0): nothing to skip")
 def test_non_finite_updates_are_skipped_then_stop_the_run(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["--output_dir", str(out), "--max_steps", "8", "--save_steps", "1", "--max_consecutive_nonfinite", "3"]

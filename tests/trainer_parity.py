@@ -17,10 +17,14 @@ and bench/bench_trl_parity.py (every loss type, on and off policy).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
-import numpy as np
+from tests.diffs import abs_diffs, rel_diffs, tree_max_abs_diff
 
 VOCAB = ["<pad>", "<eos>"] + [f"w{i}" for i in range(62)]
 PAD, EOS = 0, 1
@@ -139,8 +143,9 @@ def run_trl(kind: str, model: str, out: str, by_position: bool = True, peft_mode
 
 
 def run_ours(kind: str, model: str, out: str, by_position: bool = True, peft_model: bool = False,
-             **options: Any) -> dict[str, Any]:
-    """rloo_jax's trainer `kind` on the same run (float32 on CPU)."""
+             ours: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+    """rloo_jax's trainer `kind` on the same run (float32 on CPU); `ours`: options of this side only (e.g. the
+    per-device batch on a mesh)."""
     import datasets
     from safetensors.numpy import load_file
 
@@ -155,7 +160,7 @@ def run_ours(kind: str, model: str, out: str, by_position: bool = True, peft_mod
     reward.__name__ = "position_reward"
     cfg_cls, trainer_cls = (rj.GRPOConfig, rj.GRPOTrainer) if kind == "grpo" else (rj.RLOOConfig, rj.RLOOTrainer)
     trainer = trainer_cls(model=peft_policy(model) if peft_model else model, reward_funcs=[reward],
-                          args=cfg_cls(**_common(out, **options)),
+                          args=cfg_cls(**{**_common(out, **options), **(ours or {})}),
                           processing_class=tokenizer(),
                           train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}))
     trainer.train()
@@ -167,7 +172,8 @@ def run_ours(kind: str, model: str, out: str, by_position: bool = True, peft_mod
 
 def compare(trl_run: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     """The largest absolute / relative differences of every compared metric over the steps, and of the final
-    weights (by Hugging Face name); raises if the two runs sampled different tokens or logged other steps."""
+    weights (by Hugging Face name); raises if the two runs sampled different tokens or logged other steps, or if
+    either side holds a NaN where the other does not (or both do: no compared metric is NaN by design)."""
     assert trl_run["completions"] == ours["completions"], "the two trainers sampled different completions"
     theirs, mine = trl_run["records"], ours["records"]
     assert [r["step"] for r in theirs] == [r["step"] for r in mine], ([r["step"] for r in theirs],
@@ -182,8 +188,51 @@ def compare(trl_run: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
             if x is None or y is None:
                 assert x is None and y is None, (a["step"], name, x, y)
                 continue
-            d = abs(x - y)
+            # NaN on either side fails (tests/diffs.py): max(0.0, nan) is 0.0, so a NaN would otherwise count as equal
+            where = f"step {a['step']} {name} (TRL vs ours)"
+            d, r = float(abs_diffs(x, y, where)), float(rel_diffs(x, y, where))
             old = diffs.get(name, (0.0, 0.0))
-            diffs[name] = (max(old[0], d), max(old[1], d / max(abs(x), 1e-12)))
-    weights = max(float(np.max(np.abs(trl_run["weights"][k] - ours["weights"][k]))) for k in trl_run["weights"])
+            diffs[name] = (max(old[0], d), max(old[1], r))
+    weights = tree_max_abs_diff(trl_run["weights"], ours["weights"], "final weights (TRL vs ours)")
     return {"metrics": diffs, "weights": weights, "steps": len(theirs)}
+
+
+def run_ours_on_devices(devices: int, kind: str, model: str, out: str, **options: Any) -> dict[str, Any]:
+    """`run_ours` in a subprocess with `devices` forced CPU devices (XLA_FLAGS must be set before JAX starts; this
+    file, run as a script, is that subprocess): its records, completions and final weights."""
+    import numpy as np
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "spec.json"), "w") as f:
+        json.dump({"kind": kind, "model": model, "options": options}, f)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), out], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with open(os.path.join(out, "result.json")) as f:
+        result = json.load(f)
+    assert result["devices"] == devices, result["devices"]
+    weights = np.load(os.path.join(out, "weights.npz"))
+    result["weights"] = {k: weights[k] for k in weights.files}
+    return result
+
+
+def _ours_driver(out: str) -> None:
+    """Runs in the subprocess of `run_ours_on_devices`."""
+    import jax
+    import numpy as np
+
+    with open(os.path.join(out, "spec.json")) as f:
+        spec = json.load(f)
+    result = run_ours(spec["kind"], spec["model"], os.path.join(out, "run"), **spec["options"])
+    np.savez(os.path.join(out, "weights.npz"), **result.pop("weights"))
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(dict(result, devices=jax.device_count()), f)
+
+
+if __name__ == "__main__":
+    _ours_driver(sys.argv[1])

@@ -16,7 +16,7 @@ softmax(q k^T / sqrt(Dh)) v of a forward is computed:
   Off a GPU the same call runs through XLA (tests).
 
 None resolves for the platform the program is compiled for (`resolve`): splash on TPU, cudnn on GPU with bf16/fp16
-compute, eager otherwise.
+compute (unless XLA's deterministic GPU ops are on), eager otherwise.
 
 Every form takes the model's score scale (`scale`: head_dim ** -0.5, Gemma's query_pre_attn_scalar ** -0.5) and
 its attention soft-capping (`softcap`, Gemma 2: scores -> cap * tanh(scores / cap) before the mask), and each
@@ -83,25 +83,36 @@ def target_platform() -> str:
     return _TARGET.get() or jax.default_backend()
 
 
-def resolve(implementation: str | None, platform: str, dtype: str) -> str:
+def resolve(implementation: str | None, platform: str, dtype: str, deterministic: bool = False) -> str:
     """The implementation to run: `implementation`, or for None the best available on `platform` for the compute
     `dtype`. ValueError (one line naming the valid values there) for one the platform does not offer.
 
+    `deterministic`: XLA's deterministic GPU ops are on (`rloo_jax.numerics.determinism_enabled`). cuDNN's
+    attention is then not chosen, and refused when asked for: with them, XLA (jaxlib 0.11.2 on an H200) failed
+    executing the update programs of a PPO run and of an accumulation that carries micro-batches ("IndexError:
+    absl::container_internal::raw_hash_map<>::at"); the same runs with eager attention, or without the flag, ran.
+
     Example: resolve(None, "tpu", "float32") -> "splash"; resolve(None, "gpu", "float32") -> "eager" (cuDNN's
-    flash attention takes bf16/fp16 only); resolve("cudnn", "tpu", ...) -> ValueError.
+    flash attention takes bf16/fp16 only); resolve(None, "gpu", "bfloat16", deterministic=True) -> "eager";
+    resolve("cudnn", "tpu", ...) -> ValueError.
     """
     platform = "gpu" if platform in ("cuda", "rocm") else platform
     valid = AVAILABLE.get(platform, ("eager",))
     if implementation is None:
         if platform == "tpu":
             return "splash"
-        return "cudnn" if platform == "gpu" and dtype in ("bfloat16", "float16") else "eager"
+        fused = platform == "gpu" and dtype in ("bfloat16", "float16") and not deterministic
+        return "cudnn" if fused else "eager"
     if implementation not in valid:
         raise ValueError(f"attn_implementation={implementation!r} is not available on {platform}; valid there: "
                          f"{', '.join(valid)} (None: the best of them)")
     if implementation == "cudnn" and dtype not in ("bfloat16", "float16"):
         raise ValueError(f"attn_implementation='cudnn' needs bf16/fp16 compute (cuDNN's flash attention); the compute "
                          f"dtype is {dtype}: use bf16 or attn_implementation='eager'")
+    if implementation == "cudnn" and platform == "gpu" and deterministic:
+        raise ValueError("attn_implementation='cudnn' does not run under XLA's deterministic GPU ops "
+                         "(full_determinism, or --xla_gpu_deterministic_ops=true in XLA_FLAGS): XLA fails executing "
+                         "its update programs; use attn_implementation='eager' or full_determinism false")
     return implementation
 
 

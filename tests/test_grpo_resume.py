@@ -1,0 +1,72 @@
+"""GRPO after `kill -9`: a run with the adaptive entropy controller on, training QLoRA adapters (LoRA on a 4-bit
+nf4 base), killed once its first checkpoint is complete and a later step is logged, resumes bit-identically to an
+uninterrupted run. The controller's state (the coefficient and the last step's entropy, TRL's
+entropy_ctrl_state.json) is in every checkpoint; the 4-bit base is not (it is quantized again from the model
+folder), the adapters and their AdamW moments are. tests/test_reliability.py's machinery (a `python -m
+rloo_jax.train` subprocess per launch)."""
+
+import re
+import signal
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from rloo_jax.metrics import read_jsonl
+from tests.test_reliability import Launch, cache, checkpoint_names, logged, sha256, wait_for, without_wall_time
+
+__all__ = ["cache"]  # the module's shared compilation cache (a fixture)
+
+DELTA = 0.01
+# 6 optimizer steps, 2 per generation batch (off-policy: the old log-probs recomputed), checkpoints at 2, 4, 6; the
+# KL term (its reference: the 4-bit base, adapters off); the controller's target above any entropy the demo's
+# 49-token vocabulary allows (ln 49 = 3.89), so its coefficient rises by DELTA after every step and the bonus
+# applies from step 2 (after step 1's measurement): a resume that lost either half of the state logs another
+# coefficient or applies no bonus at its first step
+GRPO_QLORA_RUN = [
+    "grpo", "--max_steps", "6", "--save_steps", "2", "--logging_steps", "1", "--per_device_train_batch_size", "8",
+    "--num_generations", "4", "--steps_per_generation", "2", "--max_completion_length", "6",
+    "--max_prompt_length", "5", "--eval_steps", "None", "--log_completions", "true", "--beta", "0.04",
+    "--loss_type", "dapo", "--entropy_coef", "0.01", "--use_adaptive_entropy", "true", "--entropy_coef_delta",
+    str(DELTA), "--entropy_target", "10", "--use_peft", "--lora_target_modules", "all-linear", "--lora_r", "4",
+    "--load_in_4bit", "--full_determinism", "true", "--reward_funcs", "rloo_jax.demo:letters_reward",
+]  # fmt: skip
+
+
+def test_killed_grpo_qlora_run_with_adaptive_entropy_resumes_bit_identical(cache, tmp_path):  # noqa: F811
+    straight = Launch(tmp_path / "straight", cache, tmp_path / "straight", GRPO_QLORA_RUN)
+    assert straight.wait() == 0, straight.output()[1][-3000:]
+    out = tmp_path / "run"
+    launch = Launch(out, cache, tmp_path / "killed", GRPO_QLORA_RUN)
+    try:
+        step_3_after_checkpoint_2 = lambda: "2" in checkpoint_names(out) and logged(out, 3)()  # orbax saves async
+        assert wait_for(launch.proc, step_3_after_checkpoint_2), "the run ended before its kill point"
+        launch.proc.send_signal(signal.SIGKILL)
+        assert launch.wait() == -signal.SIGKILL
+    finally:
+        launch.close()
+    last = Launch(out, cache, tmp_path / "last", GRPO_QLORA_RUN)
+    assert last.wait() == 0, last.output()[1][-3000:]
+    # from checkpoint 2 (or 4, had its asynchronous save completed before the kill landed): a controller moved on
+    assert re.findall(r"Resuming from checkpoint .*/(\d+) ", last.output()[0]) in (["2"], ["4"])
+
+    adapters = "final/adapter_model.safetensors"
+    assert sha256(out / adapters) == sha256(tmp_path / "straight" / adapters)
+    got = read_jsonl(out / "metrics.jsonl")
+    assert without_wall_time(got) == without_wall_time(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+    assert read_jsonl(out / "rollouts.jsonl") == read_jsonl(tmp_path / "straight" / "rollouts.jsonl")
+    train = [r for r in got if "entropy_coef" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    # the controller moved at every step: 0.01 + DELTA per step
+    np.testing.assert_allclose([r["entropy_coef"] for r in train], [0.01 + DELTA * s for s in range(1, 7)],
+                               rtol=1e-6)
+    # each checkpoint holds the controller as it stood after its step (the last step's entropy: its window's); the
+    # demo's save_total_limit 2 keeps the last two
+    assert sorted(map(int, checkpoint_names(out))) == [4, 6]
+    for step in (4, 6):
+        state = ocp.StandardCheckpointer().restore(out / "checkpoints" / str(step) / "state")["train"]
+        record = next(r for r in train if r["step"] == step)
+        assert float(state["algo_state"]["entropy_coef"]) == np.float32(record["entropy_coef"])
+        assert float(state["algo_state"]["last_entropy"]) == np.float32(record["entropy"])
+        # QLoRA: the adapters and their moments, not the frozen 4-bit base
+        assert state["frozen"] is None or not state["frozen"], step
+        assert "lora_b" in str(state["params"])
