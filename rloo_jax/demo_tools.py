@@ -18,7 +18,6 @@ The chat template and the response template below are TRL 1.16's (`trl/chat_temp
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -387,12 +386,5 @@ def model_folder(seed: int = 0) -> str:
 
 def dataset_folder(seed: int = 0, num_train: int = 512, num_test: int = 64) -> str:
     """The multiplication prompts (train and test jsonl), written under the demo cache once: the folder."""
-    path = Path(os.path.expanduser(os.path.join(demo.CACHE_ROOT, f"tools/data-{seed}")))
-    path.mkdir(parents=True, exist_ok=True)
-    for split, n, split_seed in (("train", num_train, seed + 100), ("test", num_test, seed + 101)):
-        file = path / f"{split}.jsonl"
-        if not file.is_file():
-            tmp = file.with_suffix(f".tmp-{os.getpid()}")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in task_rows(n, split_seed)))
-            tmp.rename(file)
-    return str(path)
+    return demo.prepare_dataset(os.path.expanduser(os.path.join(demo.CACHE_ROOT, f"tools/data-{seed}")), seed + 100,
+                                num_train, num_test, rows=task_rows)
