@@ -36,6 +36,8 @@ from rloo_jax.programs import Program, Programs, Shapes, reward_model_program
 from rloo_jax.rewards import RewardFunction, reward_functions
 from rloo_jax.sampling import sampling_config
 from rloo_jax.step import TrainState, completion_widths, run_plans, step_config
+from rloo_jax.tools import ToolUse, make_tool_use
+from rloo_jax.turns import suffix_buckets
 
 logger = logging.getLogger("rloo_jax")
 
@@ -61,6 +63,12 @@ class Prepared:
     value_model: Any = None  # a RewardModel trained as the value model (PPO), loaded or abstract; else None
     device_reward_model: Any = None  # a RewardModel scored on the token ids on the device (PPO); else None
     device_reward_names: list[str] = dataclasses.field(default_factory=list)  # its name in the metrics
+    tool_use: ToolUse | None = None  # tool calling: rollouts are conversations (rloo_jax.conversations)
+    reward_weights: list[float] = dataclasses.field(default_factory=list)  # every reward's, environments' last
+
+    def __post_init__(self) -> None:
+        if not self.reward_weights:
+            self.reward_weights = list(self.cfg.resolved_reward_weights)
 
 
 def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None, platform: str | None = None
@@ -83,7 +91,10 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     given = given or Given()
     device_paths = cfg.device_reward_paths  # scored on the token ids on the device, ahead of the functions
     sources = cfg.reward_sources[len(device_paths):] if given.reward_funcs is None else list(given.reward_funcs)
-    cfg.require_sources(len(device_paths) + len(sources))
+    environments_reward = getattr(cfg, "uses_tools", False) and (given.environment_factory is not None
+                                                                  or cfg.environment_factory)
+    if sources or device_paths or not environments_reward:  # an environment's get_reward may be the only reward
+        cfg.require_sources(len(device_paths) + len(sources))
     if cfg.trust_remote_code:
         logger.warning("note: trust_remote_code has no effect; rloo_jax never runs code shipped with a model")
     model_path, dataset = cfg.policy_path, cfg.dataset_name
@@ -131,7 +142,13 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
             heads[0][0], "value model", abstract, vocab, tokenizer, cfg.param_dtype, options, seed=cfg.seed + 3)
         device_reward = [hf.head_model(folder, "reward model", abstract, vocab, tokenizer, options["dtype"], options)
                          for folder, _ in heads[bool(value_path):]]
-    encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs)
+    tool_use = None
+    if getattr(cfg, "uses_tools", False):
+        tool_use = make_tool_use(cfg, tokenizer, given.tools, given.environment_factory,
+                                 model.config.hf_config.get("max_position_embeddings"))
+    encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs,
+                            None if tool_use is None else tool_use.prompt_tools,
+                            None if tool_use is None else tool_use.chat_template)
     train_ds, eval_ds = None, {}
     if not abstract:
         train_ds = given.train_dataset
@@ -144,12 +161,21 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
             eval_ds = {"": load_prompt_dataset(local_dataset(dataset), cfg.dataset_test_split, **where)}
         encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
     reward_funcs = reward_functions(cfg, sources, given.reward_tokenizers, options, abstract)
+    weights = list(cfg.resolved_reward_weights)
+    if tool_use is not None and tool_use.environments is not None:  # TRL: each get_reward a reward of weight 1
+        extra = tool_use.environments.reward_functions()
+        reward_funcs += [RewardFunction(name, fn) for name, fn in extra]
+        weights += [1.0] * len(extra)
+        if not reward_funcs and not device_paths:
+            raise ConfigError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                              "environment defines a `get_reward` method.")
     check_report_to(cfg.report_to)
     return Prepared(
         cfg, platform, options, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs,
         cfg.sampler_stop_ids(tokenizer, eos),
         reward_models, model_dir, adapter_dir, value_model, device_reward[0] if device_reward else None,
         [os.path.basename(os.path.normpath(str(path))) or "reward_model" for _, path in heads[bool(value_path):]],
+        tool_use, weights,
     )
 
 
@@ -215,12 +241,15 @@ class Assembly:
             prompts=cfg.prompts_per_generation,
             prompt_length=cfg.compiled_prompt_length if prompt_length is None else prompt_length,
             widths=completion_widths(cfg.max_completion_length, cfg.completion_bucket),
-            num_rewards=len(cfg.resolved_reward_weights) - len(cfg.device_reward_paths),
+            num_rewards=len(self.prepared.reward_weights) - len(cfg.device_reward_paths),
             plans=plans,
             eval_prompts=cfg.eval_batch_size // g_eval if cfg.eval_steps else 0,
             eval_sampling=dataclasses.replace(self.programs.cfg.sampling, num_generations=g_eval)
             if cfg.eval_steps else None,
             sync_alpha=None if sync is None else sync[1],
+            suffix_widths=suffix_buckets(cfg.max_completion_length, cfg.tool_suffix_bucket) if scfg.multi_turn
+            else (),
+            pause_at=(cfg.tool_batch_rows or 0) if scfg.multi_turn else 0,
         )
 
     def settings(self, shapes: Shapes) -> dict[str, Any]:

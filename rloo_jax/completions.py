@@ -89,3 +89,21 @@ def print_completions(console: Any, records: list[dict[str, Any]], limit: int | 
     for r in records[: limit if limit is not None else len(records)]:
         table.add_row(str(r["prompt"])[-60:], str(r["completion"])[:80], f"{r['reward']:.3f}", f"{r['advantage']:.3f}")
     console.print(table)
+
+
+def score_conversations(prepared: Prepared, conv: Any, context: dict[str, Any] | None = None) -> Scored:
+    """A batch of multi-turn rollouts (`rloo_jax.conversations.Conversations`) scored as TRL scores its tool loop's:
+    the reward functions get the prompts, each completion's messages (its assistant turns and tool messages), every
+    completion token id, the dataset's columns and, with environments, `environments` (one per completion). The
+    lengths are the model's tokens (TRL: the tool mask's sum); truncated: the last token is neither EOS nor pad."""
+    n = len(conv.completion_ids)
+    g = n // len(conv.batch)
+    tool_mask = np.asarray(conv.rollout.tool_mask)
+    truncated = np.asarray(conv.rollout.is_truncated)
+    context = dict(context or {})
+    if conv.environments is not None:
+        context["environments"] = conv.environments
+    prompts = repeat_per_generation(conv.batch.prompts, g)
+    rewards = compute_rewards(prepared.reward_funcs, prompts, conv.completions, conv.completion_ids,
+                              conv.reward_columns(), context)
+    return Scored(prompts, conv.completions, tool_mask.sum(axis=1).astype(np.int32), truncated, rewards)

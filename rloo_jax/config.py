@@ -406,6 +406,8 @@ def coerce(value: Any, annotation: Any, name: str) -> Any:
             if len(non_none) < len(args):
                 return None
             raise ConfigError(f"{name} cannot be None")
+        if isinstance(value, dict) and dict in non_none:  # `str | dict`: a mapping is the mapping
+            return coerce(value, dict, name)
         return coerce(value, non_none[0], name)
     if origin is Literal:
         text = str(value)

@@ -361,13 +361,24 @@ def is_conversational(prompt: Any) -> bool:
 
 
 def encode_prompts(
-    prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None
+    prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None,
+    tools: Sequence[Sequence[Any]] | None = None, chat_template: str | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt, as TRL 1.16 builds them.
 
     Text prompts: `tokenizer(text)` (with the tokenizer's special tokens). Conversational prompts:
-    `apply_chat_template(..., add_generation_prompt=True, tokenize=True)` with `chat_template_kwargs`.
+    `apply_chat_template(..., add_generation_prompt=True, tokenize=True)` with `chat_template_kwargs`; with tool
+    calling, each prompt rendered with its tools (`tools`: one list per prompt, the callables whose schemas the
+    template shows) and `chat_template` (TRL's training template where the tokenizer's is not prefix-preserving).
     """
+    if tools is not None and is_conversational(prompts[0]):
+        kw = dict(chat_template_kwargs or {}, chat_template=chat_template, add_generation_prompt=True, tokenize=True,
+                  return_dict=True)
+        if all(t is tools[0] for t in tools):  # one batched call, as TRL renders a batch with one tool list
+            return [list(map(int, r)) for r in tokenizer.apply_chat_template(
+                list(prompts), tools=list(tools[0]) or None, **kw)["input_ids"]]
+        return [list(map(int, tokenizer.apply_chat_template([p], tools=list(t) or None, **kw)["input_ids"][0]))
+                for p, t in zip(prompts, tools, strict=True)]
     if is_conversational(prompts[0]):
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(
@@ -432,11 +443,23 @@ class PromptEncoder:
     max_prompt_length: int | None
     prompt_bucket: int
     chat_template_kwargs: dict | None = None
+    tools: Any = None  # tool calling: the callables every prompt shows, or {environment name: callables}
+    chat_template: str | None = None  # tool calling: TRL's training template replacing the tokenizer's
+
+    def tools_of(self, rows: dict[str, list[Any]], n: int) -> list[Any] | None:
+        """Each row's tools (a dict of environments: its `environment` column picks), or None without tools."""
+        if self.tools is None:
+            return None
+        if isinstance(self.tools, dict):
+            names = rows.get("environment", [None] * n) if None not in self.tools else [None] * n
+            return [self.tools[name] for name in names]
+        return [self.tools] * n
 
     def __call__(self, rows: dict[str, list[Any]]) -> PromptBatch:
         if "prompt" in rows:
             prompts = list(rows["prompt"])
-            encoded = encode_prompts(prompts, self.tokenizer, self.chat_template_kwargs)
+            encoded = encode_prompts(prompts, self.tokenizer, self.chat_template_kwargs,
+                                     self.tools_of(rows, len(prompts)), self.chat_template)
         else:  # pre-tokenized (TRL's PPO datasets): the ids as they are, their text for the reward functions
             encoded = [list(map(int, ids)) for ids in rows["input_ids"]]
             prompts = prompt_texts(rows, self.tokenizer)

@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,15 +154,17 @@ def make_rows(num_rows: int, seed: int) -> list[dict[str, str]]:
     return rows
 
 
-def prepare_dataset(directory: str | os.PathLike, seed: int, num_train: int = 512, num_test: int = 64) -> str:
-    """Write `train.jsonl` and `test.jsonl` to `directory` (once) and return the folder (splits by name)."""
+def prepare_dataset(directory: str | os.PathLike, seed: int, num_train: int = 512, num_test: int = 64,
+                    rows: Callable[[int, int], list[dict[str, Any]]] = make_rows) -> str:
+    """Write `train.jsonl` (`rows(num_train, seed)`) and `test.jsonl` (`rows(num_test, seed + 1)`) to `directory`
+    (once) and return the folder (splits by name)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     for split, n, split_seed in (("train", num_train, seed), ("test", num_test, seed + 1)):
         file = path / f"{split}.jsonl"
         if not file.is_file():
             tmp = file.with_suffix(f".tmp-{os.getpid()}")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in make_rows(n, split_seed)))
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows(n, split_seed)))
             tmp.rename(file)
     return str(path)
 

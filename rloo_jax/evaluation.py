@@ -8,7 +8,8 @@ import jax
 import numpy as np
 
 from rloo_jax.build import Prepared
-from rloo_jax.completions import decode_and_score, encode_rows
+from rloo_jax.completions import decode_and_score, encode_rows, score_conversations
+from rloo_jax.conversations import run_conversations
 from rloo_jax.data import eval_batches
 from rloo_jax.metrics import weighted_rewards
 from rloo_jax.placement import Placement
@@ -37,22 +38,28 @@ def evaluate(
     per_func, lengths, truncated = [], [], []
     for i, (idx, real) in enumerate(eval_batches(len(dataset), cfg.eval_batch_size // g)):
         rows = place.rows(len(idx))
-        batch = encode_rows(prepared, place, dataset[idx[rows]])
-        ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
-        sampled = programs.sample(state, ids, mask, place.replicate(jax.random.fold_in(key, i)), sc)
-        completion_ids = place.local(sampled.completion_ids)
-        scored = decode_and_score(prepared, batch, completion_ids, g, logs.context(trainer_state or TrainerState()))
+        batch_key = place.replicate(jax.random.fold_in(key, i))
+        context = logs.context(trainer_state or TrainerState())
+        if prepared.tool_use is not None:  # conversations, as in training (single process)
+            conv = run_conversations(programs, state, dataset[idx[rows]], batch_key, prepared.tool_use,
+                                     prepared.encoder, sc)
+            sampled, scored = conv.rollout, score_conversations(prepared, conv, context)
+        else:
+            batch = encode_rows(prepared, place, dataset[idx[rows]])
+            ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
+            sampled = programs.sample(state, ids, mask, batch_key, sc)
+            scored = decode_and_score(prepared, batch, place.local(sampled.completion_ids), g, context)
         if prepared.device_reward_model is not None:  # scored on the token ids, first (as in training)
             device = place.local(programs.device_scores(state, sampled, sc))
             scored.rewards_per_func = np.concatenate([device, scored.rewards_per_func], axis=1)
-        for name, value in place.reward_logs(logs, len(completion_ids))[1].items():
+        for name, value in place.reward_logs(logs, len(scored.lengths))[1].items():
             logged.setdefault(name, []).append(value)
         keep = slice(0, real * g)  # drop the rows padding the last batch (global row order)
         per_func.append(place.gather(scored.rewards_per_func)[keep])
         lengths.append(place.gather(scored.lengths)[keep])
         truncated.append(place.gather(scored.truncated)[keep])
     per_func, lengths, truncated = np.concatenate(per_func), np.concatenate(lengths), np.concatenate(truncated)
-    reward = weighted_rewards(per_func, cfg.resolved_reward_weights)
+    reward = weighted_rewards(per_func, prepared.reward_weights)
     out = {"reward": float(np.nanmean(reward)), "reward_std": float(np.nanstd(reward, ddof=1))}
     for f, name in enumerate(names):
         out[f"rewards/{name}/mean"] = float(np.nanmean(per_func[:, f]))

@@ -308,3 +308,5 @@ class Given:
     reward_funcs: list[Any] | None = None  # callables and/or reward_funcs strings, in scoring order
     reward_tokenizers: list[Any] | None = None  # one per reward_funcs entry (None: a reward model's own)
     callbacks: list[Any] | None = None  # transformers-style callbacks (rloo_jax.callbacks)
+    tools: list[Any] | None = None  # tool callables (TRL's `tools`), in the place of the config's names
+    environment_factory: Any = None  # TRL's `environment_factory` (a callable or {name: callable})

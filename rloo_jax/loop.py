@@ -35,9 +35,10 @@ from rloo_jax.backend import enable_compilation_cache, start_distributed
 from rloo_jax.build import Prepared, assemble
 from rloo_jax.callbacks import CallbackHandler
 from rloo_jax.checkpoint import Checkpointer, NonFiniteError, nonfinite_leaves
-from rloo_jax.completions import Scored, decode, decode_and_score, encode_rows, print_completions
+from rloo_jax.completions import Scored, decode, decode_and_score, encode_rows, print_completions, score_conversations
 from rloo_jax.config import TrainConfig, absolute_paths, with_absolute_paths
 from rloo_jax.config import replace as replace_config
+from rloo_jax.conversations import conversation_record, run_conversations
 from rloo_jax.data import PromptIterator, prompt_texts
 from rloo_jax.errors import ConfigError
 from rloo_jax.evaluation import eval_prefix, evaluate
@@ -199,6 +200,7 @@ class StepOutcome:
     skipped: int
     metrics: dict[str, Any]  # Step.update's, on the host: generation scalars, micro [U, M] (or [micro]), update [U]
     steps: int = 1  # the optimizer steps it completed (the share of its wall time each step's record shows)
+    conversations: Any = None  # tool calling: the batch's `Conversations` (turns, tool calls, messages)
 
 
 @dataclasses.dataclass
@@ -250,7 +252,7 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
     return Session(
         cfg=cfg, prepared=prepared, place=place, programs=assembly.programs, graphdef=assembly.policy.graphdef,
         iterator=iterator, total_steps=assembly.total_steps,
-        lr_at=lr_at, weights=place.replicate(jnp.asarray(cfg.resolved_reward_weights, jnp.float32)),
+        lr_at=lr_at, weights=place.replicate(jnp.asarray(prepared.reward_weights, jnp.float32)),
         names=prepared.device_reward_names + [f.name for f in prepared.reward_funcs],
         eval_key=jax.random.key(cfg.seed + 1),  # eval: its own randomness
         paths=paths, state=state, base_key=base_key,
@@ -434,34 +436,24 @@ def next_plan(s: Session) -> UpdatePlan | None:
 def train_step(s: Session, t0: float, first: bool, plan: UpdatePlan | None = None) -> StepOutcome:
     """One generation batch: prompts -> sample -> (reference pass on the device while the host decodes and
     rewards) -> update(s) (`plan`: which micro-batches; None: all), timed where the host waits anyway
-    (`phase_timings`)."""
+    (`phase_timings`). With tools the sampling is a batch of conversations (`conversation_rollout`)."""
     cfg, place = s.cfg, s.place
     idx = next(s.iterator)  # the same global batch on every process; each one handles its rows
-    batch = encode_rows(s.prepared, place, s.prepared.train_ds[idx[place.rows(len(idx))]])
-    s.truncated_prompts += batch.num_truncated
+    rows = s.prepared.train_ds[idx[place.rows(len(idx))]]
     key = place.replicate(fold_in(s.base_key, s.step))
-    ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
-    longest = cfg.max_completion_length
-    one_width = completion_width(1, longest, cfg.completion_bucket) == longest
-    # the first step compiles update in a thread while the rollout compiles and runs (from the start when its
-    # width is known: one completion width; else once the samples tell it)
     num_rewards = len(s.names) - len(s.prepared.device_reward_names)  # the host's reward functions
-    compiling = compile_quietly(s.programs, ids.shape, num_rewards, longest, plan) if first and one_width else None
-    sampled = s.programs.sample(s.state, ids, mask, key)
-    if not one_width:
-        longest = s.programs.longest(sampled)  # waits for the sampler
-    width = completion_width(longest, cfg.max_completion_length, cfg.completion_bucket)
-    if first and compiling is None:
-        compiling = compile_quietly(s.programs, ids.shape, num_rewards, width, plan)
-    rollout = s.programs.finish(s.state, sampled, width)  # cut to `width`, reference log-probs (dispatched)
-    reference = ReadyTime(rollout.ref_logps)  # when the reference pass ends, seen from a watcher thread
-    # the sampler's own completion ids: on the host as soon as sampling ends, while the reference pass runs
-    completion_ids = place.local(sampled.completion_ids)
-    del sampled  # its full-width arrays: freed once the reference pass has read them
-    t_sampled = time.perf_counter()
     context = s.reward_logs.context(s.trainer_state)
-    scored = decode_and_score(s.prepared, batch, completion_ids, cfg.num_generations, context)
-    extra, logged = place.reward_logs(s.reward_logs, len(completion_ids))
+    if s.prepared.tool_use is not None:
+        batch, rollout, reference, t_sampled, scored, compiling, conv = conversation_rollout(
+            s, rows, key, first, plan, num_rewards, context)
+    else:
+        batch, rollout, reference, t_sampled, scored, compiling = single_turn_rollout(
+            s, rows, key, first, plan, num_rewards, context)
+        conv = None
+    s.truncated_prompts += batch.num_truncated
+    extra, logged = place.reward_logs(s.reward_logs, len(scored.lengths))
+    if conv is not None:
+        logged.update(conv.metrics())  # tools/*, timing/tools: once per generation, as TRL logs them
     s.window.add({name: [value] for name, value in logged.items()})  # log_metric: once per generation, as TRL
     local_tokens = int(batch.prompt_mask.sum()) * cfg.num_generations + int(scored.lengths.sum())
     s.num_tokens += int(place.per_process([local_tokens]).sum())
@@ -487,7 +479,54 @@ def train_step(s: Session, t0: float, first: bool, plan: UpdatePlan | None = Non
     timings = phase_timings(t0, t_sampled, t_rewarded, t_reference, end)
     metrics = jax.device_get(metrics)  # one transfer: every optimizer step's values
     steps = cfg.steps_per_generation_batch if plan is None else plan.steps(gas)
-    return StepOutcome(idx, rollout, scored, rewards, extra, timings, end, consecutive, skipped, metrics, steps)
+    return StepOutcome(idx, rollout, scored, rewards, extra, timings, end, consecutive, skipped, metrics, steps,
+                       conv)
+
+
+def single_turn_rollout(s: Session, rows: dict[str, list[Any]], key: jax.Array, first: bool,
+                        plan: UpdatePlan | None, num_rewards: int, context: dict[str, Any]) -> tuple:
+    """Prompts encoded -> the sampler (one program) -> the reference pass dispatched at the completion width that
+    holds the longest completion -> the host decodes and rewards while it runs. Returns (batch, rollout, the
+    reference's ReadyTime, when sampling ended, Scored, the update's compile thread or None)."""
+    cfg, place = s.cfg, s.place
+    batch = encode_rows(s.prepared, place, rows)
+    ids, mask = place.to_global(batch.prompt_ids), place.to_global(batch.prompt_mask)
+    longest = cfg.max_completion_length
+    one_width = completion_width(1, longest, cfg.completion_bucket) == longest
+    # the first step compiles update in a thread while the rollout compiles and runs (from the start when its
+    # width is known: one completion width; else once the samples tell it)
+    compiling = compile_quietly(s.programs, ids.shape, num_rewards, longest, plan) if first and one_width else None
+    sampled = s.programs.sample(s.state, ids, mask, key)
+    if not one_width:
+        longest = s.programs.longest(sampled)  # waits for the sampler
+    width = completion_width(longest, cfg.max_completion_length, cfg.completion_bucket)
+    if first and compiling is None:
+        compiling = compile_quietly(s.programs, ids.shape, num_rewards, width, plan)
+    rollout = s.programs.finish(s.state, sampled, width)  # cut to `width`, reference log-probs (dispatched)
+    reference = ReadyTime(rollout.ref_logps)  # when the reference pass ends, seen from a watcher thread
+    # the sampler's own completion ids: on the host as soon as sampling ends, while the reference pass runs
+    completion_ids = place.local(sampled.completion_ids)
+    del sampled  # its full-width arrays: freed once the reference pass has read them
+    t_sampled = time.perf_counter()
+    scored = decode_and_score(s.prepared, batch, completion_ids, cfg.num_generations, context)
+    return batch, rollout, reference, t_sampled, scored, compiling
+
+
+def conversation_rollout(s: Session, rows: dict[str, list[Any]], key: jax.Array, first: bool,
+                         plan: UpdatePlan | None, num_rewards: int, context: dict[str, Any]) -> tuple:
+    """Tool calling: the batch's conversations (`rloo_jax.conversations`: turns on the device, tools on the host),
+    the reference pass dispatched at the width that holds the longest, then the rewards on the messages. Returns
+    `single_turn_rollout`'s and the `Conversations`."""
+    cfg = s.cfg
+    conv = run_conversations(s.programs, s.state, rows, key, s.prepared.tool_use, s.prepared.encoder)
+    batch = conv.batch
+    width = completion_width(max(conv.width, 1), cfg.max_completion_length, cfg.completion_bucket)
+    compiling = compile_quietly(s.programs, batch.prompt_ids.shape, num_rewards, width, plan) if first else None
+    rollout = s.programs.finish(s.state, conv.rollout, width)
+    reference = ReadyTime(rollout.ref_logps)
+    t_sampled = time.perf_counter()
+    scored = score_conversations(s.prepared, conv, context)
+    return batch, rollout, reference, t_sampled, scored, compiling, conv
 
 
 def per_generation(s: Session) -> bool:
@@ -547,10 +586,13 @@ def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
     if device is not None:  # the device reward models' scores first, as the rewards' columns and weights
         scored = dataclasses.replace(scored, rewards_per_func=np.concatenate([device, scored.rewards_per_func], 1))
     if s.place.is_main:
+        conv = out.conversations
+        tool_mask = None if conv is None else np.asarray(out.rollout.tool_mask)
         records = rollout_records(
             s.step, scored.prompts, scored.completions, s.names, scored.rewards_per_func,
-            weighted_rewards(scored.rewards_per_func, s.cfg.resolved_reward_weights),
+            weighted_rewards(scored.rewards_per_func, s.prepared.reward_weights),
             adv, scored.lengths, scored.truncated, out.extra, tokens,
+            None if conv is None else [conversation_record(conv, r, tool_mask[r]) for r in range(len(tool_mask))],
         )  # fmt: skip
         s.rollouts.write(records)
         print_completions(progress.console, records, s.cfg.num_completions_to_print)

@@ -233,9 +233,14 @@ def rollout_records(
     truncated: np.ndarray,
     extra: dict[str, Sequence[Any]] | None = None,
     tokens: TokenRecords | None = None,
+    conversations: Sequence[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One `rollouts.jsonl` object per completion (NaN rewards become null); `extra`: columns the reward functions
     logged with TRL's log_extra (one value per completion), under "extra" when there are any.
+
+    `conversations` (multi-turn rollouts, `rloo_jax.conversations.conversation_record`): each completion's `turns`,
+    `tool_calls` (name, arguments, result, failed, error, seconds) and `tool_mask`; its `completion` is then the list
+    of messages (assistant turns and tool messages), `length` the model's tokens and `completion_ids` every token.
 
     `tokens`: adds `completion_ids` (the sampled ids up to and including the first EOS: `length` of them) and
     `logprobs` ({"sampler": [...], "trainer": [...], "reference": [...]}, each `length` values; null for a
@@ -258,8 +263,10 @@ def rollout_records(
     ]
     for i, record in enumerate(records if extra else []):
         record["extra"] = {column: values[i] if i < len(values) else None for column, values in extra.items()}
+    for i, record in enumerate(records if conversations is not None else []):
+        record.update(conversations[i])  # turns, tool_calls (each with its result), the token count, the tool mask
     for i, record in enumerate(records if tokens is not None else []):
-        n = int(lengths[i])
+        n = int(lengths[i]) if conversations is None else int(conversations[i]["tokens"])
         record["completion_ids"] = [int(t) for t in tokens.completion_ids[i, :n]]
         masked = not tokens.mask[i, :n].any()
         record["logprobs"] = None if masked and n else {

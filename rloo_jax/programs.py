@@ -40,6 +40,7 @@ from rloo_jax.mesh import (
     LOGICAL_RULES,
     Rules,
     batch_sharding,
+    kv_cache_sharding,
     param_shardings,
     replicate,
     replicated,
@@ -49,6 +50,7 @@ from rloo_jax.mesh import (
 from rloo_jax.rewards import reward_model_jit
 from rloo_jax.sampling import SamplingConfig, rollout_weights
 from rloo_jax.step import Rollout, Step, StepConfig, TrainState, UpdatePlan, policy_params
+from rloo_jax.turns import Turns
 
 Array = jax.Array
 
@@ -69,6 +71,8 @@ class Shapes:
     eval_prompts: int = 0
     eval_sampling: SamplingConfig | None = None
     sync_alpha: float | None = None
+    suffix_widths: tuple[int, ...] = ()  # multi-turn: the widths of a resumed turn's new tokens (turns.suffix_buckets)
+    pause_at: int = 0  # multi-turn: rows paused before the sampler hands them to the host (0: all of them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +228,7 @@ class Programs:
             sampler_logps=n if self.cfg.recompute and finished else None,
             values=n if self.step.value_graphdef is not None and finished else None,
             scores=n if self.step.reward_graphdef is not None and finished else None,
+            tool_mask=n if self.cfg.multi_turn else None,
         )
 
     def _sds(self, shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -246,6 +251,7 @@ class Programs:
             sampler_logps=self._sds((n, width), f32, ns) if with_sampler else None,
             values=self._sds((n, width), f32, ns) if with_values else None,
             scores=self._sds((n, self.step.device_rewards), f32, ns) if with_scores else None,
+            tool_mask=self._sds((n, width), i32, ns) if self.cfg.multi_turn else None,
         )
 
     def _key(self) -> jax.ShapeDtypeStruct:
@@ -297,7 +303,89 @@ class Programs:
             return self._rollout_shardings(num_prompts, finished=False)
         b, n = self._sharding(num_prompts), self._sharding(num_prompts * sc.num_generations)
         return Rollout(prompt_ids=b, prompt_mask=b, completion_ids=n, completion_mask=n, is_truncated=n,
-                       old_logps=n, ref_logps=None)
+                       old_logps=n, ref_logps=None, tool_mask=n if self.cfg.multi_turn else None)
+
+    # -- the multi-turn rollout (rloo_jax.turns): the host runs the tools between these programs ------------------
+    def _turns_abstract(self, num_prompts: int, prompt_len: int, sc: SamplingConfig, pause_at: int) -> Turns:
+        """The ``Turns`` a start program returns, as ``ShapeDtypeStruct``s (with shardings on a mesh: per-row arrays
+        over data x fsdp, the KV caches as ``mesh.kv_cache_sharding``)."""
+        ids = jax.ShapeDtypeStruct((num_prompts, prompt_len), jnp.int32)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        shapes = jax.eval_shape(lambda s, i, m, k: self.step.start_turns(s, i, m, k, pause_at, sc), self._state(),
+                                ids, ids, key)
+        if self.mesh is None:
+            return shapes
+        shardings = self._turns_shardings(shapes)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+
+    def _turns_shardings(self, shapes: Turns) -> Turns | None:
+        if self.mesh is None:
+            return None
+        cache = shapes.cache
+        kv = lambda a: kv_cache_sharding(self.mesh, a.shape)  # noqa: E731
+        rows = lambda a: batch_sharding(self.mesh, a.shape)  # noqa: E731
+        placed = jax.tree.map(rows, shapes.replace(cache=None))
+        return placed.replace(cache=cache.replace(
+            prompt=cache.prompt.replace(k=kv(cache.prompt.k), v=kv(cache.prompt.v), mask=rows(cache.prompt.mask),
+                                        lengths=rows(cache.prompt.lengths)),
+            k=kv(cache.k), v=kv(cache.v)))
+
+    def turns_start_program(self, num_prompts: int, prompt_len: int, pause_at: int,
+                            sampling: SamplingConfig | None = None) -> Program:
+        """``(state, prompt_ids [B, P], prompt_mask [B, P], key) -> Turns``: every row's first turn."""
+        sc = self.cfg.sampling if sampling is None else sampling
+
+        def make() -> Program:
+            b = self._sharding(num_prompts)
+            out = self._turns_shardings(self._turns_abstract(num_prompts, prompt_len, sc, pause_at))
+            fn = self._jit(("turns_start", b, sc, pause_at), lambda: jax.jit(
+                self._on_mesh(lambda s, i, m, k: self.step.start_turns(s, i, m, k, pause_at, sc)),
+                in_shardings=None if self.mesh is None else (self.state_shardings, b, b, self._replicated()),
+                out_shardings=out,
+            ))
+            ids = self._sds((num_prompts, prompt_len), jnp.int32, b)
+            return Program("turns_start", fn, (self._state(), ids, ids, self._key()))
+
+        return self._program(("turns_start", num_prompts, prompt_len, pause_at, sc), make)
+
+    def turns_resume_program(self, num_prompts: int, prompt_len: int, width: int, pause_at: int,
+                             sampling: SamplingConfig | None = None) -> Program:
+        """``(state, Turns, suffix [N, T], suffix_len [N], finish [N], key) -> Turns``: the next turns, the new
+        tokens padded to ``width`` T (one program per width)."""
+        sc = self.cfg.sampling if sampling is None else sampling
+
+        def make() -> Program:
+            turns = self._turns_abstract(num_prompts, prompt_len, sc, pause_at)
+            shardings = self._turns_shardings(turns)
+            n = num_prompts * sc.num_generations
+            ns = self._sharding(n)
+            fn = self._jit(("turns_resume", ns, sc, pause_at, width), lambda: jax.jit(
+                self._on_mesh(lambda s, t, x, xl, f, k: self.step.resume_turns(s, t, x, xl, f, k, pause_at, sc)),
+                in_shardings=None if self.mesh is None else (self.state_shardings, shardings, ns, ns, ns,
+                                                             self._replicated()),
+                out_shardings=shardings, donate_argnums=1,
+            ))
+            args = (self._state(), turns, self._sds((n, width), jnp.int32, ns), self._sds((n,), jnp.int32, ns),
+                    self._sds((n,), jnp.bool_, ns), self._key())
+            return Program("turns_resume", fn, args)
+
+        return self._program(("turns_resume", num_prompts, prompt_len, width, pause_at, sc), make)
+
+    def turns_close_program(self, num_prompts: int, prompt_len: int, pause_at: int,
+                            sampling: SamplingConfig | None = None) -> Program:
+        """``Turns -> Rollout``: the conversations as a sampled rollout with its tool mask (``Step.close_turns``)."""
+        sc = self.cfg.sampling if sampling is None else sampling
+
+        def make() -> Program:
+            turns = self._turns_abstract(num_prompts, prompt_len, sc, pause_at)
+            fn = self._jit(("turns_close", self._sharding(num_prompts * sc.num_generations), sc), lambda: jax.jit(
+                self._on_mesh(lambda t: self.step.close_turns(t, sc)),
+                in_shardings=None if self.mesh is None else (self._turns_shardings(turns),),
+                out_shardings=None if self.mesh is None else self._sampled_shardings(num_prompts, sc),
+            ))
+            return Program("turns_close", fn, (turns,))
+
+        return self._program(("turns_close", num_prompts, prompt_len, pause_at, sc), make)
 
     def finish_program(self, num_prompts: int, prompt_len: int, width: int) -> Program:
         """``(state, sampled Rollout) -> Rollout`` cut to ``width`` completion positions, with the reference (and
@@ -435,6 +523,19 @@ class Programs:
                sampling: SamplingConfig | None = None) -> Rollout:
         return self.sample_program(*prompt_ids.shape, sampling)(state, prompt_ids, prompt_mask, key)
 
+    def start_turns(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array, pause_at: int,
+                    sampling: SamplingConfig | None = None) -> Turns:
+        return self.turns_start_program(*prompt_ids.shape, pause_at, sampling)(state, prompt_ids, prompt_mask, key)
+
+    def resume_turns(self, state: TrainState, t: Turns, suffix: Array, suffix_len: Array, finish: Array, key: Array,
+                     pause_at: int, sampling: SamplingConfig | None = None) -> Turns:
+        b, p = t.prompt_ids.shape
+        program = self.turns_resume_program(b, p, suffix.shape[1], pause_at, sampling)
+        return program(state, t, suffix, suffix_len, finish, key)
+
+    def close_turns(self, t: Turns, pause_at: int, sampling: SamplingConfig | None = None) -> Rollout:
+        return self.turns_close_program(*t.prompt_ids.shape, pause_at, sampling)(t)
+
     def finish(self, state: TrainState, rollout: Rollout, width: int) -> Rollout:
         return self.finish_program(*rollout.prompt_ids.shape, width)(state, rollout)
 
@@ -471,9 +572,15 @@ class Programs:
         `eval_scores` (a device reward model's); `sync_reference`. Programs of the same function and shapes are the
         loop's own objects (one cache), renamed."""
         b, p, widest = shapes.prompts, shapes.prompt_length, shapes.widths[0]
-        named = [("sample", self.sample_program(b, p))]
-        if len(shapes.widths) > 1:
-            named.append(("longest", self.longest_program(b)))
+        if self.cfg.multi_turn:  # the conversations: first turns, each width of resumed turns, the closing rollout
+            pause = min(shapes.pause_at or b * self.cfg.num_generations, b * self.cfg.num_generations)
+            named = [("turns_start", self.turns_start_program(b, p, pause))]
+            named += [(f"turns_resume@{w}", self.turns_resume_program(b, p, w, pause)) for w in shapes.suffix_widths]
+            named.append(("turns_close", self.turns_close_program(b, p, pause)))
+        else:
+            named = [("sample", self.sample_program(b, p))]
+            if len(shapes.widths) > 1:
+                named.append(("longest", self.longest_program(b)))
         for w in shapes.widths:
             at = "" if w == widest else f"@{w}"
             named.append((f"finish{at}", self.finish_program(b, p, w)))
@@ -481,7 +588,14 @@ class Programs:
                 tag = "" if plan is None else f"[{plan.carried}+{plan.micro_batches}]"
                 named.append((f"update{at}{tag}", self.update_program(b, p, w, shapes.num_rewards, plan)))
             named.append((f"score{at}", self.score_program(b, p, w, shapes.num_rewards)))
-        if shapes.eval_prompts:
+        if shapes.eval_prompts and self.cfg.multi_turn:
+            e, sc = shapes.eval_prompts, shapes.eval_sampling
+            pause = min(shapes.pause_at or e * sc.num_generations, e * sc.num_generations)
+            named.append(("eval_turns_start", self.turns_start_program(e, p, pause, sc)))
+            named += [(f"eval_turns_resume@{w}", self.turns_resume_program(e, p, w, pause, sc))
+                      for w in shapes.suffix_widths]
+            named.append(("eval_turns_close", self.turns_close_program(e, p, pause, sc)))
+        elif shapes.eval_prompts:
             named.append(("eval_sample", self.sample_program(shapes.eval_prompts, p, shapes.eval_sampling)))
             if self.step.reward_graphdef is not None:
                 named.append(("eval_scores", self.device_scores_program(shapes.eval_prompts, p, shapes.eval_sampling)))

@@ -38,6 +38,8 @@ from rloo_jax.algorithms.common import (
 from rloo_jax.logprobs import completion_mask, masked_mean, per_token_logps_from_hidden
 from rloo_jax.mesh import BATCH_AXES, constrain_batch
 from rloo_jax.sampling import SamplingConfig, generate_fn
+from rloo_jax.turns import Turns, resume_turns, start_turns
+from rloo_jax.turns import completions as turns_completions
 
 Array = jax.Array
 
@@ -153,6 +155,20 @@ class Rollout:
     sampler_logps: Array | None = None  # [N, C] float32, the sampler's when old_logps were recomputed, else None
     values: Array | None = None  # [N, C] float32, the value model's estimates at sampling time (needs_values)
     scores: Array | None = None  # [N, R] float32, the reward models scored on the device (prompt + completion)
+    tool_mask: Array | None = None  # [N, C] int32, multi-turn: 1 where the model sampled the token (0 at tool results)
+
+    @property
+    def loss_mask(self) -> Array:
+        """[N, C]: the tokens the loss, the KL, the entropy and the ratios see: ``completion_mask`` (every real token,
+        the attention mask over the completion), times ``tool_mask`` in a multi-turn rollout (TRL's
+        ``completion_mask * tool_mask``)."""
+        return loss_mask(self.completion_mask, self.tool_mask)
+
+
+def loss_mask(completion_mask: Array, tool_mask: Array | None) -> Array:
+    """``completion_mask * tool_mask`` (``completion_mask`` when there is no tool mask): [N, C]. Example: mask
+    ``[[1, 1, 1, 0]]``, tool mask ``[[1, 0, 1, 0]]`` -> ``[[1, 0, 1, 0]]``."""
+    return completion_mask if tool_mask is None else completion_mask * tool_mask.astype(completion_mask.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +199,9 @@ class StepConfig:
     pad_is_padding: bool = False
     """Every sampled pad token is padding too (out of the completion mask, out of attention), as TRL 1.12's PPO
     treats every pad id (``attention_mask = ids != pad``); else only what follows the EOS is."""
+    multi_turn: bool = False
+    """Rollouts are conversations (``rloo_jax.turns``: tool results between the model's turns): the rollout carries
+    a ``tool_mask`` and the completion lengths count the model's tokens only (TRL's tool loop)."""
     row_order: bool = False
     """The update takes each micro-batch's rows as an input (``order [updates x gradient_accumulation_steps, rows]``
     int32, drawn on the host: PPO's per-epoch shuffles) instead of cutting the generation batch in order."""
@@ -357,7 +376,7 @@ def truncate(rollout: Rollout, width: int) -> Rollout:
     return rollout.replace(
         completion_ids=cut(rollout.completion_ids), completion_mask=cut(rollout.completion_mask),
         old_logps=cut(rollout.old_logps), ref_logps=cut(rollout.ref_logps), sampler_logps=cut(rollout.sampler_logps),
-        values=cut(rollout.values),
+        values=cut(rollout.values), tool_mask=cut(rollout.tool_mask),
     )
 
 
@@ -488,6 +507,35 @@ class Step:
             ref_logps=None,
         )
 
+    # -- multi-turn rollout (rloo_jax.turns): the host runs the tools between these ---------------------------------
+    def start_turns(self, state: TrainState, prompt_ids: Array, prompt_mask: Array, key: Array, pause_at: int,
+                    sampling: SamplingConfig | None = None) -> Turns:
+        """Every row's first turn (``turns.start_turns``): prompts prefilled once, rows decoded until ``pause_at``
+        are paused at an EOS or none runs. ``sampling``: other sampler options (evaluation)."""
+        sc = self.cfg.sampling if sampling is None else sampling
+        return start_turns(self.graphdef, policy_params(state), prompt_ids, prompt_mask, key, sc, pause_at,
+                           self.rollout_mesh)
+
+    def resume_turns(self, state: TrainState, t: Turns, suffix: Array, suffix_len: Array, finish: Array, key: Array,
+                     pause_at: int, sampling: SamplingConfig | None = None) -> Turns:
+        """The next turns (``turns.resume_turns``): finished rows done, the others' new tokens prefilled, decoding
+        on."""
+        sc = self.cfg.sampling if sampling is None else sampling
+        return resume_turns(self.graphdef, policy_params(state), t, suffix, suffix_len, finish, key, sc, pause_at,
+                            self.rollout_mesh)
+
+    def close_turns(self, t: Turns, sampling: SamplingConfig | None = None) -> Rollout:
+        """The conversations as a sampled ``Rollout`` (``max_new_tokens`` wide): every real token in the completion
+        mask (TRL's attention mask; zero rows for truncated ones with mask_truncated_completions), the model's in
+        ``tool_mask``, the sampler's log-probs on those."""
+        out = turns_completions(t, self.cfg.sampling if sampling is None else sampling)
+        mask, truncated = out["completion_mask"], out["is_truncated"]
+        if self.algorithm.mask_truncated_completions:
+            mask = mask * (~truncated)[:, None].astype(mask.dtype)
+        return Rollout(prompt_ids=t.prompt_ids, prompt_mask=t.prompt_mask, completion_ids=out["completion_ids"],
+                       completion_mask=mask, is_truncated=truncated, old_logps=out["logps"] * mask, ref_logps=None,
+                       tool_mask=out["tool_mask"])
+
     def longest(self, completion_ids: Array) -> Array:
         """[] int32: the longest EOS-cut completion (what the length metrics count)."""
         sc = self.cfg.sampling
@@ -507,7 +555,8 @@ class Step:
         with_scores = self.reward_graphdef is not None
         if not (needs_ref or cfg.recompute or with_values or with_scores):
             return rollout
-        mask = rollout.completion_mask
+        mask = rollout.completion_mask  # what the forwards attend to; their log-probs count on the loss mask
+        kept = rollout.loss_mask
         micro = self.micro_batches(
             rollout.prompt_ids, rollout.prompt_mask, {"completion_ids": rollout.completion_ids, "mask": mask}
         )
@@ -529,9 +578,9 @@ class Step:
         out = _map(forward, cfg.steps_per_generation)
         rows = lambda x: x.reshape(mask.shape[0], *x.shape[2:])  # noqa: E731 - [spg, n, ...] -> [N, ...]
         if "ref" in out:
-            rollout = rollout.replace(ref_logps=rows(out["ref"]) * mask)
+            rollout = rollout.replace(ref_logps=rows(out["ref"]) * kept)
         if "old" in out:
-            rollout = rollout.replace(old_logps=rows(out["old"]) * mask, sampler_logps=rollout.old_logps)
+            rollout = rollout.replace(old_logps=rows(out["old"]) * kept, sampler_logps=rollout.old_logps)
         if "values" in out:
             rollout = rollout.replace(values=rows(out["values"]))
         if "scores" in out:
@@ -557,22 +606,25 @@ class Step:
         cfg = self.cfg
         if rollout.scores is not None:
             rewards_per_func = jnp.concatenate([rollout.scores, rewards_per_func.astype(jnp.float32)], axis=1)
+        kept = rollout.loss_mask
         targets, metrics = self.algorithm.score(ScoreInputs(
-            rewards_per_func=rewards_per_func, reward_weights=reward_weights, mask=rollout.completion_mask,
+            rewards_per_func=rewards_per_func, reward_weights=reward_weights, mask=kept,
             is_truncated=rollout.is_truncated, old_logps=rollout.old_logps, ref_logps=rollout.ref_logps,
             values=rollout.values, completion_ids=rollout.completion_ids, num_generations=cfg.num_generations,
         ))
-        eos_mask, _ = completion_mask(rollout.completion_ids, cfg.sampling.eos_token_ids or (-1,),
-                                      cfg.sampling.pad_token_id)
-        lengths = jnp.sum(eos_mask, axis=1)
+        if rollout.tool_mask is not None:  # the model's tokens (TRL: the tool mask's sum), before mask_truncated
+            lengths = jnp.sum(rollout.tool_mask, axis=1)
+        else:
+            eos_mask, _ = completion_mask(rollout.completion_ids, cfg.sampling.eos_token_ids or (-1,),
+                                          cfg.sampling.pad_token_id)
+            lengths = jnp.sum(eos_mask, axis=1)
         metrics.update(completion_stats(lengths, rollout.is_truncated))
         n_prompt_tokens = jnp.sum(rollout.prompt_mask) * cfg.num_generations
         metrics["num_tokens"] = (n_prompt_tokens + jnp.sum(lengths)).astype(jnp.float32)
         if rollout.sampler_logps is not None:  # the training forward at the sampling parameters vs the sampler
-            metrics.update(sampling_logp_difference(rollout.old_logps, rollout.sampler_logps, rollout.completion_mask))
+            metrics.update(sampling_logp_difference(rollout.old_logps, rollout.sampler_logps, kept))
             if cfg.importance_sampling is not None:
-                weights, is_metrics = self._is_weights(rollout.old_logps, rollout.sampler_logps,
-                                                       rollout.completion_mask)
+                weights, is_metrics = self._is_weights(rollout.old_logps, rollout.sampler_logps, kept)
                 targets = dict(targets, is_weights=weights)
                 metrics.update(is_metrics)
         return targets, metrics
@@ -600,7 +652,7 @@ class Step:
         if value_params is not None:
             values = head_scores(self.value_graphdef, value_params, mb["prompt_ids"], mb["prompt_mask"],
                                  mb["completion_ids"], mb["mask"])[:, :-1]
-        mask = mb["mask"].astype(jnp.float32)
+        mask = loss_mask(mb["mask"], mb.get("tool_mask")).astype(jnp.float32)  # the forward attends to mb["mask"]
         # on policy the ratio is exactly 1 (TRL: old = current.detach()), unless the sampler/trainer correction
         # recomputed the old log-probs, which TRL then uses (its vLLM path)
         fixed_old = not cfg.on_policy or (cfg.recompute and cfg.importance_sampling is not None)
@@ -664,8 +716,10 @@ class Step:
             batch["sampler_logps"] = rollout.sampler_logps
         if rollout.ref_logps is not None:
             batch["ref_logps"] = rollout.ref_logps
+        if rollout.tool_mask is not None:
+            batch["tool_mask"] = rollout.tool_mask
         # token-sum losses (dapo, cispo, vespo) divide by the generation batch's tokens per micro-batch step
-        num_items = jnp.maximum(jnp.sum(rollout.completion_mask).astype(jnp.float32), 1.0) / spg
+        num_items = jnp.maximum(jnp.sum(rollout.loss_mask).astype(jnp.float32), 1.0) / spg
         if order is None:
             micro = self.micro_batches(rollout.prompt_ids, rollout.prompt_mask, batch)
 
@@ -839,8 +893,9 @@ class Step:
         return state.replace(ref_params=sync_reference(state.params, state.ref_params, alpha))
 
 
+# what a micro-batch holds besides the algorithm's extra targets
 _BATCH_KEYS = ("completion_ids", "mask", "old_logps", "prompt_ids", "prompt_mask", "advantages", "is_weights",
-               "sampler_logps", "ref_logps")  # what a micro-batch holds besides the algorithm's extra targets
+               "sampler_logps", "ref_logps", "tool_mask")
 
 
 def _scan(f: Callable, init: object, length: int) -> tuple[object, object]:

@@ -104,6 +104,8 @@ class _OnlineTrainer:
         optimizers: tuple[Any, Any] = (None, None),
         quantization_config: Any = None,
         peft_config: Any = None,
+        tools: Any = None,
+        environment_factory: Any = None,
     ) -> None:
         given_model = None if isinstance(model, str | os.PathLike) else loaded_policy(model)
         if quantization_config:
@@ -128,6 +130,15 @@ class _OnlineTrainer:
         overrides: dict[str, Any] = {"model_name_or_path": model, **lora_options(peft_config), **lora_given}
         if funcs != args.reward_sources:  # given here, not named by args (the CLI passes args' own)
             overrides.update(reward_funcs=[describe(f) for f in funcs], reward_model_name_or_path=None)
+        tools = list(tools) if isinstance(tools, list | tuple) else ([tools] if tools else [])
+        if tools:  # the callables run; config.yaml names them (module:qualname)
+            overrides["tools"] = [describe(t) for t in tools]
+        if environment_factory:
+            overrides["environment_factory"] = ({str(k): describe(f) for k, f in environment_factory.items()}
+                                                if isinstance(environment_factory, dict)
+                                                else describe(environment_factory))
+        if train_dataset is None and environment_factory and not args.dataset_name:
+            train_dataset = environment_rows(args, environment_factory)
         if train_dataset is not None:
             overrides["dataset_name"] = IN_MEMORY
             if isinstance(train_dataset, datasets.IterableDataset):
@@ -149,7 +160,7 @@ class _OnlineTrainer:
         self.eval_dataset = None if eval_dataset is None else eval_sets(eval_dataset, self.args)
         self.callback_handler = CallbackHandler(callbacks)
         self.given = Given(processing_class, self.train_dataset, self.eval_dataset, funcs, tokenizers,
-                           self.callback_handler.callbacks)
+                           self.callback_handler.callbacks, tools or None, environment_factory or None)
         self.state = TrainerState(max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
                                   logging_steps=self.args.logging_steps, eval_steps=self.args.eval_steps,
                                   save_steps=self.args.save_steps,
@@ -285,15 +296,24 @@ class _OnlineTrainer:
 
 class RLOOTrainer(_OnlineTrainer):
     """RLOO with TRL 1.16's `RLOOTrainer` constructor and math (`RLOOConfig`); see `_OnlineTrainer` for the
-    arguments."""
+    arguments. Beyond TRL: `tools` and `environment_factory` as `GRPOTrainer` takes them (multi-turn rollouts; the
+    sequence log-probs and KL sum the model's tokens only)."""
 
     CONFIG = RLOOConfig
 
 
 class GRPOTrainer(_OnlineTrainer):
     """GRPO with TRL 1.16's `GRPOTrainer` constructor and math (`GRPOConfig`: every `loss_type`); see
-    `_OnlineTrainer` for the arguments. `tools`, `rollout_func` and `environment_factory` (TRL's experimental
-    multi-turn rollouts) are refused unless None: rollouts here are single-turn completions of the JAX sampler."""
+    `_OnlineTrainer` for the arguments, and:
+
+    Args:
+      tools: callables (sync or async; type hints and a Google-style docstring: their JSON schema is what the chat
+        template shows) or `module:function` names: rollouts become conversations (`rloo_jax.conversations`): each
+        assistant turn ends at an EOS, its tool calls run on the host (concurrently, with args.tool_timeout), their
+        results are appended to the row's KV cache and decoding goes on; the loss sees the model's tokens only.
+      environment_factory: a callable returning an environment (`reset(**row)`, public methods as tools, optional
+        `get_reward()`), or {name: callable} picked by the rows' `environment` column (TRL's semantics).
+      rollout_func: refused unless None (a custom generation function is not supported here)."""
 
     CONFIG = GRPOConfig
 
@@ -314,18 +334,16 @@ class GRPOTrainer(_OnlineTrainer):
         rollout_func: Any = None,
         environment_factory: Any = None,
     ) -> None:
-        for name, value in (("tools", tools), ("rollout_func", rollout_func),
-                            ("environment_factory", environment_factory)):
-            if value:
-                raise ConfigError(
-                    f"{name} is not supported: a rollout here is one completion per prompt from the JAX sampler "
-                    "(no tool calls or environments between turns, no custom rollout function); pass None"
-                )
-        if reward_funcs is None or (isinstance(reward_funcs, list | tuple) and not reward_funcs):
+        if rollout_func is not None:
+            raise ConfigError("rollout_func is not supported: rollouts come from the JAX sampler (with tools or "
+                              "environment_factory, multi-turn); pass None")
+        if (reward_funcs is None or (isinstance(reward_funcs, list | tuple) and not reward_funcs)) and \
+                not environment_factory:
             raise ConfigError("No reward source provided: pass reward_funcs (callables, reward model folders or "
-                              "built-in names)")
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)
+                              "built-in names), or an environment_factory whose environment defines get_reward")
+        super().__init__(model, [] if reward_funcs is None else reward_funcs, args, train_dataset, eval_dataset,
+                         processing_class, reward_processing_classes, callbacks, optimizers, quantization_config,
+                         peft_config, tools, environment_factory)
 
 
 class PPOTrainer(_OnlineTrainer):
@@ -476,6 +494,19 @@ class PPOTrainer(_OnlineTrainer):
     @classmethod
     def from_args(cls, args: TrainConfig) -> "PPOTrainer":
         return cls(args=args)
+
+
+def environment_rows(cfg: TrainConfig, factory: Any) -> list[dict[str, Any]]:
+    """TRL's placeholder dataset when an environment owns the data (no train_dataset): one generation batch of
+    empty user prompts, cycled; each rollout's `reset()` supplies its prompt. Needs max_steps, one factory."""
+    if isinstance(factory, dict):
+        raise ConfigError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                          "`environment` column to route each example to its environment.")
+    if cfg.max_steps <= 0:
+        raise ConfigError("When training without a `train_dataset` (the environment owns the data), `max_steps` must "
+                          "be set to a positive value to define the training length.")
+    machine = training.for_this_machine(cfg)
+    return [{"prompt": [{"role": "user", "content": ""}]}] * machine.prompts_per_generation
 
 
 def prompts_needed(cfg: TrainConfig) -> int | None:

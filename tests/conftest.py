@@ -19,6 +19,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _OWN_CACHE = None
 if not os.environ.get("RLOO_JAX_CACHE"):
     _OWN_CACHE = os.environ["RLOO_JAX_CACHE"] = tempfile.mkdtemp(prefix="rloo_jax_test_cache_")
+# One persistent compilation cache for the whole run, in its cache folder (what the CLI's --compilation_cache_dir
+# defaults to there): the suite compiles the same tiny programs in many tests, in both xdist workers and in the CLI
+# and worker subprocesses, which inherit these variables (so a run's --compilation_cache false leaves it on). A hit
+# skips XLA's compile; tests that count compilations count hits too (tests/test_compile.py `count_compiles`).
+for _name, _value in {"JAX_COMPILATION_CACHE_DIR": os.path.join(os.environ["RLOO_JAX_CACHE"], "jax_cache"),
+                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}.items():
+    os.environ.setdefault(_name, _value)
 # `make test`: the CPU. `make test-accelerator` sets JAX_PLATFORMS empty: JAX picks the GPU or TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # GCS clients (gs:// tests against a local fake, tests/gcs.py) never look for credentials or probe a metadata
@@ -27,6 +35,11 @@ for _name, _value in {"FSSPEC_GCS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUP
                       "NO_GCE_CHECK": "true"}.items():
     os.environ.setdefault(_name, _value)
 
+# XLA:CPU's compile flags as the CLI sets them (rloo_jax.backend.cpu_compile_flags), for the in-process tests as for
+# the CLI subprocesses: the same flags, the same compilation cache keys; on the CPU the suite's own (tests/xla_flags.py)
+from rloo_jax.backend import cpu_compile_flags  # noqa: E402  (after RLOO_JAX_CACHE: rloo_jax reads it at import)
+
+cpu_compile_flags()
 if os.environ["JAX_PLATFORMS"] == "cpu":
     from tests.xla_flags import compile_fast
 

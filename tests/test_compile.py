@@ -1,8 +1,9 @@
 """Recompilation counting: after the first step, a run with varied prompt lengths compiles nothing.
 
 Compilations are counted with jax's monitoring events (one `/jax/core/compile/backend_compile_duration` event per
-XLA compile, one `/jax/core/compile/jaxpr_trace_duration` per trace), so every jitted function counts, including
-eager jnp calls between the steps.
+XLA compile, one `/jax/compilation_cache/cache_hits` per executable the suite's persistent cache supplied instead, one
+`/jax/core/compile/jaxpr_trace_duration` per trace), so every jitted function counts, including eager jnp calls
+between the steps.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rloo_jax.sampling import SamplingConfig, bucket_prompts
 from rloo_jax.step import StepConfig, completion_width
 
 COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"  # a compile the persistent cache (tests/conftest.py) answered
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
 VOCAB, PAD, EOS = 64, 0, 1
 TINY = dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -42,11 +44,17 @@ def count_compiles() -> Iterator[dict[str, int]]:
         elif event == TRACE:
             counts["traces"] += 1
 
+    def hits(event: str, **kwargs: object) -> None:
+        if event == CACHE_HIT:
+            counts["compiles"] += 1
+
     jax.monitoring.register_event_duration_secs_listener(listener)
+    jax.monitoring.register_event_listener(hits)
     try:
         yield counts
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_listener(hits)
 
 
 def _prompts(rng: np.random.Generator, num_prompts: int, bucket: int) -> tuple[np.ndarray, np.ndarray]:

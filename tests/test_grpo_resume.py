@@ -6,13 +6,20 @@ folder), the adapters and their AdamW moments are. tests/test_reliability.py's m
 rloo_jax.train` subprocess per launch)."""
 
 import re
-import signal
 
 import numpy as np
 import orbax.checkpoint as ocp
 
 from rloo_jax.metrics import read_jsonl
-from tests.test_reliability import Launch, cache, checkpoint_names, logged, sha256, wait_for, without_wall_time
+from tests.test_reliability import (
+    Launch,
+    cache,
+    checkpoint_names,
+    kill_when,
+    sha256,
+    step_after_checkpoint,
+    without_wall_time,
+)
 
 __all__ = ["cache"]  # the module's shared compilation cache (a fixture)
 
@@ -36,14 +43,7 @@ def test_killed_grpo_qlora_run_with_adaptive_entropy_resumes_bit_identical(cache
     straight = Launch(tmp_path / "straight", cache, tmp_path / "straight", GRPO_QLORA_RUN)
     assert straight.wait() == 0, straight.output()[1][-3000:]
     out = tmp_path / "run"
-    launch = Launch(out, cache, tmp_path / "killed", GRPO_QLORA_RUN)
-    try:
-        step_3_after_checkpoint_2 = lambda: "2" in checkpoint_names(out) and logged(out, 3)()  # orbax saves async
-        assert wait_for(launch.proc, step_3_after_checkpoint_2), "the run ended before its kill point"
-        launch.proc.send_signal(signal.SIGKILL)
-        assert launch.wait() == -signal.SIGKILL
-    finally:
-        launch.close()
+    kill_when(out, cache, tmp_path / "killed", GRPO_QLORA_RUN, step_after_checkpoint(out, 3, 2))
     last = Launch(out, cache, tmp_path / "last", GRPO_QLORA_RUN)
     assert last.wait() == 0, last.output()[1][-3000:]
     # from checkpoint 2 (or 4, had its asynchronous save completed before the kill landed): a controller moved on

@@ -106,13 +106,7 @@ def test_killed_ppo_runs_resume_bit_identical(tmp_path):
     assert straight.wait(timeout=600) == 0, straight.output()[1][-3000:]
     out = tmp_path / "run"
     for i, condition in enumerate([rel.logged(out, 3), rel.saving(out, 6)]):
-        launch = rel.Launch(out, cache, tmp_path / f"log{i}", PPO_RUN)
-        try:
-            assert rel.wait_for(launch.proc, condition, timeout=600), f"run {i} ended before its kill point"
-            launch.proc.send_signal(rel.signal.SIGKILL)
-            assert launch.wait() == -rel.signal.SIGKILL
-        finally:
-            launch.close()
+        rel.kill_when(out, cache, tmp_path / f"log{i}", PPO_RUN, condition, timeout=600)
     last = rel.Launch(out, cache, tmp_path / "last", PPO_RUN)
     assert last.wait(timeout=600) == 0, last.output()[1][-3000:]
     assert "Resuming from checkpoint" in last.output()[0]

@@ -103,6 +103,19 @@ def wait_for(proc, condition, timeout=120):
     raise TimeoutError("kill condition never held")
 
 
+def kill_when(out, cache, log, run, condition, sig=signal.SIGKILL, timeout=120):
+    """Launch `run` into `out`, send `sig` once `condition()` holds (within `timeout` s), and return the launch
+    (ended, its output readable); fails if the run ended before its kill point."""
+    launch = Launch(out, cache, log, run)
+    try:
+        assert wait_for(launch.proc, condition, timeout), f"{log}: the run ended before its kill point"
+        launch.proc.send_signal(sig)
+        assert launch.wait() == (0 if sig == signal.SIGTERM else -sig)
+    finally:
+        launch.close()
+    return launch
+
+
 def checkpoint_names(out):
     try:
         return os.listdir(out / "checkpoints")
@@ -115,6 +128,11 @@ def saving(out, at_least):
     return lambda: any(
         n.endswith(".orbax-checkpoint-tmp") and int(n.split(".")[0]) >= at_least for n in checkpoint_names(out)
     )
+
+
+def step_after_checkpoint(out, step, checkpoint):
+    """`step` logged once `checkpoint` is complete (orbax saves asynchronously: the step can come first)."""
+    return lambda: str(checkpoint) in checkpoint_names(out) and logged(out, step)()
 
 
 def logged(out, at_least):
@@ -250,14 +268,7 @@ def test_records_holding_line_separators_survive_kill_and_resume(separators_run,
     assert straight.wait() == 0, straight.output()[1][-3000:]
     assert "PERSISTENT COMPILATION CACHE MISS for 'jit_update'" in straight.output()[1]  # compiled here first
     out = tmp_path / "run"
-    launch = Launch(out, cache, tmp_path / "killed", separators_run)
-    try:
-        step_3_after_checkpoint_2 = lambda: "2" in checkpoint_names(out) and logged(out, 3)()  # orbax saves async
-        assert wait_for(launch.proc, step_3_after_checkpoint_2), "the run ended before its kill point"
-        launch.proc.send_signal(signal.SIGKILL)
-        assert launch.wait() == -signal.SIGKILL
-    finally:
-        launch.close()
+    kill_when(out, cache, tmp_path / "killed", separators_run, step_after_checkpoint(out, 3, 2))
     assert checkpoint_names(out) == ["2"]
     last = Launch(out, cache, tmp_path / "last", separators_run, JAX_EXPLAIN_CACHE_MISSES="1")
     assert last.wait() == 0, last.output()[1][-3000:]
@@ -290,13 +301,7 @@ def test_killed_lora_runs_resume_bit_identical(cache, tmp_path):
     assert straight.wait() == 0, straight.output()[1][-3000:]
     out = tmp_path / "run"
     for i, condition in enumerate([logged(out, 6), saving(out, 8)]):
-        launch = Launch(out, cache, tmp_path / f"log{i}", LORA_RUN)
-        try:
-            assert wait_for(launch.proc, condition), f"run {i} ended before its kill point"
-            launch.proc.send_signal(signal.SIGKILL)
-            assert launch.wait() == -signal.SIGKILL
-        finally:
-            launch.close()
+        kill_when(out, cache, tmp_path / f"log{i}", LORA_RUN, condition)
     last = Launch(out, cache, tmp_path / "last", LORA_RUN)
     assert last.wait() == 0, last.output()[1][-3000:]
     assert "Resuming from checkpoint" in last.output()[0]
@@ -327,13 +332,7 @@ def test_killed_runs_resume_a_carried_step_bit_identical(cache, tmp_path):
     assert straight.wait() == 0, straight.output()[1][-3000:]
     out = tmp_path / "run"
     for i, condition in enumerate([logged(out, 2), lambda: "4" in checkpoint_names(out)]):
-        launch = Launch(out, cache, tmp_path / f"log{i}", ACCUM_RUN)
-        try:
-            assert wait_for(launch.proc, condition), f"run {i} ended before its kill point"
-            launch.proc.send_signal(signal.SIGKILL)
-            assert launch.wait() == -signal.SIGKILL
-        finally:
-            launch.close()
+        kill_when(out, cache, tmp_path / f"log{i}", ACCUM_RUN, condition)
     last = Launch(out, cache, tmp_path / "last", ACCUM_RUN)
     assert last.wait() == 0, last.output()[1][-3000:]
     assert re.findall(r"Resuming from checkpoint .*/(\d+) ", last.output()[0]) == ["4"]

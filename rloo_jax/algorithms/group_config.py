@@ -132,6 +132,60 @@ class GroupConfig(TrainConfig):
         "τ from TR-DPO: how many optimizer steps between reference-model synchronizations.",
     )
 
+    # --- tool calling (multi-turn rollouts: rloo_jax.turns, rloo_jax.tools, rloo_jax.conversations)
+    tools: list[str] | None = _opt(
+        None,
+        "tools",
+        "Tools the model may call (TRL's `tools`): comma-separated `module:function` names (the Python API also "
+        "takes the callables), sync or async, each with type hints and a Google-style docstring (its JSON schema is "
+        "what the chat template shows). A rollout is then a conversation: the model's turn ends at an EOS, its tool "
+        "calls run, their results are appended to its KV cache and it goes on; the loss sees only its own tokens.",
+    )
+    environment_factory: str | dict | None = _opt(
+        None,
+        "tools",
+        "TRL's `environment_factory`: `module:Class` (one environment per rollout, `reset(**row)` before it, its "
+        "public methods as tools, `get_reward()` an extra reward) or a mapping {name: module:Class} picked by each "
+        "row's `environment` column.",
+    )
+    max_tool_calling_iterations: int | None = _opt(
+        None,
+        "tools",
+        "Tool-calling rounds per rollout (TRL's name): a completion's tool calls run at most this many times; the "
+        "turn after the last round is kept as it is. None: no limit but max_completion_length.",
+    )
+    tool_timeout: float | None = _opt(
+        30.0,
+        "tools",
+        "Seconds a tool call may take (sync and async alike); a call that takes longer is reported to the model "
+        "as an error (`{'error': 'Tool f timed out after 30 s'}`) and counted as a failure. None: no limit.",
+    )
+    max_tool_calls_per_rollout: int | None = _opt(
+        None,
+        "tools",
+        "Tool calls one rollout may make in all; later calls are reported to the model as errors and counted as "
+        "failures (deterministic, so a resumed run makes the same calls). None: no limit.",
+    )
+    tool_workers: int = _opt(
+        32,
+        "tools",
+        "Sync tool calls running at once, across every rollout of a generation batch (each in a thread; async "
+        "ones run together on one event loop).",
+    )
+    tool_batch_rows: int | None = _opt(
+        None,
+        "tools",
+        "The sampler hands paused rows (an assistant turn ended) to the host once this many are paused, while the "
+        "others keep decoding; rows are then in different turns at once. None: once no row decodes (every row's "
+        "turn ends before the tools run: fewest program calls). The tokens do not depend on it.",
+    )
+    tool_suffix_bucket: int = _opt(
+        16,
+        "tools",
+        "A resumed turn's new tokens (tool results) are padded to tool_suffix_bucket * 2^k tokens: one compiled "
+        "program per width.",
+    )
+
     # ----------------------------------------------------------------------------------------- derived values
     @property
     def resolved_steps_per_generation(self) -> int:
@@ -156,6 +210,11 @@ class GroupConfig(TrainConfig):
         return (self.ref_model_sync_steps, self.ref_model_mixup_alpha) if self.sync_ref_model else None
 
     @property
+    def uses_tools(self) -> bool:
+        """Rollouts are conversations: tools or environments are given."""
+        return bool(self.tools) or bool(self.environment_factory)
+
+    @property
     def reward_model_paths(self) -> list[str]:
         return list(self.reward_model_name_or_path or [])
 
@@ -170,7 +229,8 @@ class GroupConfig(TrainConfig):
         if self.importance_sampling_correction:
             correction = ImportanceSampling(self.importance_sampling_mode, self.importance_sampling_clip_min,
                                             self.importance_sampling_clip_max)
-        return {"recompute_old_logps": self.recompute_old_logps, "importance_sampling": correction}
+        return {"recompute_old_logps": self.recompute_old_logps, "importance_sampling": correction,
+                "multi_turn": self.uses_tools}
 
     def report_settings(self) -> dict[str, Any]:
         return {"beta": self.beta}
@@ -189,6 +249,7 @@ class GroupConfig(TrainConfig):
         _check(0 <= self.ref_model_mixup_alpha <= 1, "ref_model_mixup_alpha", "must be in [0, 1]",
                self.ref_model_mixup_alpha)
         self._check_importance_sampling()
+        self._check_tools()
         if self.use_peft and self.sync_ref_model:
             raise ConfigError(
                 "sync_ref_model cannot be used with use_peft (as in TRL): the reference is the frozen base with the "
@@ -200,6 +261,16 @@ class GroupConfig(TrainConfig):
                 "sync_ref_model needs a reference model, but beta is 0 (no reference model is "
                 "kept); set --beta > 0 or --sync_ref_model false"
             )
+
+    def _check_tools(self) -> None:
+        _at_least_one(self, "max_tool_calling_iterations", "max_tool_calls_per_rollout", "tool_batch_rows",
+                      optional=True)
+        _at_least_one(self, "tool_workers", "tool_suffix_bucket")
+        _check(self.tool_timeout is None or self.tool_timeout > 0, "tool_timeout", "must be > 0 or None",
+               self.tool_timeout)
+        if self.uses_tools and self.process_count > 1:
+            raise ConfigError("tools and environment_factory run on one process here (the host runs every "
+                              "rollout's tools); drop --num_processes or the tools")
 
     def _check_importance_sampling(self) -> None:
         """Old log-probs and importance-sampling options are consistent (TRL GRPO's checks, plus ours)."""

@@ -54,7 +54,8 @@ OWN: list[tuple[str, str, Decision]] = [
     ("cast_lm_head_to_fp32", "cast_lm_head_to_fp32", accepted(
         "the head's logits are taken in float32 and the log-softmax is float32 whatever the compute dtype")),
     ("max_tool_calling_iterations", "max_tool_calling_iterations",
-     accepted("no tool calling yet (GRPOTrainer refuses tools): nothing to limit")),
+     supported("tool-calling rounds per rollout (GRPOTrainer's tools / environment_factory: multi-turn rollouts "
+               "on the KV-cache sampler)")),
     ("log_completions_hub_repo", "log_completions_hub_repo", refused(
         "nothing is uploaded: rollouts.jsonl in output_dir holds every recorded completion", is_none, "None")),
 ]

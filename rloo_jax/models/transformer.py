@@ -703,6 +703,50 @@ class Transformer(nnx.Module):
         x, (gk, gv), _ = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v))
         return self.final_norm(x)[:, 0], DecodeCache(prompt=p, k=gk, v=gv)
 
+    def extend(self, tokens: jax.Array, start: jax.Array, valid: jax.Array, cache: DecodeCache
+               ) -> tuple[jax.Array, DecodeCache]:
+        """T tokens per row appended to each row's own cache at its own slot: tokens [N, T], start [N] int32 (row r's
+        token t goes to completion slot ``start[r] + t``, position ``lengths[r // G] + start[r] + t``), valid [N, T]
+        bool (False: not written, its output unused) -> (hidden [N, T, D], cache with the valid slots written).
+
+        Query t of row r attends to its prompt's real tokens and to its own slots ``<= start[r] + t`` (the slots
+        written before, and this chunk's tokens up to t): the same numbers as a forward over [prompt; completion
+        slots up to the token]. A decode step is T = 1 with ``start`` the slot of the token fed; a resumed turn
+        (tool results appended) is the new tokens only. Writes go to per-row slots (a scatter), so rows may stand at
+        different lengths: the multi-turn sampler (`rloo_jax.turns`)."""
+        p = cache.prompt
+        b, n, t = p.mask.shape[0], tokens.shape[0], tokens.shape[1]
+        g, width = n // b, cache.k.shape[3]
+        slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]  # [N, T]
+        pos = jnp.repeat(p.lengths, g)[:, None] + slots  # [N, T]
+        cos, sin = self.rope_tables(pos, p.mask.shape[1] + width)
+        q_pos, q_slot = pos.reshape(b, g, t), slots.reshape(b, g, t)
+        p_pos = positions_from_mask(p.mask)
+        c = jnp.arange(width)
+        # per window the layers use: [W, B, G, T, P] and [W, B, G, T, C]
+        p_allowed = jnp.stack([(p.mask[:, None, None, :] > 0) & visible(q_pos[..., None], p_pos[:, None, None, :], w)
+                               for w in self.window_set])
+        g_allowed = jnp.stack([(c <= q_slot[..., None]) & visible(q_slot[..., None], c, w) for w in self.window_set])
+        where = jnp.where(valid, slots, width)  # invalid tokens: out of bounds, dropped by the scatter
+        rows = jnp.arange(n)[:, None]
+
+        def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
+            (pk, pv), (gk, gv) = xs_l, carry
+            # k, v [N, T, K, Dh] -> slots where[r, t] of layer `layer` of the [L, N, K, C, Dh] caches
+            gk = gk.at[layer, rows, :, where].set(k.astype(gk.dtype), mode="drop")
+            gv = gv.at[layer, rows, :, where].set(v.astype(gv.dtype), mode="drop")
+            gk, gv = row_major(gk, KV_CACHE_AXES), row_major(gv, KV_CACHE_AXES)
+            o = attend_shared_prompt(
+                q.reshape(b, g, t, *q.shape[2:]), pk, pv, pick(p_allowed, self.window_index, layer),
+                gk[layer], gv[layer], pick(g_allowed, self.window_index, layer),
+                scale=self.attn_scale, softcap=self.attn_softcap,
+            )
+            return o.reshape(n, t, *q.shape[2:]), (gk, gv), None
+
+        x = self.embed(tokens)
+        x, (gk, gv), _ = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v))
+        return self.final_norm(x), DecodeCache(prompt=p, k=gk, v=gv)
+
 
 def prompt_and_completion_states(
     model: Transformer,
@@ -810,6 +854,13 @@ class CausalLM(nnx.Module):
     def decode_step(self, tokens: jax.Array, step: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
         """tokens [B*G] at decode step `step` (position lengths[r // G] + step) -> (logits [B*G, V] f32, cache)."""
         h, cache = self.model.decode(tokens, step, cache)
+        return self.unembed(h), cache
+
+    def extend(self, tokens: jax.Array, start: jax.Array, valid: jax.Array, cache: DecodeCache
+               ) -> tuple[jax.Array, DecodeCache]:
+        """tokens [N, T] at per-row completion slots ``start [N] + t`` (``Transformer.extend``; ``valid`` [N, T]:
+        which are written) -> (logits [N, T, V] f32, cache)."""
+        h, cache = self.model.extend(tokens, start, valid, cache)
         return self.unembed(h), cache
 
 
