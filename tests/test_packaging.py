@@ -73,3 +73,13 @@ def test_the_suite_runs_on_the_locked_versions():
         if installed != pins[canonicalize_name(name)]:
             wrong[name] = (installed, pins[canonicalize_name(name)])
     assert not wrong, f"installed vs constraints.txt: {wrong}"
+
+
+def test_chat_templates_work_on_the_base_install():
+    """Conversational prompts (TRL's usual `prompt` column of messages, rloo_jax/data.py) and the tool demo render
+    through `apply_chat_template`, which needs jinja2; transformers does not require it, so the base install must."""
+    base = {canonicalize_name(Requirement(r).name) for r in project()["dependencies"]}
+    assert "jinja2" in base
+    transformers_needs = {canonicalize_name(Requirement(r).name) for r in metadata.requires("transformers") or []
+                          if "extra ==" not in r}
+    assert "jinja2" not in transformers_needs  # else this base dependency could go
