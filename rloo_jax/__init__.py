@@ -8,6 +8,12 @@ from rloo_jax import (
     _notices,  # noqa: F401 -- first: quiets notices of libraries imported below
     numerics,
 )
+from rloo_jax.backend import skip_absent_tpu
+
+if not numerics.backend_started():
+    # as the CLI: on a machine with no accelerator (JAX_PLATFORMS unset), the CPU without libtpu's start-up errors
+    # (the `tpu` extra installed for compile-only), in scripts and notebooks too; JAX would fall back to it anyway
+    skip_absent_tpu()
 from rloo_jax.algorithms import (
     GRPO,
     PPO,

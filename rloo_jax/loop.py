@@ -595,7 +595,8 @@ def record_rollouts(s: Session, progress: Progress, out: StepOutcome) -> None:
             None if conv is None else [conversation_record(conv, r, tool_mask[r]) for r in range(len(tool_mask))],
         )  # fmt: skip
         s.rollouts.write(records)
-        print_completions(progress.console, records, s.cfg.num_completions_to_print)
+        if s.cfg.log_completions:  # the last step's rows are written, not printed, without it
+            print_completions(progress.console, records, s.cfg.num_completions_to_print)
 
 
 def finish(s: Session, stopped: bool) -> None:

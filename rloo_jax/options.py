@@ -634,8 +634,8 @@ class LoggingOptions:
     log_completions: bool = _opt(
         False,
         "logging",
-        "Write every completion of a logged step to rollouts.jsonl (the last step is always written) and "
-        "print a sample.",
+        "Write every completion of a logged step to rollouts.jsonl and print them (num_completions_to_print); "
+        "the last step is always written, and printed only with this set.",
     )
     num_completions_to_print: int | None = _opt(
         None,

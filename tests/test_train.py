@@ -101,6 +101,18 @@ def test_transformers_torch_notice_is_dropped_and_nothing_else(caplog):
 
 
 # ------------------------------------------------------------------------------------------------ end to end
+def test_python_api_on_a_machine_without_an_accelerator_is_quiet():
+    """`import rloo_jax` (scripts, notebooks) picks the CPU as the CLI does where no accelerator is visible:
+    libtpu (installed with the test extra, as with the `tpu` one) prints no start-up errors."""
+    if os.environ.get("JAX_PLATFORMS") != "cpu" or visible_accelerator() is not False:
+        pytest.skip("needs a machine without an accelerator")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "import rloo_jax, jax, jax.numpy as jnp; print(jax.devices()[0].platform, float(jnp.ones(2).sum()))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["cpu", "2.0"], r.stderr[-3000:]
+    assert r.stderr == "", r.stderr
+
+
 def test_cli_default_run_writes_every_output(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ)  # the platform the suite runs on (conftest): the CPU, or the accelerator
@@ -136,6 +148,7 @@ def test_cli_default_run_writes_every_output(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "running the built-in demo" in r.stdout and f"Outputs in {out}" in r.stdout
+    assert "step 4" in r.stdout and "advantage" in r.stdout  # log_completions: the logged steps' completions printed
     if auto:  # nothing on stderr: no libtpu start-up errors, no "PyTorch was not found", no warnings
         assert r.stderr == "", r.stderr
     metrics = read_jsonl(out / "metrics.jsonl")
@@ -170,7 +183,9 @@ def test_resume_continues_at_the_right_step_and_matches_a_straight_run(tmp_path,
     assert main(["--output_dir", str(tmp_path / "resumed"), "--max_steps", "2", *common]) == 0
     capsys.readouterr()
     assert main(["--output_dir", str(tmp_path / "resumed"), "--max_steps", "4", *common]) == 0
-    assert "Resuming from checkpoint" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Resuming from checkpoint" in printed
+    assert "advantage" not in printed  # no log_completions: the last step's completions are written, not printed
     straight = read_jsonl(tmp_path / "straight" / "metrics.jsonl")
     resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
