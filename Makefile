@@ -42,7 +42,7 @@ run: $(VENV)/.installed
 	$(BIN)/python -m rloo_jax.train $(ARGS)
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check rloo_jax tests bench notebooks scripts
+	$(BIN)/ruff check rloo_jax tests bench notebooks scripts examples
 
 # JAX_PLATFORMS=cpu: libtpu (test extra) is installed, but tests run on the CPU and compile for TPUs ahead of time.
 # Two workers, each taking whole test files (their module fixtures build once); PYTEST_WORKERS=0 runs serially. The
