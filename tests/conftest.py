@@ -1,6 +1,7 @@
 """Test-wide settings: no hub lookups (the network is closed), CPU jax unless asked for the accelerator, float32
-matmuls in float32 on every backend, deterministic GPU programs, `cpu_only` tests skipped on an accelerator, a cache
-folder of the run's own, the run-wide checks of tests/suite_checks.py."""
+matmuls in float32 on every backend, deterministic GPU programs, XLA:CPU's fast-compiling settings on the CPU
+(tests/xla_flags.py), `cpu_only` tests skipped on an accelerator, a cache folder of the run's own, the run-wide checks
+of tests/suite_checks.py."""
 
 import os
 import shutil
