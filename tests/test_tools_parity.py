@@ -14,12 +14,17 @@ pytest.importorskip("trl")
 from rloo_jax import demo_tools  # noqa: E402
 from tests import tools_parity as tp  # noqa: E402
 from tests import trainer_parity  # noqa: E402
+from tests.xla_flags import fast_compiling  # noqa: E402
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
 
 # float32 on both sides, measured (2026-11-28, both cases): losses 4.5e-6 abs, grad norms 2.1e-5 abs (8.7e-6 rel),
 # kl 1.5e-5 abs (4.2e-5 rel), entropy 2.1e-5 abs, tools/* and rewards exact, final weights 8.9e-5
 TOLERANCE = dict(abs=1e-5, rel=1e-4)
+# Final weights after 16 Adam steps, max abs difference, measured per compile setting: 8.9e-5 at XLA's defaults,
+# 2.0e-4 at the suite's XLA:CPU settings (tests/xla_flags.py: other last bits, which Adam's normalized steps carry
+# into the weights); the per-step metrics above hold at both
+WEIGHTS = 2.5e-4 if fast_compiling() else 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,7 @@ def test_tool_calling_trainer_equals_trl(environment, model_dir, tmp_path, monke
     assert result["steps"] == 16
     for name, (abs_diff, rel_diff) in result["metrics"].items():
         assert abs_diff <= TOLERANCE["abs"] or rel_diff <= TOLERANCE["rel"], (name, abs_diff, rel_diff)
-    assert result["weights"] <= 1e-4
+    assert result["weights"] <= WEIGHTS, result["weights"]
     first = ours["records"][0]  # 8 completions: 10 calls, 4 of them failing (power, multiply(x=), divide by 0, ...)
     assert first["tools/call_frequency"] == 1.25 and first["tools/failure_frequency"] == pytest.approx(0.4)
     records = [r for r in ours["records"] if r.get("grad_norm")]

@@ -21,6 +21,11 @@ def compile_fast(environ: dict[str, str] = os.environ) -> None:
     environ["XLA_FLAGS"] = with_flags(environ.get("XLA_FLAGS", ""), CPU_COMPILE_FLAGS)
 
 
+def fast_compiling(environ: dict[str, str] = os.environ) -> bool:
+    """Whether this process compiles at the suite's XLA:CPU settings (a bound measured under them may differ)."""
+    return set(CPU_COMPILE_FLAGS) <= set(environ.get("XLA_FLAGS", "").split())
+
+
 def forced_devices(devices: int) -> str:
     """This run's XLA_FLAGS with `devices` forced CPU devices: a subprocess's, which compiles as the suite does."""
     return with_flags(os.environ.get("XLA_FLAGS", ""), (f"--xla_force_host_platform_device_count={devices}",))
