@@ -18,9 +18,9 @@ The chat template and the response template below are TRL 1.16's (`trl/chat_temp
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -356,12 +356,25 @@ MODEL_VERSION = 2  # bumped whenever the data, tokenizer, model or SFT change: a
 
 
 def prepare_model(directory: str | os.PathLike, seed: int = 0, steps: int = 600, num: int = 600) -> str:
-    """The SFT'd tool-calling policy and its tokenizer written to `directory` (once): its path."""
-    from rloo_jax.models import init_causal_lm, save_pretrained
-
+    """The SFT'd tool-calling policy and its tokenizer written to `directory` (once): its path. Processes that ask
+    for it together build it once: the others wait for the first's build (minutes of SFT) instead of repeating it."""
     path = Path(directory)
     if (path / "model.safetensors").is_file():
         return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f"{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed builder exits
+        if not (path / "model.safetensors").is_file():
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+            save_sft_model(tmp, seed, steps, num)
+            tmp.rename(path)  # a killed build leaves a tmp folder, never a half-written `path`
+    return str(path)
+
+
+def save_sft_model(directory: Path, seed: int, steps: int, num: int) -> None:
+    """Build the tokenizer, SFT a fresh policy on `num` conversations for `steps` batches, save both to `directory`."""
+    from rloo_jax.models import init_causal_lm, save_pretrained
+
     convs = sft_conversations(num, seed)
     probe = build_tokenizer([""], vocab_size=300)  # the template only: the texts the BPE is trained on
     texts = [probe.apply_chat_template(c, tools=TOOLS, tokenize=False) for c in convs]
@@ -369,17 +382,11 @@ def prepare_model(directory: str | os.PathLike, seed: int = 0, steps: int = 600,
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model = init_causal_lm(model_config(len(tokenizer), eos, pad), seed=seed)
     sft(model, [rendered(tokenizer, c) for c in convs], steps, seed)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    save_pretrained(model, tmp, tokenizer=tokenizer)
-    try:
-        tmp.rename(path)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(path)
+    save_pretrained(model, directory, tokenizer=tokenizer)
 
 
 def model_folder(seed: int = 0) -> str:
-    """The tool-calling demo policy of `seed`, built (SFT, ~1 min on 2 CPU cores) under the demo cache on first use."""
+    """The tool-calling demo policy of `seed`, built (SFT: ~3 min on 2 CPU cores) under the demo cache on first use."""
     return prepare_model(os.path.expanduser(os.path.join(demo.CACHE_ROOT, f"tools/model-v{MODEL_VERSION}-{seed}")),
                          seed)
 

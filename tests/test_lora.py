@@ -21,6 +21,7 @@ from rloo_jax.programs import Programs, flat_metrics
 from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import StepConfig, completion_logps
 from tests.checkpoints import PAD_ID
+from tests.xla_flags import cli_at_xla_defaults
 
 
 def _batch(seed=0, t=7):
@@ -307,8 +308,9 @@ def test_cli_use_peft_writes_a_peft_adapter_and_a_merged_model(tmp_path):
 def test_default_demo_learns_with_use_peft(tmp_path):
     """The built-in demo with --use_peft: the mean reward of the last fifth of logged steps beats the first."""
     out = tmp_path / "learn"
-    args = ["--output_dir", str(out), "--max_steps", "120", "--logging_steps", "5", "--save_steps", "1000", *ARGS]
-    assert main(args) == 0
+    r = cli_at_xla_defaults("--output_dir", str(out), "--max_steps", "120", "--logging_steps", "5", "--save_steps",
+                            "1000", *ARGS)
+    assert r.returncode == 0, r.stderr[-3000:]
     rewards = [r["reward"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
     fifth = len(rewards) // 5
     first, last = np.mean(rewards[:fifth]), np.mean(rewards[-fifth:])

@@ -189,12 +189,13 @@ def test_ppo_demo_learns(tmp_path):
     first ones by far (measured: 0.05 -> 0.63 by update 60, 0.95 by 90)."""
     import numpy as np
 
-    from rloo_jax.cli import main
     from rloo_jax.metrics import read_jsonl
+    from tests.xla_flags import cli_at_xla_defaults
 
     out = tmp_path / "learn"
-    assert main(["ppo", "--output_dir", str(out), "--max_steps", "70", "--logging_steps", "5", "--eval_steps",
-                 "None", "--save_steps", "1000"]) == 0
+    r = cli_at_xla_defaults("ppo", "--output_dir", str(out), "--max_steps", "70", "--logging_steps", "5",
+                            "--eval_steps", "None", "--save_steps", "1000")
+    assert r.returncode == 0, r.stderr[-3000:]
     scores = [m["objective/scores"] for m in read_jsonl(out / "metrics.jsonl") if "objective/scores" in m]
     assert len(scores) == 14
     assert np.mean(scores[:2]) < 0.1 and np.mean(scores[-2:]) > 0.4, scores

@@ -24,14 +24,13 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def test_a_run_survives_hanging_raising_unknown_and_malformed_calls(tmp_path):
+def test_a_run_survives_hanging_raising_unknown_and_malformed_calls(tmp_path, tools_policy):
     prompts = ["add 3 4", "power 2 5", "divide 7 by 0", "add and multiply 3 4"]
     rows = [{"prompt": [{"role": "user", "content": p}]} for p in prompts]
     args = rloo_jax.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=2,
                                max_completion_length=24, top_k=1, max_steps=1, logging_steps=1, seed=0,
                                compilation_cache=False, tool_timeout=0.5, log_completions=True, beta=0.0)
-    t0 = time.perf_counter()
-    trainer = rloo_jax.GRPOTrainer(demo_tools.model_folder(), lambda completions, **kw: [1.0] * len(completions),
+    trainer = rloo_jax.GRPOTrainer(tools_policy, lambda completions, **kw: [1.0] * len(completions),
                                    args=args, train_dataset=rows, tools=[demo_tools.multiply, add, demo_tools.divide])
     assert trainer.train().global_step == 1
     record = read_jsonl(tmp_path / "metrics.jsonl")[0]
@@ -40,11 +39,12 @@ def test_a_run_survives_hanging_raising_unknown_and_malformed_calls(tmp_path):
     # no call. The single-call turns (16-17 tokens) leave no room for their results: rolled back, as TRL does
     assert record["tools/call_frequency"] == 0.75 and record["tools/failure_frequency"] == 1.0
     assert record["tools/malformed_frequency"] == 0.25
-    assert record["timing/tools"] < 5.0  # the hanging calls were waited for once, together, for tool_timeout
+    # the hanging calls (60 s each) were waited for once, together, for tool_timeout (0.5 s); a wall-time bound far
+    # from both, as the time of one tool wave is not what this test measures
+    assert record["timing/tools"] < 20.0
     calls = [c for r in read_jsonl(tmp_path / "rollouts.jsonl") for c in r["tool_calls"]]
     assert sorted({(c["name"], c["error"]) for c in calls}) == [("add", "timeout"), ("divide", "raised"),
                                                                  ("power", "unknown")]
     assert {c["result"] for c in calls} == {"{'error': 'Tool add timed out after 0.5 s'}",
                                             "{'error': 'division by zero'}", "{'error': 'Tool power not found.'}"}
     assert all(c["dropped"] for c in calls)
-    assert time.perf_counter() - t0 < 300

@@ -11,7 +11,6 @@ import pytest
 
 pytest.importorskip("trl")
 
-from rloo_jax import demo_tools  # noqa: E402
 from tests import tools_parity as tp  # noqa: E402
 from tests import trainer_parity  # noqa: E402
 from tests.xla_flags import fast_compiling  # noqa: E402
@@ -28,8 +27,8 @@ WEIGHTS = 2.5e-4 if fast_compiling() else 1e-4
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return demo_tools.model_folder()  # built once per machine under the demo cache (SFT, ~4 min on 2 loaded cores)
+def model_dir(tools_policy):
+    return tools_policy
 
 
 @pytest.mark.parametrize("environment", [False, True], ids=["tools", "environment_factory"])

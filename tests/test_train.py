@@ -18,6 +18,7 @@ from rloo_jax.loop import crossed
 from rloo_jax.metrics import read_jsonl
 from rloo_jax.models.hf import eos_token_ids
 from rloo_jax.optimizer import lr_schedule
+from tests.xla_flags import cli_at_xla_defaults
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the demo, shrunk: 8 prompts x G=4 per step, 8-token completions
@@ -415,7 +416,8 @@ def test_default_demo_learns_the_answers(tmp_path):
     13 of 17 prompts' majority right (2026-11-28); 0.92 / 224 of 256 (issue 39's host); 0.95 / 253 of 256 (the
     README's); an H200 in bf16: >= 0.9 / 224 of 256. The thresholds sit below the lowest."""
     out = tmp_path / "learn"
-    assert main(["--output_dir", str(out), "--eval_steps", "None", "--save_steps", "1000"]) == 0
+    r = cli_at_xla_defaults("--output_dir", str(out), "--eval_steps", "None", "--save_steps", "1000")
+    assert r.returncode == 0, r.stderr[-3000:]
     rewards = [m["reward"] for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
     assert rewards[0] < 0.1 and rewards[-1] >= 0.7, rewards
     last = read_jsonl(out / "rollouts.jsonl")  # the last step's 256 completions (log_completions is off)
