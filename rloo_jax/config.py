@@ -373,9 +373,10 @@ def _drop_not_options(values: dict[str, Any], cls: type[TrainConfig]) -> dict[st
 
 
 def replace(cfg: TrainConfig, **changes: Any) -> TrainConfig:
-    """`dataclasses.replace` that keeps the TRL options `cfg` holds without fields (`_keep_trl_only`)."""
+    """`dataclasses.replace` that keeps the TRL options `cfg` holds without fields (`_keep_trl_only`); `changes`
+    may set them too."""
     new = dataclasses.replace(cfg, **changes)
-    object.__setattr__(new, "_trl_options", dict(getattr(cfg, "_trl_options", {})))
+    object.__setattr__(new, "_trl_options", {**getattr(cfg, "_trl_options", {}), **getattr(new, "_trl_options", {})})
     return new
 
 

@@ -142,7 +142,8 @@ class _OnlineTrainer:
         if train_dataset is not None:
             overrides["dataset_name"] = IN_MEMORY
             if isinstance(train_dataset, datasets.IterableDataset):
-                overrides["shuffle_dataset"] = False  # a stream is read in order, as TRL reads it
+                # a stream is read in order, as TRL reads it; TRL also forces one data loader worker (args show it)
+                overrides.update(shuffle_dataset=False, dataloader_num_workers=0)
         elif not args.dataset_name:
             raise ConfigError("`train_dataset` is required (or set args.dataset_name to a dataset to load)")
         # checked again for this machine's devices, as the run will use them
@@ -157,9 +158,10 @@ class _OnlineTrainer:
         self._loaded: dict[str, Any] = {}
         self.train_dataset = None if train_dataset is None else prompt_dataset(
             train_dataset, "train_dataset", self.args, stream_rows=prompts_needed(self.args))
-        self.eval_dataset = None if eval_dataset is None else eval_sets(eval_dataset, self.args)
+        self.eval_dataset = eval_dataset  # as given, as transformers' Trainer keeps it
         self.callback_handler = CallbackHandler(callbacks)
-        self.given = Given(processing_class, self.train_dataset, self.eval_dataset, funcs, tokenizers,
+        sets = None if eval_dataset is None else eval_sets(eval_dataset, self.args)
+        self.given = Given(processing_class, self.train_dataset, sets, funcs, tokenizers,
                            self.callback_handler.callbacks, tools or None, environment_factory or None)
         self.state = TrainerState(max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
                                   logging_steps=self.args.logging_steps, eval_steps=self.args.eval_steps,
@@ -188,7 +190,7 @@ class _OnlineTrainer:
         """Sample and score the evaluation set(s) (`eval_dataset`, else the trainer's) with the newest checkpoint
         of args.output_dir (the initial policy before any), as the training loop evaluates; the metrics are logged
         and returned under TRL's names: `eval_reward`, ..., or `eval_<name>_reward` for a dict of named sets."""
-        sets = self.eval_dataset if eval_dataset is None else eval_sets(eval_dataset, self.args)
+        sets = self.given.eval_dataset if eval_dataset is None else eval_sets(eval_dataset, self.args)
         if metric_key_prefix != "eval":
             raise ConfigError("evaluate: metric_key_prefix must be 'eval' (TRL's names); name sets with a dict")
         given = dataclasses.replace(self.given, eval_dataset=sets)
@@ -468,9 +470,10 @@ class PPOTrainer(_OnlineTrainer):
         self._loaded: dict[str, Any] = {}
         self.train_dataset = None if train_dataset is None else prompt_dataset(train_dataset, "train_dataset",
                                                                                self.args)
-        self.eval_dataset = None if eval_dataset is None else eval_sets(eval_dataset, self.args)
+        self.eval_dataset = eval_dataset  # as given
         self.callback_handler = CallbackHandler(callbacks)
-        self.given = Given(processing_class, self.train_dataset, self.eval_dataset, funcs, None,
+        sets = None if eval_dataset is None else eval_sets(eval_dataset, self.args)
+        self.given = Given(processing_class, self.train_dataset, sets, funcs, None,
                            self.callback_handler.callbacks)
         self.state = TrainerState(max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
                                   logging_steps=self.args.logging_steps, eval_steps=self.args.eval_steps,

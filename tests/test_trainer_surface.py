@@ -3,6 +3,7 @@ callback that raises), `train()`'s `TrainOutput` and the end-of-training record,
 the trainer's attributes (models, tokenizers, reward functions, state, args)."""
 
 import os
+from dataclasses import replace
 
 import datasets
 import pytest
@@ -143,3 +144,18 @@ def test_transformers_callbacks_work(tmp_path):
     trainer.add_callback(Stop)
     assert trainer.train().global_step == 2
     assert trainer.pop_callback(Stop) is not None
+
+
+def test_datasets_and_args_as_trl_keeps_them():
+    """`trainer.eval_dataset` is what was passed (one set or named sets), as transformers' Trainer keeps it; a
+    stream to train on forces `dataloader_num_workers` to 0, as TRL does (one reader keeps the groups whole)."""
+    ev = datasets.Dataset.from_list(rows(4))
+    stream = datasets.Dataset.from_list(rows()).to_iterable_dataset()
+    args = rloo_jax.RLOOConfig(output_dir="unused", max_steps=2, dataloader_num_workers=2, **SETTINGS)
+    trainer = rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=stream, eval_dataset=ev)
+    assert trainer.eval_dataset is ev and trainer.train_dataset is not None
+    assert trainer.args.dataloader_num_workers == 0 and args.dataloader_num_workers == 2
+    named = {"a": ev, "b": datasets.Dataset.from_list(rows(2))}
+    mapped = rloo_jax.RLOOTrainer("demo", first_letter, args=replace(args, dataloader_num_workers=2),
+                                  train_dataset=rows(), eval_dataset=named)
+    assert mapped.eval_dataset is named and mapped.args.dataloader_num_workers == 2
