@@ -21,6 +21,15 @@ from rloo_jax import outputs
 ITEMS = ("state", "meta")  # the items of a checkpoint
 
 
+def saved_steps(output_dir: str | os.PathLike) -> list[int]:
+    """The steps of the complete checkpoints in `<output_dir>/checkpoints`, ascending ([] when none), read only."""
+    directory = outputs.join(output_dir, "checkpoints")
+    if not outputs.exists(directory):
+        return []
+    options = ocp.CheckpointManagerOptions(read_only=True)
+    return sorted(ocp.CheckpointManager(outputs.resolve(directory), options=options, item_names=ITEMS).all_steps())
+
+
 class NonFiniteError(RuntimeError):
     """Training produced NaN/inf (in the loss, the gradients or the state); nothing non-finite is saved."""
 

@@ -38,6 +38,7 @@ from flax import nnx
 
 from rloo_jax import outputs
 from rloo_jax.backend import skip_absent_tpu
+from rloo_jax.checkpoint import saved_steps
 from rloo_jax.errors import ConfigError
 from rloo_jax.models.export import (
     AUTO,
@@ -78,7 +79,7 @@ def find_checkpoint(path: str) -> tuple[str, int]:
     else:
         raise ConfigError(f"{path} is not a checkpoint: pass <output_dir>/checkpoints/<step> (or <output_dir> for its "
                           "newest step)")
-    steps = _manager(outputs.join(output_dir, "checkpoints")).all_steps()
+    steps = saved_steps(output_dir)
     if step is None:
         if not steps:
             raise ConfigError(f"{path} has no complete checkpoint in checkpoints/")

@@ -20,8 +20,10 @@ import datasets
 import jax
 
 from rloo_jax import loop as training
+from rloo_jax import outputs
 from rloo_jax.algorithms import GRPOConfig, PPOConfig, RLOOConfig
 from rloo_jax.callbacks import CallbackHandler
+from rloo_jax.checkpoint import saved_steps
 from rloo_jax.config import TrainConfig, replace
 from rloo_jax.errors import ConfigError
 from rloo_jax.given import (
@@ -171,13 +173,11 @@ class _OnlineTrainer:
         self.callback_handler.call("on_init_end", self.args, self.state)
 
     def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:
-        """Train (resuming from the newest checkpoint in args.output_dir, as the CLI does; TRL's
-        `resume_from_checkpoint` None or True means the same here) and export final/. Returns transformers'
-        `TrainOutput(global_step, training_loss, metrics)` (also when the run was already complete: no step
+        """Train and export final/, as transformers' Trainer: a fresh run, unless `resume_from_checkpoint` is True
+        (the newest checkpoint in args.output_dir) or names that checkpoint (`check_resume`). Returns transformers'
+        `TrainOutput(global_step, training_loss, metrics)` (also when a resumed run was already complete: no step
         run, loss 0); `trainer.state.log_history` ends with the end-of-training record, as transformers'."""
-        if resume_from_checkpoint not in (None, True):
-            raise ConfigError("resume_from_checkpoint: runs always resume from the newest checkpoint in "
-                              "args.output_dir; pass None or True")
+        check_resume(self.args.output_dir, resume_from_checkpoint)
         self.result = training.train(self.args, self.given)
         self.state = self.result.state  # global_step, epoch, log_history, ... (TRL's trainer.state)
         self._loaded.pop("model", None)  # the trained policy is read from final/ on the next access
@@ -294,6 +294,29 @@ class _OnlineTrainer:
             return final
         shutil.copytree(final, output_dir, dirs_exist_ok=True)
         return output_dir
+
+
+def check_resume(output_dir: str, resume_from_checkpoint: Any) -> None:
+    """transformers' rule in the Python API (the CLI resumes on a rerun, what `kill -9` and rerun relies on): None
+    or False start a fresh run, refused (ConfigError) where `output_dir` holds an earlier run's checkpoints, which
+    the run would otherwise continue or mix with; True continues the newest, refused where there is none; a path
+    must name that newest checkpoint (`<output_dir>/checkpoints/<step>`) or `output_dir`: a run continues from its
+    newest state only, what it logged after an older one is its own history."""
+    steps = saved_steps(output_dir)
+    newest = outputs.join(output_dir, "checkpoints", str(steps[-1])) if steps else None
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        if steps:
+            raise ConfigError(f"args.output_dir {output_dir} holds the checkpoints of an earlier run (newest: step "
+                              f"{steps[-1]}): continue it with train(resume_from_checkpoint=True), or start over "
+                              "in another output_dir")
+    elif resume_from_checkpoint is True:
+        if not steps:
+            raise ConfigError(f"resume_from_checkpoint=True, but args.output_dir {output_dir} holds no complete "
+                              "checkpoint: call train() to start the run")
+    elif not steps or os.fspath(outputs.resolve(os.fspath(resume_from_checkpoint))) not in (
+            os.fspath(outputs.resolve(output_dir)), os.fspath(outputs.resolve(newest))):
+        raise ConfigError(f"resume_from_checkpoint={os.fspath(resume_from_checkpoint)!r}: a run continues from the "
+                          f"newest checkpoint of its args.output_dir ({newest or 'none yet'}); pass True or that path")
 
 
 class RLOOTrainer(_OnlineTrainer):

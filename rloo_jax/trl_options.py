@@ -263,7 +263,8 @@ SHARED: list[tuple[str, str, Decision]] = [
     ("enable_jit_checkpoint", "enable_jit_checkpoint",
      accepted("a SIGTERM always finishes the step and saves a checkpoint")),
     ("resume_from_checkpoint", "resume_from_checkpoint", accepted(
-        "runs always resume from the newest checkpoint in output_dir", lambda v: is_none(v) or _text(v) == "true",
+        "the command line resumes from the newest checkpoint in output_dir on a rerun; in Python, pass it to "
+        "train(), as transformers' Trainer takes it", lambda v: is_none(v) or _text(v) == "true",
         "None / true")),
     ("ignore_data_skip", "ignore_data_skip", accepted("resume restores the data position exactly, skipping nothing")),
     ("best model", "load_best_model_at_end metric_for_best_model greater_is_better",

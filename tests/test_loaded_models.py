@@ -107,7 +107,7 @@ def test_loaded_policy_and_reward_model_train_as_their_folders(models, tmp_path,
     capsys.readouterr()
     again = rloo_jax.RLOOTrainer(models["policy"], [models["reward"]], train_dataset=ROWS,
                                  args=rloo_jax.RLOOConfig(output_dir=str(loaded), **dict(args, max_steps=3)))
-    again.train()
+    again.train(resume_from_checkpoint=True)
     assert "Resuming from checkpoint" in capsys.readouterr().out
     assert [r["step"] for r in read_jsonl(loaded / "metrics.jsonl")] == [1, 2, 3]
     assert {p.name: p.stat().st_mtime_ns for p in (loaded / "base_model").iterdir()} == written

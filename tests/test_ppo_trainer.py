@@ -297,7 +297,7 @@ def test_ppo_loaded_models_train_as_their_folders(loaded_models, tmp_path, capsy
     again = _ppo(loaded, m, model=m["policy"], ref_model=m["ref"], reward_model=m["reward"], value_model=m["value"])
     assert {k: getattr(again.args, k) for k in written} == {k: config[k] for k in written}
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
-    assert again.train().global_step == 2  # resumed at its end: nothing left to run
+    assert again.train(resume_from_checkpoint=True).global_step == 2  # resumed at its end: nothing left to run
     assert "Resuming from checkpoint" in capsys.readouterr().out
 
 

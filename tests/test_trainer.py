@@ -51,7 +51,7 @@ def test_trainer_with_a_callable_and_a_dataset_matches_the_cli(tmp_path, capsys)
     capsys.readouterr()
     args = rloo_jax.RLOOConfig(output_dir=str(api), max_steps=3, **SETTINGS)
     again = rloo_jax.RLOOTrainer("demo", [demo.letters_reward], args=args, train_dataset=rows)  # list of dicts
-    again.train()
+    again.train(resume_from_checkpoint=True)
     final = again.state.log_history[-2]  # the last step's record
     assert "Resuming from checkpoint" in capsys.readouterr().out
 

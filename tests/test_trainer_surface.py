@@ -11,6 +11,7 @@ import pytest
 import rloo_jax
 from rloo_jax import demo
 from rloo_jax.callbacks import CallbackError
+from rloo_jax.errors import ConfigError
 from rloo_jax.metrics import read_jsonl
 
 SETTINGS = dict(
@@ -89,10 +90,33 @@ def test_train_output_and_the_end_of_training_record(run):
     assert summary["step"] == 4 and output.training_loss == pytest.approx(summary["train_loss"])
     assert len(losses) == 3 and output.metrics["train_loss"] == summary["train_loss"]
     assert output.metrics["train_steps_per_second"] > 0
-    # a run already complete (its 4 steps done): no step, TRL's TrainOutput with loss 0
+    # a resumed run already complete (its 4 steps done): no step, TRL's TrainOutput with loss 0
     args = rloo_jax.RLOOConfig(output_dir=trainer.args.output_dir, max_steps=4, steps_per_generation=2, **SETTINGS)
-    again = rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=rows()).train()
-    assert again.global_step == 4 and again.training_loss == 0.0
+    again = rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=rows())
+    assert again.train(resume_from_checkpoint=True).global_step == 4 and again.state.log_history
+    newest = os.path.join(trainer.args.output_dir, "checkpoints", "4")
+    done = again.train(resume_from_checkpoint=newest)  # the newest checkpoint named: the same
+    assert done.global_step == 4 and done.training_loss == 0.0
+
+
+def test_train_starts_over_unless_asked_to_resume(run, tmp_path):
+    """transformers' rule: train() is a fresh run, which an output_dir holding another run's checkpoints refuses
+    (naming both ways on); resume_from_checkpoint True or the newest checkpoint's path continues it."""
+    trainer = run[0]
+    out = trainer.args.output_dir
+    args = rloo_jax.RLOOConfig(output_dir=out, max_steps=4, steps_per_generation=2, **SETTINGS)
+    again = rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=rows())
+    before = sorted(os.listdir(out))
+    with pytest.raises(ConfigError, match=r"holds the checkpoints of an earlier run \(newest: step 4\): continue it "
+                                          r"with train\(resume_from_checkpoint=True\), or start over in another "
+                                          r"output_dir"):
+        again.train()
+    with pytest.raises(ConfigError, match=r"continues from the newest checkpoint of its args.output_dir \(.*/4\)"):
+        again.train(resume_from_checkpoint=os.path.join(out, "checkpoints", "2"))
+    assert sorted(os.listdir(out)) == before
+    empty = rloo_jax.RLOOConfig(output_dir=str(tmp_path / "new"), max_steps=4, **SETTINGS)
+    with pytest.raises(ConfigError, match="holds no complete checkpoint: call train"):
+        rloo_jax.RLOOTrainer("demo", first_letter, args=empty, train_dataset=rows()).train(resume_from_checkpoint=True)
 
 
 def test_evaluate_named_sets(run):
@@ -126,7 +150,8 @@ def test_a_raising_callback_stops_with_its_name_and_keeps_the_checkpoint(tmp_pat
                                             r"stopped at step 3"):
         trainer.train()
     assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"]
-    resumed = rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=rows()).train()
+    resumed = rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=rows()).train(
+        resume_from_checkpoint=True)
     assert resumed.global_step == 6
 
 
