@@ -19,6 +19,7 @@ tests/test_trl_options.py walks TRL's dataclasses so no field goes undecided. To
 """
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -138,6 +139,56 @@ def _dtype(v: Any) -> dict[str, Any]:
     return {"param_dtype": "bfloat16"} if _text(v) == "bfloat16" else {}
 
 
+def _kwargs(name: str, v: Any) -> dict[str, Any]:
+    """A TRL dict option as given: a dict (Python, YAML) or its JSON text (the command line)."""
+    try:
+        value = json.loads(v) if isinstance(v, str) else v
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name}: {v!r} is not a JSON object ({e.msg}); pass e.g. '{{\"top_k\": 50}}'") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: {v!r} is not a dict of keyword arguments")
+    return value
+
+
+def _refuse_keys(name: str, kwargs: dict[str, Any], taken: Iterable[str], why: str) -> None:
+    unknown = sorted(set(kwargs) - set(taken))
+    if unknown:
+        raise ConfigError(f"{name}: {', '.join(unknown)} cannot be honoured here: {why} (taken: {', '.join(taken)})")
+
+
+_SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def _generation_kwargs(v: Any) -> dict[str, Any]:
+    """TRL's generation_kwargs override the sampling options beside them (GenerationConfig(**defaults, **kwargs)):
+    the sampler's five taken as those options; do_sample false is greedy decoding (top_k 1, whatever else is set)."""
+    if off(v):
+        return {}
+    kwargs = _kwargs("generation_kwargs", v)
+    _refuse_keys("generation_kwargs", kwargs, (*_SAMPLER_KEYS, "do_sample"),
+                 "the sampler implements no other generate() argument")
+    out = {k: kwargs[k] for k in _SAMPLER_KEYS if k in kwargs}
+    if "do_sample" in kwargs and off(kwargs["do_sample"]):
+        out["top_k"] = 1
+    return out
+
+
+def _model_init_kwargs(v: Any) -> dict[str, Any]:
+    """TRL's from_pretrained arguments: the dtype (`dtype`, or transformers' older `torch_dtype`) as the `dtype`
+    option, attn_implementation as that option; weights are read from safetensors, so nothing else applies."""
+    if off(v):
+        return {}
+    kwargs = _kwargs("model_init_kwargs", v)
+    _refuse_keys("model_init_kwargs", kwargs, ("dtype", "torch_dtype", "attn_implementation"),
+                 "weights are read from safetensors into the Flax model")
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype is not None and not is_one_of("float32", "bfloat16", "auto")(dtype):
+        raise ConfigError(f"model_init_kwargs: dtype {dtype!r} cannot be honoured here (taken: float32, bfloat16, "
+                          "auto); float16 needs loss scaling")
+    out = {} if dtype is None else _dtype(dtype)
+    return {**out, **(_attn(kwargs["attn_implementation"]) if "attn_implementation" in kwargs else {})}
+
+
 # -------------------------------------------------------------------------------------------------- the table
 _VLLM = ("vllm_mode vllm_model_impl vllm_enable_sleep_mode vllm_structured_outputs_regex vllm_server_base_url "
          "vllm_server_host vllm_server_port vllm_server_timeout vllm_group_port vllm_gpu_memory_utilization "
@@ -170,9 +221,11 @@ SHARED: list[tuple[str, str, Decision]] = [
     ("vLLM settings", _VLLM, accepted("no vLLM: " + _GENERATION_ENGINE)),
     ("transformers generation", "use_transformers_continuous_batching use_transformers_paged "
      "transformers_continuous_batching_config", refused(_GENERATION_ENGINE, off, "false / None")),
-    ("generation_kwargs", "generation_kwargs", refused(
-        "the sampler takes temperature, top_k, top_p, min_p, repetition_penalty and the EOS ids of "
-        "generation_config.json; other generate() arguments are not implemented", off, "None / {}")),
+    ("generation_kwargs", "generation_kwargs", accepted(
+        "temperature, top_k, top_p, min_p and repetition_penalty override those options, as in TRL; do_sample "
+        "false is greedy (top_k 1); other generate() arguments are refused",
+        takes_text="a dict of temperature, top_k, top_p, min_p, repetition_penalty, do_sample",
+        translate=_generation_kwargs)),
     ("generation_batch_size", "generation_batch_size", accepted(
         "a generation holds per_device_train_batch_size x data shards x steps_per_generation completions: set "
         "steps_per_generation", takes_text="the run's generation batch (TRL's dumps hold it)",
@@ -187,8 +240,11 @@ SHARED: list[tuple[str, str, Decision]] = [
     ("disable_dropout", "disable_dropout",
      accepted("the models here have no dropout (LoRA's lora_dropout aside): as TRL with disable_dropout true")),
     ("router_aux_loss_coef", "router_aux_loss_coef", accepted("no mixture-of-experts model family here")),
-    ("model_init_kwargs", "model_init_kwargs", refused(
-        "weights are read from safetensors into the Flax model; set bf16 / param_dtype instead", off, "None / {}")),
+    ("model_init_kwargs", "model_init_kwargs", accepted(
+        "dtype (or torch_dtype) as the dtype option (bfloat16: param_dtype bfloat16), attn_implementation as that "
+        "option; weights are read from safetensors, other from_pretrained arguments are refused",
+        takes_text="a dict of dtype / torch_dtype (float32, bfloat16, auto), attn_implementation",
+        translate=_model_init_kwargs)),
     ("completion table extras", "log_multimodal log_unique_prompts",
      accepted("text only; rollouts.jsonl keeps every completion of a recorded step")),
     # --- TrainingArguments: optimisation

@@ -142,6 +142,36 @@ def test_refused_values_exit_2_with_the_reason(option, message, tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
+def test_generation_and_model_init_kwargs_map_onto_our_options(tmp_path):
+    """TRL's dict options, as a TRL recipe sets them: generation_kwargs override the sampling options beside them
+    (TRL builds GenerationConfig(**its defaults, **generation_kwargs)); model_init_kwargs' dtype is the dtype option
+    (bfloat16: param_dtype bfloat16). From Python, YAML and the command line (JSON text) alike."""
+    cfg = RLOOConfig(output_dir="o", top_k=10, temperature=1.0, generation_kwargs={"top_k": 50, "temperature": 0.7,
+                                                                                    "min_p": 0.1},
+                     model_init_kwargs={"torch_dtype": "bfloat16"})
+    assert (cfg.top_k, cfg.temperature, cfg.min_p, cfg.top_p, cfg.param_dtype) == (50, 0.7, 0.1, 1.0, "bfloat16")
+    assert cfg.generation_kwargs == {"top_k": 50, "temperature": 0.7, "min_p": 0.1}  # readable, as on TRL's config
+    assert RLOOConfig(output_dir="o", generation_kwargs={"do_sample": False, "top_k": 50}).top_k == 1  # greedy
+    assert RLOOConfig(output_dir="o", model_init_kwargs={"dtype": "float32"}).param_dtype == "float32"
+    assert RLOOConfig(output_dir="o", model_init_kwargs={"attn_implementation": "sdpa"}).attn_implementation is None
+    path = tmp_path / "trl.yaml"
+    path.write_text("generation_kwargs:\n  top_p: 0.9\n  repetition_penalty: 1.1\nmodel_init_kwargs: {dtype: auto}\n")
+    cfg = load_config(["--config", str(path), *REQUIRED])
+    assert (cfg.top_p, cfg.repetition_penalty, cfg.param_dtype) == (0.9, 1.1, "float32")
+    cfg = load_config([*REQUIRED, "--generation_kwargs", '{"top_k": 5}', "--model_init_kwargs",
+                       '{"torch_dtype": "bfloat16"}'])
+    assert (cfg.top_k, cfg.param_dtype) == (5, "bfloat16")
+    with pytest.raises(ConfigError, match=r"generation_kwargs: num_beams, suppress_tokens cannot be honoured here: the "
+                                          r"sampler implements no other generate\(\) argument \(taken: temperature"):
+        RLOOConfig(output_dir="o", generation_kwargs={"num_beams": 2, "suppress_tokens": [1], "top_k": 3})
+    with pytest.raises(ConfigError, match="model_init_kwargs: device_map cannot be honoured here"):
+        RLOOConfig(output_dir="o", model_init_kwargs={"device_map": "auto"})
+    with pytest.raises(ConfigError, match="model_init_kwargs: dtype 'float16' cannot be honoured here"):
+        RLOOConfig(output_dir="o", model_init_kwargs={"dtype": "float16"})
+    with pytest.raises(ConfigError, match="generation_kwargs: '{top_k: 5}' is not a JSON object"):
+        load_config([*REQUIRED, "--generation_kwargs", "{top_k: 5}"])
+
+
 def test_command_line_and_python_take_trl_names():
     # a bare TRL flag means true (refused here), an optional bool of ours too
     assert parse_argv(["--gradient_checkpointing", "--seed", "1"], RLOOConfig)[1] == {
