@@ -91,6 +91,8 @@ class _OnlineTrainer:
         program; the optimizer is optax AdamW from args; no quantised base yet).
     """
 
+    _resumes_on_rerun = False  # the command line's rule (`resuming_on_rerun`); the Python API: transformers'
+
     CONFIG: type[TrainConfig] = RLOOConfig
 
     def __init__(
@@ -177,7 +179,8 @@ class _OnlineTrainer:
         (the newest checkpoint in args.output_dir) or names that checkpoint (`check_resume`). Returns transformers'
         `TrainOutput(global_step, training_loss, metrics)` (also when a resumed run was already complete: no step
         run, loss 0); `trainer.state.log_history` ends with the end-of-training record, as transformers'."""
-        check_resume(self.args.output_dir, resume_from_checkpoint)
+        if not self._resumes_on_rerun:
+            check_resume(self.args.output_dir, resume_from_checkpoint)
         self.result = training.train(self.args, self.given)
         self.state = self.result.state  # global_step, epoch, log_history, ... (TRL's trainer.state)
         self._loaded.pop("model", None)  # the trained policy is read from final/ on the next access
@@ -281,8 +284,15 @@ class _OnlineTrainer:
 
     @classmethod
     def from_args(cls, args: TrainConfig) -> "_OnlineTrainer":
-        """The trainer of a config read from YAML and the command line (`python -m rloo_jax.train`)."""
-        return cls(args.model_name_or_path, args.reward_sources, args=args)
+        """The trainer of a config read from YAML and the command line (`python -m rloo_jax.train`), which resumes
+        from output_dir's newest checkpoint on a rerun."""
+        return cls(args.model_name_or_path, args.reward_sources, args=args).resuming_on_rerun()
+
+    def resuming_on_rerun(self) -> "_OnlineTrainer":
+        """This trainer, its train() continuing output_dir's newest checkpoint when there is one, else starting:
+        the command line's rule (what `kill -9` and rerun relies on), not transformers'."""
+        self._resumes_on_rerun = True
+        return self
 
     def save_model(self, output_dir: str | None = None) -> str:
         """The trained policy (final/: a Hugging Face folder, or with LoRA a PEFT adapter folder), copied to
@@ -519,7 +529,7 @@ class PPOTrainer(_OnlineTrainer):
 
     @classmethod
     def from_args(cls, args: TrainConfig) -> "PPOTrainer":
-        return cls(args=args)
+        return cls(args=args).resuming_on_rerun()
 
 
 def environment_rows(cfg: TrainConfig, factory: Any) -> list[dict[str, Any]]:
