@@ -18,10 +18,12 @@ from rloo_jax.errors import ConfigError
 NEVER = int(np.iinfo(np.int32).max)  # optax's counters saturate there: `count > NEVER` is never true
 
 
-def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
+def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps: int,
+                min_lr_rate: float = 0.0) -> optax.Schedule:
     """transformers' schedules from optax's, counted in optimizer steps (step 0 = the first update).
 
     Warmup: lr * s / W for s < W. Then linear: lr * (T - s) / (T - W); cosine: lr * (1 + cos(pi * progress)) / 2;
+    cosine_with_min_lr: lr * (r + (1 - r) * (1 + cos(pi * progress)) / 2), r = `min_lr_rate`;
     constant(_with_warmup): lr. E.g. linear, lr 1, W 2, T 6: [0, 0.5, 1, 0.75, 0.5, 0.25].
     """
     decay_steps = max(1, total_steps - warmup_steps)
@@ -29,8 +31,8 @@ def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps:
         return optax.constant_schedule(learning_rate)
     if kind == "linear":
         after = optax.linear_schedule(learning_rate, 0.0, decay_steps)
-    elif kind == "cosine":
-        after = optax.cosine_decay_schedule(learning_rate, decay_steps)
+    elif kind in ("cosine", "cosine_with_min_lr"):
+        after = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=min_lr_rate if kind != "cosine" else 0.0)
     elif kind == "constant_with_warmup":
         after = optax.constant_schedule(learning_rate)
     else:
@@ -38,6 +40,12 @@ def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps:
     if warmup_steps == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), after], [warmup_steps])
+
+
+def min_lr_rate(cfg: Any) -> float:
+    """cosine_with_min_lr's floor as a fraction of learning_rate: min_lr / learning_rate, or min_lr_rate (0 unset)."""
+    min_lr, rate = getattr(cfg, "min_lr", None), getattr(cfg, "min_lr_rate", None)
+    return min_lr / cfg.learning_rate if min_lr is not None else (rate or 0.0)
 
 
 def decay_mask(params: Any) -> Any:
@@ -69,7 +77,8 @@ def make_optimizer(
 
     The schedule (returned too) is counted in the run's steps; `updates_per_step` optimizer updates share one step's
     rate (TRL 1.12's PPO steps its scheduler once per PPO update, whatever the optimizer steps in it)."""
-    schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, warmup_steps(cfg, total_steps), total_steps)
+    schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, warmup_steps(cfg, total_steps), total_steps,
+                           min_lr_rate(cfg))
     by_update = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
     adamw = optax.adamw(
         by_update,

@@ -515,10 +515,21 @@ class OptimizationOptions:
         "optimization",
         "The initial learning rate for AdamW.",
     )
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = _opt(
+    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"] = _opt(
         "linear",
         "optimization",
-        "The learning-rate schedule (counted in optimizer steps).",
+        "The learning-rate schedule (counted in optimizer steps). cosine_with_min_lr: the cosine down to min_lr "
+        "(or min_lr_rate x learning_rate) instead of 0.",
+    )
+    min_lr: float | None = _opt(
+        None,
+        "optimization",
+        "cosine_with_min_lr's floor (transformers' lr_scheduler_kwargs min_lr). Set it or min_lr_rate.",
+    )
+    min_lr_rate: float | None = _opt(
+        None,
+        "optimization",
+        "cosine_with_min_lr's floor as a fraction of learning_rate (transformers' lr_scheduler_kwargs min_lr_rate).",
     )
     warmup_ratio: float = _opt(
         0.0,
@@ -608,6 +619,17 @@ class OptimizationOptions:
                "warmup_steps", "must be an integer >= 1 (steps) or a float in [0, 1) (a fraction)", self.warmup_steps)
         if self.warmup_steps and self.warmup_ratio:
             raise ConfigError("set warmup_steps or warmup_ratio, not both (warmup_steps < 1 is a fraction too)")
+        floors = [name for name in ("min_lr", "min_lr_rate") if getattr(self, name) is not None]
+        if self.lr_scheduler_type == "cosine_with_min_lr" and len(floors) != 1:
+            raise ConfigError("lr_scheduler_type cosine_with_min_lr needs one of min_lr or min_lr_rate (got "
+                              f"{' and '.join(floors) or 'neither'}); set --min_lr or --min_lr_rate")
+        if self.lr_scheduler_type != "cosine_with_min_lr" and floors:
+            raise ConfigError(f"{floors[0]} is the floor of lr_scheduler_type cosine_with_min_lr, not of "
+                              f"{self.lr_scheduler_type}; set --lr_scheduler_type cosine_with_min_lr or drop it")
+        if self.min_lr is not None:
+            _check(0 <= self.min_lr <= self.learning_rate, "min_lr", "must be in [0, learning_rate]", self.min_lr)
+        if self.min_lr_rate is not None:
+            _check(0 <= self.min_lr_rate <= 1, "min_lr_rate", "must be in [0, 1]", self.min_lr_rate)
         _check(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
         _check(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)", self.max_grad_norm)
         for name in ("adam_beta1", "adam_beta2"):

@@ -78,7 +78,7 @@ def reward_count(config: dict[str, Any]) -> int:
     return sum(len(config.get(k) or []) for k in REWARD_SOURCES)
 
 
-SCHEDULE = ("learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps")
+SCHEDULE = ("learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "min_lr", "min_lr_rate")
 # checked by the trainer's layout check (rloo_jax.train.check_layout), with its own message
 LAYOUT = ("algorithm", "scan_layers", "use_peft", "lora_r", "lora_target_modules")
 NOT_REPORTED = ("output_dir", "tfds_data_dir", "coordinator_address", "num_processes", "process_id", "compile_only",
@@ -126,11 +126,13 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
 def learning_rate_at(config: dict[str, Any], step: int, total: int) -> float:
     """The learning rate of optimizer step `step` under `config`'s schedule over `total` steps
     (`rloo_jax.optimizer.lr_schedule`, warmup as `rloo_jax.optimizer.warmup_steps`)."""
-    from rloo_jax.optimizer import lr_schedule, warmup_steps
+    from rloo_jax.optimizer import lr_schedule, min_lr_rate, warmup_steps
 
     warmup = warmup_steps(SimpleNamespace(warmup_steps=config.get("warmup_steps", 0),
                                           warmup_ratio=config.get("warmup_ratio", 0.0)), total)
-    return float(lr_schedule(config["lr_scheduler_type"], config["learning_rate"], warmup, total)(step))
+    floor = min_lr_rate(SimpleNamespace(learning_rate=config["learning_rate"], min_lr=config.get("min_lr"),
+                                        min_lr_rate=config.get("min_lr_rate")))
+    return float(lr_schedule(config["lr_scheduler_type"], config["learning_rate"], warmup, total, floor)(step))
 
 
 def changes(saved: dict[str, Any], current: dict[str, Any], step: int, saved_total: int | None, total: int

@@ -189,6 +189,20 @@ def _model_init_kwargs(v: Any) -> dict[str, Any]:
     return {**out, **(_attn(kwargs["attn_implementation"]) if "attn_implementation" in kwargs else {})}
 
 
+def _lr_scheduler_kwargs(v: Any) -> dict[str, Any]:
+    """transformers' schedule arguments: cosine_with_min_lr's floor; optax's cosine has one half-wave (num_cycles
+    0.5, transformers' default)."""
+    if off(v):
+        return {}
+    kwargs = _kwargs("lr_scheduler_kwargs", v)
+    _refuse_keys("lr_scheduler_kwargs", kwargs, ("min_lr", "min_lr_rate", "num_cycles"),
+                 "the schedules take no other argument")
+    if "num_cycles" in kwargs and float(kwargs["num_cycles"]) != 0.5:
+        raise ConfigError(f"lr_scheduler_kwargs: num_cycles {kwargs['num_cycles']!r} cannot be honoured here: the "
+                          "cosine schedules are one half-wave (num_cycles 0.5)")
+    return {k: kwargs[k] for k in ("min_lr", "min_lr_rate") if k in kwargs}
+
+
 # -------------------------------------------------------------------------------------------------- the table
 _VLLM = ("vllm_mode vllm_model_impl vllm_enable_sleep_mode vllm_structured_outputs_regex vllm_server_base_url "
          "vllm_server_host vllm_server_port vllm_server_timeout vllm_group_port vllm_gpu_memory_utilization "
@@ -251,10 +265,12 @@ SHARED: list[tuple[str, str, Decision]] = [
     ("optimisation", "learning_rate per_device_train_batch_size num_train_epochs "
      "max_steps weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm seed output_dir",
      supported("optax AdamW, weight decay on matrices only (as transformers)")),
-    ("lr_scheduler_type", "lr_scheduler_type", supported("linear, cosine, constant, constant_with_warmup")),
+    ("lr_scheduler_type", "lr_scheduler_type", supported("linear, cosine, cosine_with_min_lr, constant, "
+                                                         "constant_with_warmup")),
     ("warmup_steps", "warmup_steps", supported("an integer >= 1: steps; a float in [0, 1): a fraction of them")),
-    ("lr_scheduler_kwargs", "lr_scheduler_kwargs", refused("the four schedules take no extra arguments", off,
-                                                           "None / {}")),
+    ("lr_scheduler_kwargs", "lr_scheduler_kwargs", accepted(
+        "cosine_with_min_lr's min_lr or min_lr_rate, as those options; num_cycles 0.5 (the half cosine) only",
+        takes_text="a dict of min_lr, min_lr_rate, num_cycles 0.5", translate=_lr_scheduler_kwargs)),
     ("optim", "optim", accepted("the optimizer is optax AdamW", is_one_of(
         "adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_apex_fused",
         "adamw_anyprecision"), "an AdamW name (adamw_torch, adamw_torch_fused, ...)")),

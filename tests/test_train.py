@@ -73,6 +73,34 @@ def test_lr_schedule_goldens():
         [float(lr_schedule("constant_with_warmup", 1.0, 2, 9)(s)) for s in range(4)], [0, 0.5, 1, 1]
     )
     assert float(lr_schedule("constant", 0.1, 5, 9)(0)) == pytest.approx(0.1)
+    # cosine_with_min_lr, lr 2, W 1, T 5, floor 0.1 of lr: 2 * (0.1 + 0.9 * (1 + cos(pi * p)) / 2), p = (s - 1) / 4
+    floor = lr_schedule("cosine_with_min_lr", 2.0, 1, 5, min_lr_rate=0.1)
+    halfway = [2 * (0.1 + 0.45 * (1 + 2**-0.5)), 1.1, 2 * (0.1 + 0.45 * (1 - 2**-0.5))]
+    np.testing.assert_allclose([float(floor(s)) for s in range(7)], [0, 2, *halfway, 0.2, 0.2], rtol=1e-6)
+
+
+def test_cosine_with_min_lr_equals_transformers():
+    """Our schedule against transformers' own (the LambdaLR a TRL run steps), min_lr and min_lr_rate alike, from the
+    options as a TRL config names them (lr_scheduler_kwargs)."""
+    import torch
+    from transformers import get_scheduler
+
+    from rloo_jax.algorithms import RLOOConfig
+    from rloo_jax.optimizer import min_lr_rate, warmup_steps
+
+    for kwargs in ({"min_lr": 3e-7}, {"min_lr_rate": 0.25, "num_cycles": 0.5}):
+        cfg = RLOOConfig(output_dir="o", learning_rate=1e-6, lr_scheduler_type="cosine_with_min_lr", warmup_steps=3,
+                         lr_scheduler_kwargs=kwargs)
+        ours = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, warmup_steps(cfg, 20), 20, min_lr_rate(cfg))
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-6)
+        theirs = get_scheduler("cosine_with_min_lr", opt, num_warmup_steps=3, num_training_steps=20,
+                               scheduler_specific_kwargs=kwargs)
+        want = []
+        for _ in range(20):
+            want.append(opt.param_groups[0]["lr"])
+            opt.step()
+            theirs.step()
+        np.testing.assert_allclose([float(ours(s)) for s in range(20)], want, rtol=1e-6, atol=0)
 
 
 def test_completion_lengths_crossed_and_eos_ids(tmp_path):

@@ -172,6 +172,25 @@ def test_generation_and_model_init_kwargs_map_onto_our_options(tmp_path):
         load_config([*REQUIRED, "--generation_kwargs", "{top_k: 5}"])
 
 
+def test_cosine_with_min_lr_takes_its_floor_once():
+    cfg = load_config([*REQUIRED, "--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs",
+                       '{"min_lr_rate": 0.1}'])
+    assert (cfg.min_lr_rate, cfg.min_lr) == (0.1, None)
+    assert RLOOConfig(output_dir="o", lr_scheduler_type="cosine_with_min_lr", min_lr=1e-7).min_lr == 1e-7
+    with pytest.raises(ConfigError, match="needs one of min_lr or min_lr_rate .got neither."):
+        RLOOConfig(output_dir="o", lr_scheduler_type="cosine_with_min_lr")
+    with pytest.raises(ConfigError, match="needs one of min_lr or min_lr_rate .got min_lr and min_lr_rate."):
+        RLOOConfig(output_dir="o", lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 0.0,
+                                                                                                "min_lr_rate": 0.1})
+    with pytest.raises(ConfigError, match="min_lr_rate is the floor of lr_scheduler_type cosine_with_min_lr, not of "
+                                          "linear"):
+        RLOOConfig(output_dir="o", min_lr_rate=0.1)
+    with pytest.raises(ConfigError, match="num_cycles 2 cannot be honoured here"):
+        RLOOConfig(output_dir="o", lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"num_cycles": 2})
+    with pytest.raises(ConfigError, match="min_lr must be in .0, learning_rate."):
+        RLOOConfig(output_dir="o", learning_rate=1e-6, lr_scheduler_type="cosine_with_min_lr", min_lr=1e-5)
+
+
 def test_command_line_and_python_take_trl_names():
     # a bare TRL flag means true (refused here), an optional bool of ours too
     assert parse_argv(["--gradient_checkpointing", "--seed", "1"], RLOOConfig)[1] == {
