@@ -32,7 +32,7 @@ def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps:
     if kind == "linear":
         after = optax.linear_schedule(learning_rate, 0.0, decay_steps)
     elif kind in ("cosine", "cosine_with_min_lr"):
-        after = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=min_lr_rate if kind != "cosine" else 0.0)
+        after = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=min_lr_rate)  # 0 unless with_min_lr
     elif kind == "constant_with_warmup":
         after = optax.constant_schedule(learning_rate)
     else:
