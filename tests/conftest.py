@@ -3,11 +3,36 @@ matmuls in float32 on every backend, deterministic GPU programs, XLA:CPU's fast-
 (tests/xla_flags.py), `cpu_only` tests skipped on an accelerator, a cache folder of the run's own, the run-wide checks
 of tests/suite_checks.py."""
 
+import ast
+import functools
+import gc
 import os
 import shutil
 import tempfile
 
 import pytest
+
+# CPython 3.11.7 (this machine's) keeps the AST builder's recursion depth per interpreter, not per thread: an
+# `ast.parse` in one thread (pytest importing a test module, traceback's caret anchors) while another thread is
+# inside one, switched to by Python code run within a garbage collection (JAX's gc callback), fails with
+# `SystemError: AST constructor recursion depth mismatch` (CI's runs of d954c37 and 41f954f). With collections paused,
+# no Python code runs inside the builder, so no other thread does. Fixed in CPython 3.11.8; tests/test_conftest.py.
+# `__wrapped__`: this file may be imported twice (by pytest as `conftest`, by a test as `tests.conftest`)
+_ast_parse = getattr(ast.parse, "__wrapped__", ast.parse)
+
+
+@functools.wraps(_ast_parse)
+def _parse_without_collections(*args, **kwargs):
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _ast_parse(*args, **kwargs)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+ast.parse = _parse_without_collections
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

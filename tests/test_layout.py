@@ -4,7 +4,6 @@
 Read from the source (every `import` and `from ... import`, inside functions too), nothing is run."""
 
 import ast
-import gc
 import pathlib
 import re
 
@@ -37,24 +36,11 @@ def modules() -> dict[str, pathlib.Path]:
     return out
 
 
-def parse(path: pathlib.Path) -> ast.Module:
-    """`ast.parse` with the garbage collector paused: CPython 3.11.7's AST builder checks its recursion depth
-    against the thread's, which a collection run inside it (JAX's gc callback) can move: `SystemError: AST
-    constructor recursion depth mismatch` (seen once in CI's run of d954c37; fixed in CPython 3.11.8)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return ast.parse(path.read_text())
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     """The package's modules `name` imports (a name imported from a package that is a module of it: that
     module)."""
     found = set()
-    for node in ast.walk(parse(path)):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("rloo_jax")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rloo_jax"):
@@ -118,7 +104,7 @@ ALLOWED = {"rloo_jax/trainers.py", "rloo_jax/__init__.py"}
 
 def code_lines(path: pathlib.Path) -> list[tuple[int, str]]:
     """The lines of `path` that are code, not docstrings or comments."""
-    tree = parse(path)
+    tree = ast.parse(path.read_text())
     docs = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
