@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rloo_jax import hlo
-from rloo_jax.efficiency import roofline_seconds
+from rloo_jax.efficiency import program_costs, roofline_seconds
 from rloo_jax.mesh import per_chip_bytes
 from rloo_jax.tpu import GIB, Chip, Slice, quiet_stderr
 
@@ -449,14 +449,16 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
     after it as `rollout`). `cfg` must be validated for `slc.chips` devices. Platform-dependent options are resolved
     for a TPU and the programs are traced at the run's matmul precision (`rloo_jax.numerics`)."""
     from rloo_jax import build, numerics
+    from rloo_jax.models import abstract_model
     from rloo_jax.tpu import topology_devices
 
     load = os.getloadavg()
     with numerics.kept_matmul_precision():
         assembly = build.assemble(cfg, topology_devices(slc), abstract=True, device_bytes=slc.chip.hbm_bytes)
-        out(numerics.describe(cfg, assembly.cfg, "tpu"))
-        cfg, shapes, state = assembly.cfg, assembly.shapes(), assembly.abstract_state()
-        costs = expected_costs(assembly, shapes, slc.chips)
+        out(assembly.prepared.description)
+        cfg, shapes, state = assembly.cfg, assembly.shapes, assembly.abstract_state()
+        costs = program_costs(assembly, shapes, slc.chips,
+                              [abstract_model(folder, "reward").config for folder in assembly.prepared.reward_models])
         compile_set = [*assembly.compile_set(shapes), assembly.programs.layout_program()]
         reward_models = [p for p in compile_set if p.name.startswith("reward_model_")]
         # resident whatever runs: the train state and the reward models' weights (the trainer keeps both on the chips)
@@ -475,7 +477,7 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
             report.estimated_seconds = report.roofline(slc.chip)
             lines.setdefault(phase_of.get(program.name, program.name), []).append(report)
     reshard = lines.pop("rollout_layout")[0]
-    settings = assembly.settings(shapes)
+    settings = run_settings(assembly, shapes)
     if reward_models:  # their weights per chip, resident in every program's figure
         settings["reward_model_bytes_per_chip"] = [per_chip_bytes(p.args[0]) for p in reward_models]
     host = {"cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load],
@@ -484,63 +486,33 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
                   tokens_per_step=n * (shapes.prompt_length + c), host=host)
 
 
-def expected_costs(assembly: Any, shapes: Any, chips: int) -> dict[str, tuple[float, float]]:
-    """What the model needs of each program, per chip (`rloo_jax.efficiency`): {program: (model FLOPs per call,
-    the decode loop's floor in bytes per step (NaN: no decode loop))}, for the programs of `Assembly.compile_set`
-    (width-suffixed names; update plans share their width's figure)."""
+def run_settings(assembly: Any, shapes: Any) -> dict[str, Any]:
+    """What the run of `assembly` (`rloo_jax.build.Assembly`) is, as compile-only's report records it: the model,
+    the meshes, the batch and its lengths, the dtypes and execution options, the algorithm's own settings
+    (`cfg.report_settings`), the value and device reward models' bytes per chip, the adapters."""
     import jax
 
-    from rloo_jax.efficiency import Transformer, causal_pairs, forward_flops
-
-    cfg, prepared, scfg = assembly.cfg, assembly.prepared, assembly.programs.cfg
-    model = Transformer.of(prepared.model.config, cfg.quant_spec)
-    b, p, c, g = shapes.prompts, shapes.prompt_length, cfg.max_completion_length, cfg.num_generations
-    itemsize = 2 if cfg.bf16 else 4  # the compute dtype: the sampler's matrices and KV caches
-    tensor = 1 if assembly.rollout_mesh is None else assembly.rollout_mesh.shape["tensor"]
-
-    def decode_floor(prompts: int, group: int) -> float:
-        """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
-        sampler's tensor parallelism splits it) and its share of the KV caches."""
-        weights = model.weight_bytes(itemsize) / tensor  # (a QLoRA base's codes at their 4 or 8 bits)
-        return weights + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
-
-    # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed); a value
-    # model's and a device reward model's forwards (PPO)
-    passes = scfg.algorithm.needs_reference + scfg.recompute
-    heads = [dataclasses.replace(Transformer.of(m.config), unembed_params=m.config.hidden_size)  # D x 1 head
-             for m in (prepared.value_model, prepared.device_reward_model) if m is not None]
-    # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
-    # gradients (2 forwards) and the adapters, trained matrices of their own, 6 FLOPs per parameter and token
-    adapter_params = sum(x.size for x in jax.tree.leaves(assembly.policy.params)) if cfg.use_peft else 0
-    critic = heads[0] if prepared.value_model is not None else None
-
-    def finish_flops(width: int) -> float:
-        return passes * model.batch_forward(b, p, g, width) + sum(h.batch_forward(b, p, g, width) for h in heads)
-
-    def update_flops(width: int) -> float:
-        base = (2 if cfg.use_peft else 3) * model.batch_forward(b, p, g, width)
-        if critic is not None:  # the value model: forward + backward, trained whole
-            base += 3 * critic.batch_forward(b, p, g, width)
-        return cfg.resolved_num_iterations * (base + 6.0 * adapter_params * model.tokens(b, p, g, width))
-
-    costs = {"sample": (model.sampling(b, p, g, c) / chips, decode_floor(b, g))}
-    for w in shapes.widths:
-        at = "" if w == shapes.widths[0] else f"@{w}"
-        costs[f"finish{at}"] = (finish_flops(w) / chips, math.nan)
-        costs[f"update{at}"] = (update_flops(w) / chips, math.nan)
-    if shapes.eval_prompts:
-        eb, ge = shapes.eval_prompts, cfg.resolved_num_generations_eval
-        costs["eval_sample"] = (model.sampling(eb, p, ge, c) / chips, decode_floor(eb, ge))
-        if prepared.device_reward_model is not None:
-            costs["eval_scores"] = (heads[-1].batch_forward(eb, p, ge, c) / chips, math.nan)
-    n = b * g
-    width = -(-(p + c) // cfg.prompt_bucket) * cfg.prompt_bucket  # prompt + completion, as the texts are padded
-    for i, folder in enumerate(prepared.reward_models):
-        from rloo_jax.models import abstract_model
-
-        rm_config = abstract_model(folder, "reward").config
-        t = Transformer.of(rm_config)  # its head: D x 1 at one position per row
-        flops = forward_flops(t.layer_params, t.num_layers, rm_config.hidden_size, t.attention_width,
-                              tokens=n * width, scored=n, pairs=n * causal_pairs(0, width, t.window))
-        costs[f"reward_model_{i}"] = (flops / chips, math.nan)
-    return costs
+    cfg, state = assembly.cfg, assembly.abstract_state()
+    axes = ("data", "fsdp", "tensor")
+    settings = {
+        "model": cfg.model_name_or_path, "mesh": dict(zip(axes, cfg.mesh_shape, strict=True)),
+        "prompts_per_generation": shapes.prompts,
+        "completions_per_generation": shapes.prompts * cfg.num_generations,
+        "prompt_length": shapes.prompt_length, "max_completion_length": cfg.max_completion_length,
+        **assembly.options, "mu_dtype": cfg.mu_dtype, "matmul_precision": cfg.matmul_precision,
+        "recompute_old_logps": assembly.programs.cfg.recompute,
+        "rollout_mesh": dict(zip(axes, (assembly.rollout_mesh or assembly.mesh).devices.shape, strict=True)),
+        "per_device_train_batch_size": cfg.per_device_train_batch_size,
+        "steps_per_generation": cfg.resolved_steps_per_generation,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "num_iterations": cfg.resolved_num_iterations, "algorithm": cfg.ALGORITHM,
+        **cfg.report_settings(),  # the algorithm's own (GRPO: loss_type; PPO: its batching and models)
+    }
+    if state.value_params is not None:
+        settings["value_model_bytes_per_chip"] = per_chip_bytes(state.value_params)
+    if state.reward_params is not None:
+        settings["reward_model_bytes_per_chip_on_device"] = per_chip_bytes(state.reward_params)
+    if cfg.use_peft:
+        settings.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
+                        trainable_params=sum(x.size for x in jax.tree.leaves(assembly.policy.params)))
+    return settings

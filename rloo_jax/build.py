@@ -27,8 +27,7 @@ from rloo_jax.config import TrainConfig
 from rloo_jax.data import PromptEncoder, load_prompt_dataset
 from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.given import Given
-from rloo_jax.mesh import host_memory, make_mesh, per_chip_bytes, reshaped, rollout_mesh_shape
-from rloo_jax.metrics import check_report_to
+from rloo_jax.mesh import host_memory, make_mesh, reshaped, rollout_mesh_shape
 from rloo_jax.models import hf
 from rloo_jax.optimizer import make_optimizer
 from rloo_jax.policy import Policy, policy
@@ -65,6 +64,8 @@ class Prepared:
     device_reward_names: list[str] = dataclasses.field(default_factory=list)  # its name in the metrics
     tool_use: ToolUse | None = None  # tool calling: rollouts are conversations (rloo_jax.conversations)
     reward_weights: list[float] = dataclasses.field(default_factory=list)  # every reward's, environments' last
+    description: str = ""  # the resolved numerics, starred where the platform chose them (`numerics.describe`)
+    total_steps: int | None = None  # the run's steps; None: not known (compile-only without max_steps: no dataset)
 
     def __post_init__(self) -> None:
         if not self.reward_weights:
@@ -74,15 +75,18 @@ class Prepared:
 def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None, platform: str | None = None
             ) -> Prepared:
     """Resolve the config for the platform (`platform`; default: a TPU slice's when `abstract`, else JAX's backend:
-    `numerics.for_platform`, the run's matmul precision set, the models' options), resolve the demo, load tokenizer,
-    policy, data and reward functions (and PPO's value and reward models); check the first batch encodes.
+    `numerics.for_platform`, the run's matmul precision set, the models' options), resolve the demo, load the
+    tokenizer and the data (before the models: a data error costs no model load), apply the algorithm's hooks
+    (its sources, its tokenizer, the run's steps), load the policy (and PPO's value and reward models) and the reward
+    functions; check the first batch encodes.
 
     `abstract`: the policy and reward models as shapes from their `config.json` (no weights read), no dataset;
     Python reward functions are still imported (a wrong name fails here, as in training). `given`: objects
     that replace what the config names (the Python API).
     """
     platform = platform or ("tpu" if abstract else jax.default_backend())
-    cfg = numerics.for_platform(cfg, platform)  # platform-dependent options: what runs, is printed and is recorded
+    given_cfg, cfg = cfg, numerics.for_platform(cfg, platform)  # platform-dependent: what runs, is printed, recorded
+    description = numerics.describe(given_cfg, cfg, platform)
     numerics.use_matmul_precision(cfg.matmul_precision)
     options = numerics.model_options(cfg, platform)
     if not abstract and platform == "cpu" and options["remat_policy"] == "full_offloaded":
@@ -93,8 +97,6 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     sources = cfg.reward_sources[len(device_paths):] if given.reward_funcs is None else list(given.reward_funcs)
     environments_reward = getattr(cfg, "uses_tools", False) and (given.environment_factory is not None
                                                                   or cfg.environment_factory)
-    if sources or device_paths or not environments_reward:  # an environment's get_reward may be the only reward
-        cfg.require_sources(len(device_paths) + len(sources))
     if cfg.trust_remote_code:
         logger.warning("note: trust_remote_code has no effect; rloo_jax never runs code shipped with a model")
     model_path, dataset = cfg.policy_path, cfg.dataset_name
@@ -125,9 +127,24 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     tokenizer = (hf.load_tokenizer(tokenizer_dir, padding_side="left") if given.tokenizer is None
                  else hf.given_tokenizer(given.tokenizer))
     eos = hf.eos_token_ids(model_dir, tokenizer)
-    cfg.prepare_tokenizer(tokenizer)
     if not eos:
         raise ConfigError(f"the tokenizer of {model_path} has no eos_token; completions could never end")
+    train_ds, eval_ds = None, {}
+    if not abstract:  # the data before the models: a data error costs no model load
+        train_ds = given.train_dataset
+        if given.eval_dataset is not None:
+            eval_ds = dict(given.eval_dataset) if isinstance(given.eval_dataset, dict) else {"": given.eval_dataset}
+        where = {"config": cfg.dataset_config, "tfds_data_dir": cfg.tfds_data_dir}
+        if train_ds is None:
+            train_ds = load_prompt_dataset(local_dataset(dataset), cfg.dataset_train_split, **where)
+        if cfg.eval_steps and not eval_ds:
+            eval_ds = {"": load_prompt_dataset(local_dataset(dataset), cfg.dataset_test_split, **where)}
+    # the algorithm's needs (the entry points checked the sources already; here with the objects given)
+    if sources or device_paths or not environments_reward:  # an environment's get_reward may be the only reward
+        cfg.require_sources(len(device_paths) + len(sources))
+    cfg.prepare_tokenizer(tokenizer)
+    total = (cfg.total_steps(len(train_ds)) if train_ds is not None
+             else cfg.max_steps if cfg.max_steps > 0 else None)
     # on a mesh the weights wait in host memory until the train state shards them (a whole 8B model in bf16 does
     # not fit one 16 GB chip); on one device they load there directly
     with host_memory() if cfg.device_count > 1 and not abstract else contextlib.nullcontext():
@@ -149,16 +166,7 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     encoder = PromptEncoder(tokenizer, cfg.max_prompt_length, cfg.prompt_bucket, cfg.chat_template_kwargs,
                             None if tool_use is None else tool_use.prompt_tools,
                             None if tool_use is None else tool_use.chat_template)
-    train_ds, eval_ds = None, {}
-    if not abstract:
-        train_ds = given.train_dataset
-        if given.eval_dataset is not None:
-            eval_ds = dict(given.eval_dataset) if isinstance(given.eval_dataset, dict) else {"": given.eval_dataset}
-        where = {"config": cfg.dataset_config, "tfds_data_dir": cfg.tfds_data_dir}
-        if train_ds is None:
-            train_ds = load_prompt_dataset(local_dataset(dataset), cfg.dataset_train_split, **where)
-        if cfg.eval_steps and not eval_ds:
-            eval_ds = {"": load_prompt_dataset(local_dataset(dataset), cfg.dataset_test_split, **where)}
+    if train_ds is not None:
         encoder(train_ds[:1])  # fails early on a missing chat template or an empty prompt
     reward_funcs = reward_functions(cfg, sources, given.reward_tokenizers, options, abstract)
     weights = list(cfg.resolved_reward_weights)
@@ -169,13 +177,12 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
         if not reward_funcs and not device_paths:
             raise ConfigError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
                               "environment defines a `get_reward` method.")
-    check_report_to(cfg.report_to)
     return Prepared(
         cfg, platform, options, tokenizer, model, train_ds, eval_ds, encoder, reward_funcs,
         cfg.sampler_stop_ids(tokenizer, eos),
         reward_models, model_dir, adapter_dir, value_model, device_reward[0] if device_reward else None,
         [os.path.basename(os.path.normpath(str(path))) or "reward_model" for _, path in heads[bool(value_path):]],
-        tool_use, weights,
+        tool_use, weights, description, total,
     )
 
 
@@ -212,6 +219,7 @@ class Assembly:
     mesh: jax.sharding.Mesh | None  # None: one device, plain jit
     rollout_mesh: jax.sharding.Mesh | None  # the sampler's layout over the same devices
     programs: Programs
+    shapes: Shapes  # the programs' batch shapes for the widest prompts
 
     def init_state(self) -> TrainState:
         """The fresh train state, placed on the programs' shardings."""
@@ -226,66 +234,11 @@ class Assembly:
     def _roles(self) -> tuple[nnx.State | None, nnx.State | None]:
         return (None if self.value is None else self.value[1]), (None if self.reward is None else self.reward[1])
 
-    def shapes(self, prompt_length: int | None = None) -> Shapes:
-        """The batch shapes of every program the loop runs for prompts `prompt_length` wide (default: the widest,
-        max_prompt_length rounded up to prompt_bucket): the generation batch, each completion width the reference
-        pass and the update may run at, the update plans the run's generation batches take, the evaluation batch
-        and the reference sync."""
-        cfg = self.cfg
-        g_eval = cfg.resolved_num_generations_eval
-        sync = cfg.reference_sync
-        scfg = self.programs.cfg
-        plans = (None,) if self.programs.step.algorithm.step_unit == "generation" else run_plans(
-            self.total_steps, scfg.micro_per_generation, cfg.gradient_accumulation_steps)
-        return Shapes(
-            prompts=cfg.prompts_per_generation,
-            prompt_length=cfg.compiled_prompt_length if prompt_length is None else prompt_length,
-            widths=completion_widths(cfg.max_completion_length, cfg.completion_bucket),
-            num_rewards=len(self.prepared.reward_weights) - len(cfg.device_reward_paths),
-            plans=plans,
-            eval_prompts=cfg.eval_batch_size // g_eval if cfg.eval_steps else 0,
-            eval_sampling=dataclasses.replace(self.programs.cfg.sampling, num_generations=g_eval)
-            if cfg.eval_steps else None,
-            sync_alpha=None if sync is None else sync[1],
-            suffix_widths=suffix_buckets(cfg.max_completion_length, cfg.tool_suffix_bucket) if scfg.multi_turn
-            else (),
-            pause_at=(cfg.tool_batch_rows or 0) if scfg.multi_turn else 0,
-        )
-
-    def settings(self, shapes: Shapes) -> dict[str, Any]:
-        """What the run is, as compile-only's report records it: the model, the meshes, the batch and its lengths,
-        the dtypes and execution options, the algorithm's own settings (`cfg.report_settings`), the value and
-        device reward models' bytes per chip, the adapters."""
-        cfg, state = self.cfg, self.abstract_state()
-        axes = ("data", "fsdp", "tensor")
-        settings = {
-            "model": cfg.model_name_or_path, "mesh": dict(zip(axes, cfg.mesh_shape, strict=True)),
-            "prompts_per_generation": shapes.prompts,
-            "completions_per_generation": shapes.prompts * cfg.num_generations,
-            "prompt_length": shapes.prompt_length, "max_completion_length": cfg.max_completion_length,
-            **self.options, "mu_dtype": cfg.mu_dtype, "matmul_precision": cfg.matmul_precision,
-            "recompute_old_logps": self.programs.cfg.recompute,
-            "rollout_mesh": dict(zip(axes, (self.rollout_mesh or self.mesh).devices.shape, strict=True)),
-            "per_device_train_batch_size": cfg.per_device_train_batch_size,
-            "steps_per_generation": cfg.resolved_steps_per_generation,
-            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-            "num_iterations": cfg.resolved_num_iterations, "algorithm": cfg.ALGORITHM,
-            **cfg.report_settings(),  # the algorithm's own (GRPO: loss_type; PPO: its batching and models)
-        }
-        if state.value_params is not None:
-            settings["value_model_bytes_per_chip"] = per_chip_bytes(state.value_params)
-        if state.reward_params is not None:
-            settings["reward_model_bytes_per_chip_on_device"] = per_chip_bytes(state.reward_params)
-        if cfg.use_peft:
-            settings.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
-                            trainable_params=sum(x.size for x in jax.tree.leaves(self.policy.params)))
-        return settings
-
     def compile_set(self, shapes: Shapes | None = None) -> list[Program]:
-        """Exactly the programs the loop runs for `shapes` (default: `shapes()`), each with its abstract inputs and
-        shardings, ready to lower: `Programs.compile_set`, then each host reward model's forward (sharded like the
-        policy, as the trainer runs it)."""
-        shapes = self.shapes() if shapes is None else shapes
+        """Exactly the programs the loop runs for `shapes` (default: the widest prompts'), each with its abstract
+        inputs and shardings, ready to lower: `Programs.compile_set`, then each host reward model's forward (sharded
+        like the policy, as the trainer runs it)."""
+        shapes = self.shapes if shapes is None else shapes
         programs = self.programs.compile_set(shapes)
         options = self.options
         n = shapes.prompts * self.cfg.num_generations
@@ -314,8 +267,7 @@ def assemble(
     cfg, platform = prepared.cfg, prepared.platform
     mesh = None if devices is None and cfg.device_count == 1 else make_mesh(*cfg.mesh_shape, devices=devices)
     rollout_mesh = None if mesh is None else reshaped(mesh, rollout_mesh_shape(cfg, prepared.model, device_bytes))
-    total = (cfg.total_steps(len(prepared.train_ds)) if prepared.train_ds is not None
-             else cfg.max_steps if cfg.max_steps > 0 else None)
+    total = prepared.total_steps
     # the updates of one step share its learning rate (PPO: the scheduler steps once per PPO update, as TRL)
     optimizer, schedule = make_optimizer(cfg, total or 1, platform, updates_per_step=cfg.updates_per_step)
     pol = policy(cfg, prepared.model, prepared.adapter_dir)
@@ -325,5 +277,23 @@ def assemble(
     programs = Programs(pol.graphdef, optimizer, step_config(cfg, sampling, prepared.tokenizer), mesh=mesh,
                         ref_graphdef=pol.ref_graphdef, rollout_mesh=rollout_mesh,
                         value_graphdef=value and value[0], reward_graphdef=reward and reward[0])
+    # the batch shapes of every program the loop runs, for the widest prompts (max_prompt_length rounded up to
+    # prompt_bucket; `dataclasses.replace(shapes, prompt_length=...)` for narrower ones): the generation batch, each
+    # completion width the reference pass and the update may run at, the update plans the run's generation batches
+    # take, the evaluation batch, the reference sync, a multi-turn rollout's turn widths
+    scfg, g_eval, sync = programs.cfg, cfg.resolved_num_generations_eval, cfg.reference_sync
+    shapes = Shapes(
+        prompts=cfg.prompts_per_generation,
+        prompt_length=cfg.compiled_prompt_length,
+        widths=completion_widths(cfg.max_completion_length, cfg.completion_bucket),
+        num_rewards=len(prepared.reward_weights) - len(cfg.device_reward_paths),
+        plans=(None,) if scfg.algorithm.step_unit == "generation" else run_plans(
+            total, scfg.micro_per_generation, cfg.gradient_accumulation_steps),
+        eval_prompts=cfg.eval_batch_size // g_eval if cfg.eval_steps else 0,
+        eval_sampling=dataclasses.replace(scfg.sampling, num_generations=g_eval) if cfg.eval_steps else None,
+        sync_alpha=None if sync is None else sync[1],
+        suffix_widths=suffix_buckets(cfg.max_completion_length, cfg.tool_suffix_bucket) if scfg.multi_turn else (),
+        pause_at=(cfg.tool_batch_rows or 0) if scfg.multi_turn else 0,
+    )
     return Assembly(cfg, platform, prepared.options, prepared, pol, value, reward, optimizer, schedule, total, mesh,
-                    rollout_mesh, programs)
+                    rollout_mesh, programs, shapes)

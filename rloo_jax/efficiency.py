@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -197,3 +198,63 @@ def roofline_seconds(amounts: tuple[float, ...], rates: tuple[float, ...]) -> fl
     if any(math.isnan(a) for a in amounts):
         return math.nan
     return max(a / r for a, r in zip(amounts, rates, strict=True) if not math.isnan(r))
+
+
+def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: list[Any]
+                  ) -> dict[str, tuple[float, float]]:
+    """What the model needs of each program of a run, per chip: {program: (model FLOPs per call, the decode loop's
+    floor in bytes per step (NaN: no decode loop))}, for the programs of `rloo_jax.build.Assembly.compile_set` over
+    `chips` for `shapes` (width-suffixed names; update plans share their width's figure); `reward_model_configs`:
+    the host reward models' `ModelConfig`s (compile-only's `rloo_jax.aot.compile_run` sets these figures against
+    the compiler's)."""
+    import jax
+
+    cfg, prepared, scfg = assembly.cfg, assembly.prepared, assembly.programs.cfg
+    model = Transformer.of(prepared.model.config, cfg.quant_spec)
+    b, p, c, g = shapes.prompts, shapes.prompt_length, cfg.max_completion_length, cfg.num_generations
+    itemsize = 2 if cfg.bf16 else 4  # the compute dtype: the sampler's matrices and KV caches
+    tensor = 1 if assembly.rollout_mesh is None else assembly.rollout_mesh.shape["tensor"]
+
+    def decode_floor(prompts: int, group: int) -> float:
+        """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
+        sampler's tensor parallelism splits it) and its share of the KV caches."""
+        weights = model.weight_bytes(itemsize) / tensor  # (a QLoRA base's codes at their 4 or 8 bits)
+        return weights + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
+
+    # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed); a value
+    # model's and a device reward model's forwards (PPO)
+    passes = scfg.algorithm.needs_reference + scfg.recompute
+    heads = [dataclasses.replace(Transformer.of(m.config), unembed_params=m.config.hidden_size)  # D x 1 head
+             for m in (prepared.value_model, prepared.device_reward_model) if m is not None]
+    # forward + backward (activation and weight gradients: 3 forwards); with LoRA the frozen base has no weight
+    # gradients (2 forwards) and the adapters, trained matrices of their own, 6 FLOPs per parameter and token
+    adapter_params = sum(x.size for x in jax.tree.leaves(assembly.policy.params)) if cfg.use_peft else 0
+    critic = heads[0] if prepared.value_model is not None else None
+
+    def finish_flops(width: int) -> float:
+        return passes * model.batch_forward(b, p, g, width) + sum(h.batch_forward(b, p, g, width) for h in heads)
+
+    def update_flops(width: int) -> float:
+        base = (2 if cfg.use_peft else 3) * model.batch_forward(b, p, g, width)
+        if critic is not None:  # the value model: forward + backward, trained whole
+            base += 3 * critic.batch_forward(b, p, g, width)
+        return cfg.resolved_num_iterations * (base + 6.0 * adapter_params * model.tokens(b, p, g, width))
+
+    costs = {"sample": (model.sampling(b, p, g, c) / chips, decode_floor(b, g))}
+    for w in shapes.widths:
+        at = "" if w == shapes.widths[0] else f"@{w}"
+        costs[f"finish{at}"] = (finish_flops(w) / chips, math.nan)
+        costs[f"update{at}"] = (update_flops(w) / chips, math.nan)
+    if shapes.eval_prompts:
+        eb, ge = shapes.eval_prompts, cfg.resolved_num_generations_eval
+        costs["eval_sample"] = (model.sampling(eb, p, ge, c) / chips, decode_floor(eb, ge))
+        if prepared.device_reward_model is not None:
+            costs["eval_scores"] = (heads[-1].batch_forward(eb, p, ge, c) / chips, math.nan)
+    n = b * g
+    width = -(-(p + c) // cfg.prompt_bucket) * cfg.prompt_bucket  # prompt + completion, as the texts are padded
+    for i, rm_config in enumerate(reward_model_configs):
+        t = Transformer.of(rm_config)  # its head: D x 1 at one position per row
+        flops = forward_flops(t.layer_params, t.num_layers, rm_config.hidden_size, t.attention_width,
+                              tokens=n * width, scored=n, pairs=n * causal_pairs(0, width, t.window))
+        costs[f"reward_model_{i}"] = (flops / chips, math.nan)
+    return costs

@@ -47,6 +47,7 @@ from rloo_jax.metrics import (
     JsonlWriter,
     Sinks,
     TokenRecords,
+    check_report_to,
     console_line,
     drop_records_after,
     json_safe,
@@ -224,9 +225,10 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
     start_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     cfg = for_this_machine(cfg)
     enable_compilation_cache(cfg.compilation_cache_dir if cfg.compilation_cache else None)
+    check_report_to(cfg.report_to)  # the trackers importable, before the models load (compile-only reports none)
     assembly = assemble(cfg, given=given)  # the config resolved for the platform: what runs, is printed and is recorded
     if jax.process_index() == 0:
-        print(numerics.describe(cfg, assembly.cfg, assembly.platform))
+        print(assembly.prepared.description)
     cfg, prepared = assembly.cfg, assembly.prepared
     place = Placement(assembly.mesh)
     place_reward_models(prepared.reward_funcs, place.mesh)  # host reward models sharded like the policy

@@ -17,7 +17,7 @@ from tests.xla_flags import forced_devices
 ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = r'''
-import json, sys
+import dataclasses, json, sys
 import jax, jax.numpy as jnp, numpy as np
 from rloo_jax import build, loop
 from rloo_jax.algorithms import CONFIGS
@@ -46,7 +46,7 @@ for name, extra in EXTRA.items():
     aot.abstract_state()
     widths = sorted({key[2] for key in ran if key[0] == "sample"})
     for p in widths:
-        aot.compile_set(aot.shapes(p))
+        aot.compile_set(dataclasses.replace(aot.shapes, prompt_length=p))
     compiled = aot.programs._programs
     leaves = lambda program: [(str(a.shape), str(a.dtype), str(getattr(a, "sharding", None)))
                               for a in jax.tree.leaves(program.args)]

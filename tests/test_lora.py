@@ -94,7 +94,7 @@ def test_adapter_loads_in_peft_with_our_logits(tiny_checkpoint, tmp_path, name, 
 
 def test_targets_and_scale():
     spec = lora_spec("llama", 8, 16, targets=["q_proj", "o_proj", "q_proj"])
-    assert spec.targets == ("q_proj", "o_proj") and spec.ours("llama") == {"q", "o"} and spec.scale == 2.0
+    assert spec.targets == ("q_proj", "o_proj") and spec.modules == {"q", "o"} and spec.scale == 2.0
     assert lora_spec("llama", 16, 8, use_rslora=True).scale == 2.0  # alpha / sqrt(r)
     assert lora_spec("gpt_neox", 4, 4).targets == ("query_key_value",)
     assert len(lora_spec("llama", 4, 4, targets="all-linear").targets) == 7
@@ -102,8 +102,8 @@ def test_targets_and_scale():
                                              "query_key_value, dense"):
         lora_spec("gpt_neox", 4, 4, targets=["q_proj"])
     # Phi-3's fused modules, under peft's names: one adapter each, its B split into our q/k/v or gate/up
-    assert lora_spec("phi3", 4, 4).targets == ("qkv_proj",) and lora_spec("phi3", 4, 4).ours("phi3") == {"qkv"}
-    assert lora_spec("phi3", 4, 4, targets="all-linear").ours("phi3") == {"qkv", "o", "gate_up", "down"}
+    assert lora_spec("phi3", 4, 4).targets == ("qkv_proj",) and lora_spec("phi3", 4, 4).modules == {"qkv"}
+    assert lora_spec("phi3", 4, 4, targets="all-linear").modules == {"qkv", "o", "gate_up", "down"}
     with pytest.raises(ModelLoadError, match="q_proj is not a projection of a phi3 model; choose from qkv_proj, "
                                              "o_proj, gate_up_proj, down_proj"):
         lora_spec("phi3", 4, 4, targets=["q_proj"])

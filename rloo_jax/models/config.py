@@ -106,15 +106,13 @@ class LoRASpec:
     dropout: float = 0.0
     targets: tuple[str, ...] = ()
     use_rslora: bool = False
+    # our projection names the targets select in the spec's family ("q", "k", "v", "o", "gate", "up", "down"; fused:
+    # "qkv", "gate_up"), resolved once by `lora_spec`
+    modules: frozenset[str] = frozenset()
 
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
-
-    def ours(self, family: str) -> frozenset[str]:
-        """Our projection names the targets select ("q", "k", "v", "o", "gate", "up", "down"; fused: "qkv",
-        "gate_up")."""
-        return frozenset(LORA_MODULES[family][t] for t in self.targets)
 
 
 def lora_spec(
@@ -137,7 +135,8 @@ def lora_spec(
             )
     if rank < 1 or alpha <= 0 or not 0 <= dropout < 1:
         raise ModelLoadError(f"LoRA needs rank >= 1, alpha > 0, 0 <= dropout < 1 (got {rank}, {alpha}, {dropout})")
-    return LoRASpec(int(rank), float(alpha), float(dropout), chosen, bool(use_rslora))
+    return LoRASpec(int(rank), float(alpha), float(dropout), chosen, bool(use_rslora),
+                    frozenset(names[t] for t in chosen))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -197,7 +197,7 @@ def adapter_table(cfg: ModelConfig) -> list[Row]:
     layout is the module weight's with r for din (so a fused B goes through the same `fused_qkv` / `stacked`)."""
     if cfg.lora is None:
         return []
-    ours, rows = cfg.lora.ours(cfg.family), []
+    ours, rows = cfg.lora.modules, []
     for r in weight_table(cfg, "causal_lm"):
         modules = [p.removesuffix(".kernel") for p in r.ours]
         if not all(p.endswith(".kernel") for p in r.ours) or not r.hf.endswith(".weight"):

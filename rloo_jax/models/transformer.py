@@ -336,7 +336,7 @@ def _lora(cfg: ModelConfig, name: str) -> str:
     """Which adapter weights projection `name` holds (see `Dense`)."""
     if cfg.lora is None:
         return ""
-    ours = cfg.lora.ours(cfg.family)
+    ours = cfg.lora.modules
     if (name in ("q", "k", "v") and "qkv" in ours) or (name in ("gate", "up") and "gate_up" in ours):
         return "b"  # a fused projection's part: B only, A shared (`Attention.qkv_lora_a`, `MLP.gate_up_lora_a`)
     return "ab" if name in ours else ""
