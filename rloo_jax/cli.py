@@ -30,7 +30,7 @@ from rloo_jax.config import (
     parse_argv,
     read_yaml,
 )
-from rloo_jax.errors import ConfigError, DataError, RewardError
+from rloo_jax.errors import ConfigError, DataError, RewardError, command_line
 from rloo_jax.models import ModelLoadError
 from rloo_jax.options import check_processes
 from rloo_jax.rewards import format_reward_error
@@ -78,9 +78,10 @@ def load_config(
 ) -> TrainConfig:
     """The validated config of the algorithm `argv` names (`config_class`): `base` values, then the `--config`
     YAML file, then command-line overrides; batch sizes and mesh checked for `device_count` devices in
-    `process_count` processes."""
-    cls, values = _raw_values(argv, base)
-    return from_dict(values, cls, device_count, process_count)
+    `process_count` processes. Its errors name command-line flags (the options came as flags or YAML keys)."""
+    with command_line():
+        cls, values = _raw_values(argv, base)
+        return from_dict(values, cls, device_count, process_count)
 
 
 def config_from_dict(values: dict[str, Any], device_count: int = 1, process_count: int = 1,
@@ -155,6 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     data or model error (one line, nothing written); 1 when training stops on a reward-function error or on
     `max_consecutive_nonfinite` non-finite updates (the last checkpoint is left as it was), or when a
     `--compile_only` program does not fit its slice."""
+    with command_line():  # its errors name flags
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         try:

@@ -189,7 +189,7 @@ class TrainConfig(DistributedOptions, LoggingOptions, OptimizationOptions, Gener
             names = f" ({', '.join(self.reward_sources)})" if num_rewards is None else ""
             raise ConfigError(
                 f"Number of reward weights ({len(self.reward_weights)}) must match number of reward functions "
-                f"({count}{names}); give one weight per function, in that order"
+                f"({count}{names}); give --reward_weights one weight per function, in that order"
             )
 
     # ----------------------------------------------------------------------------------------- the batches

@@ -39,7 +39,7 @@ from flax import nnx
 from rloo_jax import outputs
 from rloo_jax.backend import skip_absent_tpu
 from rloo_jax.checkpoint import saved_steps
-from rloo_jax.errors import ConfigError
+from rloo_jax.errors import ConfigError, command_line
 from rloo_jax.models.export import (
     AUTO,
     DTYPES,
@@ -265,6 +265,11 @@ def export(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done; 2 a bad checkpoint path, config.yaml, base model or option; 1 the hub upload failed."""
+    with command_line():  # its errors name flags
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(format="%(message)s", level=logging.WARNING, force=True)  # absl set a default one first
     logging.getLogger("absl").setLevel(logging.ERROR)

@@ -37,7 +37,7 @@ import numpy as np
 import yaml
 
 from rloo_jax import outputs
-from rloo_jax.errors import ConfigError
+from rloo_jax.errors import ConfigError, assignments
 
 Rule = Callable[[Any, Any], str | None]  # (old, new) -> why it is refused, or None when it is honoured
 
@@ -149,7 +149,7 @@ def changes(saved: dict[str, Any], current: dict[str, Any], step: int, saved_tot
         refused += [(k, REWARD_COUNT) for k in REWARD_SOURCES if k in differ]
     if refused:
         listed = "; ".join(f"{k} {_show(saved[k])} -> {_show(current[k])} ({why})" for k, why in refused)
-        again = " ".join(f"--{k} {_cli(saved[k])}" for k, _ in refused)
+        again = assignments({k: saved[k] for k, _ in refused}, _cli)
         raise ConfigError(f"cannot resume checkpoint {step} with {listed}; resume with {again}, or start a new "
                           "output_dir (export this checkpoint with python -m rloo_jax.export to train it further)")
     out = []

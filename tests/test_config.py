@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from rloo_jax import errors
 from rloo_jax.algorithms import RLOOConfig
 from rloo_jax.cli import config_from_dict, load_config
 from rloo_jax.config import coerce, format_help, parse_argv
@@ -182,7 +183,7 @@ def test_derived_values():
         ({"importance_sampling_correction": True, "importance_sampling_mode": "token_mask"},
          "RLOO's loss is per sequence"),
         ({"importance_sampling_correction": True, "importance_sampling_mode": "sequence_truncate",
-          "importance_sampling_clip_max": None}, "set --importance_sampling_clip_min and/or"),
+          "importance_sampling_clip_max": None}, "set importance_sampling_clip_min and/or"),
     ],
 )
 def test_validation_messages(overrides, message):
@@ -268,3 +269,19 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path):
 def test_cli_help_exits_0():
     r = run_cli("--help")
     assert r.returncode == 0 and "--num_generations" in r.stdout and "--learning_rate" in r.stdout
+
+
+def test_errors_name_options_as_their_reader_writes_them():
+    """The Python API's errors name its arguments, the command line's its flags (issue 39, item 8)."""
+    with pytest.raises(ConfigError) as e:
+        RLOOConfig(num_generations=1)
+    assert "set num_generations 2 or more" in str(e.value) and "--" not in str(e.value)
+    with pytest.raises(ConfigError, match="set --num_generations 2 or more"):
+        load_config(BASE + ["--num_generations", "1"])
+    # TRL's wording for a count mismatch, with the option to fix
+    with pytest.raises(ConfigError, match=r"\(1 \(pkg.mod:f\)\); give --reward_weights one weight per function"):
+        load_config(BASE + ["--reward_weights", "1,2"])
+    with pytest.raises(ConfigError, match=r"give reward_weights one weight per function"):
+        make(reward_weights=[1, 2])
+    # a value that holds a double dash is not a flag
+    assert errors.for_reader("pass x--y or --z") == "pass x--y or z"

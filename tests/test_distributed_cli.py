@@ -81,7 +81,7 @@ def test_global_batch_is_per_device_times_data_shards():
             8, 2,
             "the 1 prompts of a generation batch cannot be split evenly over 2 processes",
         ),
-        ({"data_parallel": 3}, 8, 1, "does not divide the 8 devices.*fix --data_parallel"),
+        ({"data_parallel": 3}, 8, 1, "does not divide the 8 devices.*fix data_parallel"),
         ({"data_parallel": 2, "fsdp": 2, "tensor_parallel": 1}, 8, 1, "needs 4 devices but 8 are available"),
         ({"data_parallel": -1}, 8, 1, "at most one mesh size may be -1"),
         ({"data_parallel": 2}, 1, 1, "does not divide the 1 devices"),

@@ -14,7 +14,7 @@ from rloo_jax.build import local_dataset
 from rloo_jax.cli import main
 from rloo_jax.config import absolute_paths
 from rloo_jax.demo import CACHE_ROOT
-from rloo_jax.errors import ConfigError, DataError
+from rloo_jax.errors import ConfigError, DataError, command_line
 from rloo_jax.export import main as export_main
 from rloo_jax.models import ModelLoadError
 from rloo_jax.models.hf import resolve_checkpoint
@@ -73,7 +73,11 @@ def test_options_that_cannot_be_honoured_are_refused_together():
     assert message.startswith("cannot resume checkpoint 100 with ")
     assert 'model_name_or_path "/m" -> "/n" (the checkpoint holds the weights trained from it' in message
     assert "seed 0 -> 1 (the data order" in message and "temperature" not in message
-    assert "resume with --model_name_or_path /m --seed 0, or start a new output_dir" in message
+    # named as the reader writes them: Python arguments here, flags from the command line
+    assert "resume with model_name_or_path='/m', seed=0, or start a new output_dir" in message
+    with command_line(), pytest.raises(ConfigError) as e:
+        changes(BASE, {**BASE, "seed": 1, "model_name_or_path": "/n"}, 100, 300, 300)
+    assert "resume with --model_name_or_path /m --seed 0, or start a new output_dir" in str(e.value)
     for option, old, new in [("beta", 0.02, 0.0), ("max_grad_norm", 1.0, 0.0)]:
         with pytest.raises(ConfigError, match=f"with {option} "):
             changes(BASE, {**BASE, option: new}, 100, 300, 300)
@@ -81,7 +85,7 @@ def test_options_that_cannot_be_honoured_are_refused_together():
     # another reward function in place of one is honoured; another number of them is not
     (change,) = changes(BASE, {**BASE, "reward_funcs": ["m:g"]}, 100, 300, 300)
     assert change.effect.startswith("the reward changes from this step")
-    with pytest.raises(ConfigError, match="--reward_funcs m:f"):
+    with pytest.raises(ConfigError, match=r"reward_funcs=\['m:f'\]"):
         changes(BASE, {**BASE, "reward_funcs": ["m:f", "n:g"]}, 100, 300, 300)
 
 

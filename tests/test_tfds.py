@@ -168,7 +168,7 @@ def test_errors_name_the_dataset_the_directory_and_the_fix(prepared, tmp_path, m
         f"tfds dataset rloo_prompts/chat is not prepared in {empty}; `tfds:` datasets are never downloaded: prepare "
         'it on a machine with network (python -c "import tensorflow_datasets as tfds; '
         f"tfds.builder('rloo_prompts/chat', data_dir='{empty}', file_format='array_record').download_and_prepare()\") "
-        "or point --tfds_data_dir at the folder that holds it"
+        "or point tfds_data_dir at the folder that holds it"
     )
     assert not os.path.exists(empty)  # nothing was created, let alone downloaded
     with pytest.raises(DataError, match=r"rloo_prompts/chat:2\.0\.0 is not prepared in .* \(found there: "
@@ -178,7 +178,7 @@ def test_errors_name_the_dataset_the_directory_and_the_fix(prepared, tmp_path, m
         load_tfds("rloo_prompts/nope", "train", None, data_dir)
     with pytest.raises(DataError, match=r"not prepared in .*tfds.builder\('mnist', data_dir="):
         load_tfds("mnist", "train", None, empty)  # a catalog dataset: its code is there, its data is not
-    with pytest.raises(DataError, match=r"has no split 'validation' \(splits: train, test\); set --dataset_train"):
+    with pytest.raises(DataError, match=r"has no split 'validation' \(splits: train, test\); set dataset_train"):
         load_tfds("rloo_prompts/plain", "train[:5]+validation", None, data_dir)
     with pytest.raises(DataError, match=r"cannot read split 'train\[:x\]' .*slice as TFDS does: train, train\[:10%\]"):
         load_tfds("rloo_prompts/plain", "train[:x]", None, data_dir)
