@@ -641,6 +641,14 @@ def format_reward_error(error: RewardError) -> str:
     return f"{tb}{error}" if tb else str(error)
 
 
+def check_reward_sources(cfg: Any, sources: list[Any]) -> None:
+    """Resolve `sources` as the run will (`resolve_reward_funcs`: built-in names, functions imported), loading no
+    reward model: an unknown name or a function that cannot be imported fails where the sources are given (a
+    trainer's constructor, as TRL's), not once `train()` has loaded the policy."""
+    builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
+    resolve_reward_funcs(sources, builtins, lambda path: lambda **kwargs: None)
+
+
 def reward_functions(cfg: Any, sources: list[Any], tokenizers: list[Any] | None, options: dict[str, Any],
                      abstract: bool) -> list[RewardFunction]:
     """The host's reward functions of `sources` (callables, names, reward model folders with their `tokenizers`), as

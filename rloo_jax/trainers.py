@@ -45,7 +45,7 @@ from rloo_jax.given import (
     reward_tokenizers,
 )
 from rloo_jax.models import check_checkpoints, loaded
-from rloo_jax.rewards import TrainerState
+from rloo_jax.rewards import TrainerState, check_reward_sources
 
 
 class TrainOutput(NamedTuple):
@@ -131,6 +131,7 @@ class _OnlineTrainer:
                  if loaded.is_torch_module(f) else f for i, f in enumerate(funcs)]
         model, lora_given = policy_folder(model, args, processing_class, peft_config)
         check_checkpoints(model, funcs)  # an unsupported architecture fails here, before anything is loaded
+        check_reward_sources(args, funcs)  # so does an unknown reward name
         overrides: dict[str, Any] = {"model_name_or_path": model, **lora_options(peft_config), **lora_given}
         if funcs != args.reward_sources:  # given here, not named by args (the CLI passes args' own)
             overrides.update(reward_funcs=[describe(f) for f in funcs], reward_model_name_or_path=None)

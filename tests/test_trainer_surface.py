@@ -184,3 +184,14 @@ def test_datasets_and_args_as_trl_keeps_them():
     mapped = rloo_jax.RLOOTrainer("demo", first_letter, args=replace(args, dataloader_num_workers=2),
                                   train_dataset=rows(), eval_dataset=named)
     assert mapped.eval_dataset is named and mapped.args.dataloader_num_workers == 2
+
+
+def test_an_unknown_reward_name_fails_at_construction():
+    """A reward name that is neither a built-in, a function nor a reward model fails in the constructor (TRL loads
+    its reward models there), naming it; a function that cannot be imported too (issue 39, item 8)."""
+    args = rloo_jax.RLOOConfig(output_dir="unused", max_steps=2, **SETTINGS)
+    with pytest.raises(ConfigError, match="no_such_reward"):
+        rloo_jax.RLOOTrainer("demo", ["format", "no_such_reward"], args=args, train_dataset=rows())
+    with pytest.raises(ConfigError, match="no_such_module"):
+        rloo_jax.RLOOTrainer("demo", "no_such_module:f", args=args, train_dataset=rows())
+    assert rloo_jax.RLOOTrainer("demo", ["format", first_letter], args=args, train_dataset=rows()).args.reward_funcs
