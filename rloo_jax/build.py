@@ -259,10 +259,10 @@ def assemble(
     """The run of `cfg`, built once (nothing written): the config resolved for the platform (and the run's matmul
     precision set: callers keep the session's with `numerics.kept_matmul_precision`), `prepare`d, the policy and the
     other models by role, the optimizer over the run's steps, the mesh over `devices` (default: every device JAX
-    sees; one device: no mesh) and the sampler's mesh, and the programs. `abstract`: for compile-only, on a TPU
-    slice's `devices` whose chips hold `device_bytes`: shapes from config.json, no weights, no dataset (`platform`:
-    another than the TPU, for tests). The loop (`rloo_jax.loop.setup`) and compile-only (`rloo_jax.aot.compile_run`)
-    both call this."""
+    sees; one device: no mesh) and the sampler's mesh, the programs and their batch shapes. `abstract`: for
+    compile-only, on a TPU slice's `devices` whose chips hold `device_bytes`: shapes from config.json, no weights,
+    no dataset (`platform`: another than the TPU, for tests). The loop (`rloo_jax.loop.setup`) and compile-only
+    (`rloo_jax.aot.compile_run`) both call this."""
     prepared = prepare(cfg, abstract, given, platform)
     cfg, platform = prepared.cfg, prepared.platform
     mesh = None if devices is None and cfg.device_count == 1 else make_mesh(*cfg.mesh_shape, devices=devices)
