@@ -641,11 +641,16 @@ def format_reward_error(error: RewardError) -> str:
     return f"{tb}{error}" if tb else str(error)
 
 
+def run_builtins(cfg: Any) -> dict[str, Callable[..., Any]]:
+    """The built-in rewards as the run config (`cfg`: its reward options) sets them."""
+    return builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
+
+
 def check_reward_sources(cfg: Any, sources: list[Any]) -> None:
     """Resolve `sources` as the run will (`resolve_reward_funcs`: built-in names, functions imported), loading no
     reward model: an unknown name or a function that cannot be imported fails where the sources are given (a
     trainer's constructor, as TRL's), not once `train()` has loaded the policy."""
-    builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
+    builtins = run_builtins(cfg)
     resolve_reward_funcs(sources, builtins, lambda path: lambda **kwargs: None)
 
 
@@ -655,7 +660,7 @@ def reward_functions(cfg: Any, sources: list[Any], tokenizers: list[Any] | None,
     the run config (`cfg`: its reward options) asks:
     `rloo_jax.rewards.resolve_reward_funcs`, reward models as scorers in the compute dtype (never called in
     compile-only mode: no weights are read)."""
-    builtins = builtin_rewards(cfg.format_reward_pattern, cfg.max_completion_length, cfg.resolved_soft_overlong_cache)
+    builtins = run_builtins(cfg)
     by_source = {s: t for s, t in zip(sources, tokenizers or [], strict=False) if isinstance(s, str) and t is not None}
 
     def scorer(path: str) -> Any:

@@ -110,6 +110,10 @@ class LoRASpec:
     # "qkv", "gate_up"), resolved once by `lora_spec`
     modules: frozenset[str] = frozenset()
 
+    def __post_init__(self) -> None:
+        if self.targets and not self.modules:
+            raise ValueError("a LoRASpec's modules are resolved by lora_spec(family, ...); build it there")
+
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
