@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rloo_jax.metrics import read_jsonl
+from tests.fixtures_models import tools_policy  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,8 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script, summary", [
     ("grpo_letters.py", r"GRPO: 2 steps, last logged reward (\d\.\d+) \(step 2\)"),
     ("ppo_letters.py", r"PPO: 2 steps, last logged score (-?\d\.\d+) \(step 2\)"),
+    ("grpo_tools.py", r"GRPO with tools: 2 steps, reward (\d\.\d+) \(to step 2\) .* tool calls per completion"),
 ])
-def test_example_runs(script, summary, tmp_path):
+def test_example_runs(script, summary, tmp_path, request):
+    if script == "grpo_tools.py":
+        request.getfixturevalue("tools_policy")  # the tool-calling policy, built once per run (the example reads it)
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--max_steps", "2", "--output_dir", str(out)],
