@@ -218,24 +218,25 @@ def test_epoch_strategies_and_ratio_steps_land_where_transformers_puts_them(tmp_
     assert (saved["logging_steps"], saved["save_strategy"], saved["eval_strategy"]) == (3, "epoch", "epoch")
 
 
-def test_an_epoch_a_step_spans_and_ratio_saves_from_the_command_line(tmp_path):
-    """The command line (YAML alike): 4 prompts, 2 a generation batch of 2 micro-batches, gradient_accumulation_steps
-    3 -> 4/3 steps an epoch, 3 epochs = 4 steps: epoch e ends in step ceil(4e/3) = 2, 3, 4, where save_strategy epoch
-    writes its checkpoints; eval_steps 0.5 -> every ceil(4 x 0.5) = 2 steps."""
+def test_an_epoch_a_step_spans_from_the_command_line(tmp_path):
+    """The command line (YAML alike): 3 prompts, 1 a generation batch of 1 micro-batch, gradient_accumulation_steps
+    2 -> 3/2 steps an epoch (a step spans two epochs), 3 epochs = 9 micro-batches = 4 steps: epoch e ends in step
+    ceil(3e/2) = 2, 3 (and 5, past the end), where save_strategy epoch writes its checkpoints, and at the end (4);
+    logging_steps 0.5 -> every ceil(4 x 0.5) = 2 steps."""
     from rloo_jax.cli import main
 
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows(4)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows(3)))
     out = tmp_path / "run"
-    argv = ["--model_name_or_path", "demo", "--dataset_name", str(data), "--dataset_test_split", str(data),
-            "--reward_funcs", "rloo_jax.demo:letters_reward", "--output_dir", str(out), "--num_train_epochs", "3",
-            "--per_device_train_batch_size", "2", "--num_generations", "2", "--steps_per_generation", "2",
-            "--gradient_accumulation_steps", "3", "--per_device_eval_batch_size", "2", "--max_completion_length", "6",
-            "--save_strategy", "epoch", "--eval_steps", "0.5", "--logging_steps", "1", "--compilation_cache", "false"]
+    argv = ["--model_name_or_path", "demo", "--dataset_name", str(data), "--reward_funcs",
+            "rloo_jax.demo:letters_reward", "--output_dir", str(out), "--num_train_epochs", "3",
+            "--per_device_train_batch_size", "2", "--num_generations", "2", "--steps_per_generation", "1",
+            "--gradient_accumulation_steps", "2", "--max_completion_length", "4", "--save_strategy", "epoch",
+            "--logging_steps", "0.5", "--compilation_cache", "false"]
     assert main(argv) == 0
     assert sorted(os.listdir(out / "checkpoints"), key=int) == ["2", "3", "4"]
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "eval_reward" in r] == [2, 4]
-    assert yaml.safe_load((out / "config.yaml").read_text())["eval_steps"] == 2
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] == [2, 4]
+    assert yaml.safe_load((out / "config.yaml").read_text())["logging_steps"] == 2
 
 
 def test_epoch_strategies_need_epochs():

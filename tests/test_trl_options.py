@@ -18,6 +18,7 @@ from rloo_jax.algorithms import GRPOConfig, RLOOConfig
 from rloo_jax.cli import load_config, main
 from rloo_jax.config import field_names, parse_argv
 from rloo_jax.errors import ConfigError
+from rloo_jax.loop import crossed
 from rloo_jax.trl_options import split_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,6 +249,8 @@ def test_epoch_strategies_are_fields_and_trl_spellings_map():
 
     assert (run(2).steps_per_epoch(16), run(2).total_steps(16)) == (8, 24)
     assert (run(3).steps_per_epoch(16), run(3).total_steps(16)) == (Fraction(16, 3), 16)
+    assert [k for k in range(1, 17) if crossed(k - 1, k, Fraction(16, 3))] == [6, 11, 16]  # the loop's test
+    assert crossed(4, 7, Fraction(16, 3)) and not crossed(6, 10, Fraction(16, 3))  # a generation batch of steps
 
 
 def test_warmup_steps_are_steps_or_a_fraction():
