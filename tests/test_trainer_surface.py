@@ -249,3 +249,12 @@ def test_epoch_strategies_need_epochs():
                                               "IterableDataset has none: the run is max_steps long; use "
                                               f"{strategy}='steps'"):
             rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=stream, eval_dataset=rows(2))
+
+    class Environment:  # TRL's environment_factory with no train_dataset: placeholder rows, no epochs either
+        def reset(self, **kwargs):
+            return "hi"
+
+    args = rloo_jax.GRPOConfig(output_dir="unused", max_steps=2, save_strategy="epoch", **SETTINGS)
+    with pytest.raises(ConfigError, match="args.save_strategy='epoch' needs the length of an epoch, and the "
+                                          "environment owns the data"):
+        rloo_jax.GRPOTrainer("demo", first_letter, args=args, environment_factory=Environment)
