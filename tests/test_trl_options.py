@@ -251,6 +251,10 @@ def test_epoch_strategies_are_fields_and_trl_spellings_map():
     assert (run(3).steps_per_epoch(16), run(3).total_steps(16)) == (Fraction(16, 3), 16)
     assert [k for k in range(1, 17) if crossed(k - 1, k, Fraction(16, 3))] == [6, 11, 16]  # the loop's test
     assert crossed(4, 7, Fraction(16, 3)) and not crossed(6, 10, Fraction(16, 3))  # a generation batch of steps
+    from rloo_jax.algorithms import PPOConfig
+
+    ppo = PPOConfig(output_dir="o", gradient_accumulation_steps=4)  # a step is an update: a generation batch
+    assert ppo.steps_per_epoch(10 * ppo.prompts_per_generation + 1) == 10  # the partial batch dropped
 
 
 def test_warmup_steps_are_steps_or_a_fraction():
