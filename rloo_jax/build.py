@@ -14,6 +14,7 @@ over the run's steps, the meshes and the programs (`rloo_jax.programs`).
 
 import contextlib
 import dataclasses
+import fractions
 import logging
 import os
 from typing import Any
@@ -66,6 +67,8 @@ class Prepared:
     reward_weights: list[float] = dataclasses.field(default_factory=list)  # every reward's, environments' last
     description: str = ""  # the resolved numerics, starred where the platform chose them (`numerics.describe`)
     total_steps: int | None = None  # the run's steps; None: not known (compile-only without max_steps: no dataset)
+    # optimizer steps per pass over the training prompts (`TrainConfig.steps_per_epoch`); None: no dataset read
+    steps_per_epoch: fractions.Fraction | None = None
 
     def __post_init__(self) -> None:
         if not self.reward_weights:
@@ -137,7 +140,7 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
         where = {"config": cfg.dataset_config, "tfds_data_dir": cfg.tfds_data_dir}
         if train_ds is None:
             train_ds = load_prompt_dataset(local_dataset(dataset), cfg.dataset_train_split, **where)
-        if cfg.eval_steps and not eval_ds:
+        if cfg.evaluates and not eval_ds:
             eval_ds = {"": load_prompt_dataset(local_dataset(dataset), cfg.dataset_test_split, **where)}
     # the algorithm's needs (the entry points checked the sources already; here with the objects given)
     if sources or device_paths or not environments_reward:  # an environment's get_reward may be the only reward
@@ -145,6 +148,9 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     cfg.prepare_tokenizer(tokenizer)
     total = (cfg.total_steps(len(train_ds)) if train_ds is not None
              else cfg.max_steps if cfg.max_steps > 0 else None)
+    if total is not None:  # logging / save / eval ratios become steps, once: what the loop and config.yaml read
+        cfg = cfg.with_intervals(total)
+    per_epoch = None if train_ds is None else cfg.steps_per_epoch(len(train_ds))
     # on a mesh the weights wait in host memory until the train state shards them (a whole 8B model in bf16 does
     # not fit one 16 GB chip); on one device they load there directly
     with host_memory() if cfg.device_count > 1 and not abstract else contextlib.nullcontext():
@@ -182,7 +188,7 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
         cfg.sampler_stop_ids(tokenizer, eos),
         reward_models, model_dir, adapter_dir, value_model, device_reward[0] if device_reward else None,
         [os.path.basename(os.path.normpath(str(path))) or "reward_model" for _, path in heads[bool(value_path):]],
-        tool_use, weights, description, total,
+        tool_use, weights, description, total, per_epoch,
     )
 
 
@@ -289,8 +295,8 @@ def assemble(
         num_rewards=len(prepared.reward_weights) - len(cfg.device_reward_paths),
         plans=(None,) if scfg.algorithm.step_unit == "generation" else run_plans(
             total, scfg.micro_per_generation, cfg.gradient_accumulation_steps),
-        eval_prompts=cfg.eval_batch_size // g_eval if cfg.eval_steps else 0,
-        eval_sampling=dataclasses.replace(scfg.sampling, num_generations=g_eval) if cfg.eval_steps else None,
+        eval_prompts=cfg.eval_batch_size // g_eval if cfg.evaluates else 0,
+        eval_sampling=dataclasses.replace(scfg.sampling, num_generations=g_eval) if cfg.evaluates else None,
         sync_alpha=None if sync is None else sync[1],
         suffix_widths=suffix_buckets(cfg.max_completion_length, cfg.tool_suffix_bucket) if scfg.multi_turn else (),
         pause_at=(cfg.tool_batch_rows or 0) if scfg.multi_turn else 0,

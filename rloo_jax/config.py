@@ -16,6 +16,7 @@ is the command line's business (`rloo_jax.cli`).
 
 import dataclasses
 import difflib
+import fractions
 import functools
 import json
 import logging
@@ -44,6 +45,7 @@ from rloo_jax.options import (
     RewardOptions,
     _check,
     _require,
+    resolve_interval,
 )
 from rloo_jax.trl_options import Decision, is_trl_only, split_options
 
@@ -152,13 +154,13 @@ class TrainConfig(DistributedOptions, LoggingOptions, OptimizationOptions, Gener
                 "span two generation batches"
             )
         g_eval = self.resolved_num_generations_eval
-        if self.eval_steps is not None and self.eval_batch_size % g_eval:
+        if self.evaluates and self.eval_batch_size % g_eval:
             shards = "" if self.data_shards == 1 else f" x {self.data_shards} data-parallel shards"
             raise ConfigError(
                 f"per_device_eval_batch_size ({self.per_device_eval_batch_size}){shards} must be divisible by the "
                 f"evaluation num_generations ({g_eval}); change one of them"
             )
-        if self.eval_steps is not None and (self.eval_batch_size // g_eval) % self.process_count:
+        if self.evaluates and (self.eval_batch_size // g_eval) % self.process_count:
             raise ConfigError(
                 f"the {self.eval_batch_size // g_eval} prompts of an evaluation batch cannot be split evenly over "
                 f"{self.process_count} processes; change per_device_eval_batch_size or num_generations_eval"
@@ -254,6 +256,26 @@ class TrainConfig(DistributedOptions, LoggingOptions, OptimizationOptions, Gener
         # the micro-batches of the run's generation batches, gradient_accumulation_steps per optimizer step
         return int(math.ceil(self.num_train_epochs * batches)) * self.micro_per_generation \
             // self.gradient_accumulation_steps
+
+    def steps_per_epoch(self, num_prompts: int) -> fractions.Fraction:
+        """Optimizer steps per pass over `num_prompts` prompts, as `total_steps` counts them: the epoch's generation
+        batches (the partial one dropped) times their micro-batches, gradient_accumulation_steps per step. Not a
+        whole number where the micro-batches of an epoch are not a multiple of gradient_accumulation_steps (a
+        step then spans two epochs; epoch e ends in step ceil(e x this))."""
+        batches = num_prompts // self.prompts_per_generation
+        return fractions.Fraction(batches * self.micro_per_generation, self.gradient_accumulation_steps)
+
+    def with_intervals(self, total_steps: int) -> "TrainConfig":
+        """This config with logging_steps, save_steps and eval_steps given as ratios of the run's steps (floats in
+        (0, 1)) resolved into steps over `total_steps`, as transformers' `TrainerState.compute_steps`
+        (`math.ceil(max_steps * ratio)`): what the loop, the checkpoints and config.yaml then read. E.g.
+        logging_steps 0.1 over 25 steps -> 3."""
+        names = ("logging_steps", "save_steps", "eval_steps")
+        changes = {n: resolve_interval(getattr(self, n), total_steps) for n in names
+                   if isinstance(getattr(self, n), float)}
+        if not changes:
+            return self
+        return self.replace(**changes, device_count=self.device_count, process_count=self.process_count)
 
     # ----------------------------------------------------------------------------------------- the algorithm's
     @property
@@ -409,6 +431,9 @@ def coerce(value: Any, annotation: Any, name: str) -> Any:
             raise ConfigError(f"{name} cannot be None")
         if isinstance(value, dict) and dict in non_none:  # `str | dict`: a mapping is the mapping
             return coerce(value, dict, name)
+        if non_none[:2] == [int, float]:  # `int | float` (transformers' steps or ratio): an int when whole
+            number = coerce(value, float, name)
+            return int(number) if number.is_integer() else number
         return coerce(value, non_none[0], name)
     if origin is Literal:
         text = str(value)

@@ -16,6 +16,7 @@ all processes together through orbax).
 """
 
 import dataclasses
+import fractions
 import logging
 import os
 import signal
@@ -89,8 +90,9 @@ def _compile_update(programs: Programs, prompt_shape: tuple[int, int], num_rewar
         logging.getLogger(__name__).debug("ahead-of-time compile of update failed", exc_info=True)
 
 
-def crossed(previous: int, current: int, every: int | None) -> bool:
-    """True when a multiple of `every` lies in (previous, current] (a step may advance by several updates)."""
+def crossed(previous: int, current: int, every: int | fractions.Fraction | None) -> bool:
+    """True when a multiple of `every` lies in (previous, current] (a step may advance by several updates); for a
+    fractional `every` (an epoch of 16/3 steps), when some ceil(e x every) does."""
     return bool(every) and current // every > previous // every
 
 
@@ -184,6 +186,18 @@ class Session:
     ckpt: Checkpointer | None = None
     sinks: Sinks | None = None
     rollouts: JsonlWriter | None = None
+
+    @property
+    def save_every(self) -> int | fractions.Fraction:
+        """Steps between checkpoints: save_steps (a ratio already resolved to steps by `build.prepare`), or with
+        save_strategy epoch an epoch's steps, fractional where a step spans two epochs (epoch e ends in step
+        ceil(e x them), where `crossed` finds it)."""
+        return self.prepared.steps_per_epoch if self.cfg.save_strategy == "epoch" else self.cfg.save_steps
+
+    @property
+    def eval_every(self) -> int | fractions.Fraction | None:
+        """Steps between evaluations: eval_steps (None: none but at the end), or an epoch's (eval_strategy epoch)."""
+        return self.prepared.steps_per_epoch if self.cfg.eval_strategy == "epoch" else self.cfg.eval_steps
 
 
 @dataclasses.dataclass
@@ -413,10 +427,10 @@ def loop(s: Session, stop: "StopRequest") -> bool:
                     f"{s.cfg.max_consecutive_nonfinite}); lower --learning_rate or --max_grad_norm, check the "
                     "rewards for extreme values, or resume from an earlier checkpoint"
                 )
-            if s.prepared.eval_ds and (crossed(prev, s.step, s.cfg.eval_steps) or (last and s.cfg.eval_steps)
+            if s.prepared.eval_ds and (crossed(prev, s.step, s.eval_every) or (last and s.cfg.evaluates)
                                   or evaluate_now):
                 evaluate_all(s, progress)
-            if crossed(prev, s.step, s.cfg.save_steps) or last or stop_requested() or save_now:
+            if crossed(prev, s.step, s.save_every) or last or stop_requested() or save_now:
                 save(s)
             progress.update(task, completed=s.step)
     stopped = stop_requested()
@@ -697,8 +711,8 @@ def evaluate_run(cfg: TrainConfig, given: Given | None = None) -> dict[str, floa
     with numerics.kept_matmul_precision():
         s = setup(cfg, given)
         if not s.prepared.eval_ds:
-            raise ConfigError("evaluate() needs an evaluation set: pass eval_dataset, or set args.eval_steps to "
-                              "evaluate on dataset_test_split")
+            raise ConfigError("evaluate() needs an evaluation set: pass eval_dataset, or set args.eval_steps (or "
+                              "eval_strategy='epoch') to evaluate on dataset_test_split")
         try:
             resume(s)
             return evaluate_all(s)

@@ -4,6 +4,7 @@
 `rloo_jax.config.TrainConfig` composes them (as MaxText composes its config); an algorithm's config adds its own
 group (`rloo_jax.algorithms.<name>_config`)."""
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,6 +40,25 @@ def _at_least_one(cfg: Any, *names: str, optional: bool = False) -> None:
             _check(value is None or value >= 1, name, "must be >= 1 or None", value)
         else:
             _check(value >= 1, name, "must be >= 1", value)
+
+
+def _check_interval(cfg: Any, name: str) -> None:
+    """`name` (logging_steps, save_steps, eval_steps) is transformers' interval: an integer >= 1 (steps) or a float
+    in (0, 1) (a ratio of the run's steps); eval_steps may be None."""
+    value = getattr(cfg, name)
+    if value is None and name == "eval_steps":
+        return
+    ok = isinstance(value, int) and value >= 1 or isinstance(value, float) and 0 < value < 1
+    _check(ok, name, "must be an integer >= 1 (steps) or a float in (0, 1) (a ratio of the run's steps)" +
+           (" or None" if name == "eval_steps" else ""), value)
+
+
+def resolve_interval(value: int | float | None, total_steps: int) -> int | None:
+    """A logging / eval / save interval in steps: a ratio in (0, 1) of `total_steps` as transformers'
+    `TrainerState.compute_steps` rounds it (`math.ceil(max_steps * ratio)`), an integer as given. 0.1 of 25 -> 3."""
+    if value is None or value >= 1:
+        return value if value is None else int(value)
+    return math.ceil(total_steps * value)
 
 
 def _require(value: Any, message: str) -> None:
@@ -648,10 +668,11 @@ class LoggingOptions:
         "(gs://bucket/run, s3://...; needs gcsfs / s3fs). A run started again with the same output_dir resumes "
         "there (docs/outputs.md).",
     )
-    logging_steps: int = _opt(
+    logging_steps: int | float = _opt(
         10,
         "logging",
-        "Log metrics every this many optimizer steps.",
+        "Log metrics every this many optimizer steps; a float in (0, 1) is a ratio of the run's steps "
+        "(ceil(total steps x ratio), as transformers).",
     )
     log_completions: bool = _opt(
         False,
@@ -676,10 +697,17 @@ class LoggingOptions:
         "Extra metric sinks, comma-separated: none, tensorboard (needs the `tensorboard` extra), wandb "
         "(needs the `wandb` extra). metrics.jsonl is always written.",
     )
-    save_steps: int = _opt(
+    save_steps: int | float = _opt(
         500,
         "logging",
-        "Save a checkpoint every this many optimizer steps (and at the end).",
+        "Save a checkpoint every this many optimizer steps (and at the end); a float in (0, 1) is a ratio of the "
+        "run's steps (ceil(total steps x ratio), as transformers).",
+    )
+    save_strategy: Literal["steps", "epoch"] = _opt(
+        "steps",
+        "logging",
+        "When checkpoints are written (transformers' option): steps (every save_steps) or epoch (at the end of "
+        "each pass over the training prompts, save_steps unused); always at the end of the run too.",
     )
     save_total_limit: int | None = _opt(
         None,
@@ -699,10 +727,17 @@ class LoggingOptions:
         "Largest weights file of an export; bigger models are written as model-0000i-of-0000n.safetensors shards "
         "with a model.safetensors.index.json, as transformers 5's save_pretrained (whose default this is).",
     )
-    eval_steps: int | None = _opt(
+    eval_steps: int | float | None = _opt(
         None,
         "logging",
-        "Evaluate on dataset_test_split every this many optimizer steps (None: no evaluation).",
+        "Evaluate on dataset_test_split every this many optimizer steps (None: no evaluation, unless eval_strategy "
+        "is epoch); a float in (0, 1) is a ratio of the run's steps (ceil(total steps x ratio), as transformers).",
+    )
+    eval_strategy: Literal["steps", "epoch"] = _opt(
+        "steps",
+        "logging",
+        "When to evaluate (transformers' option): steps (every eval_steps) or epoch (at the end of each pass over "
+        "the training prompts, eval_steps unused); also at the end of the run. TRL's `no` sets eval_steps None.",
     )
     per_device_eval_batch_size: int = _opt(
         8,
@@ -726,9 +761,16 @@ class LoggingOptions:
         "Show full tracebacks for configuration and data errors.",
     )
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates: every eval_steps, or at each epoch's end (eval_strategy epoch)."""
+        return self.eval_steps is not None or self.eval_strategy == "epoch"
+
     def _check(self) -> None:
-        _at_least_one(self, "logging_steps", "save_steps", "per_device_eval_batch_size")
-        _at_least_one(self, "save_total_limit", "eval_steps", optional=True)
+        _at_least_one(self, "per_device_eval_batch_size")
+        _at_least_one(self, "save_total_limit", optional=True)
+        for name in ("logging_steps", "save_steps", "eval_steps"):
+            _check_interval(self, name)
         _check(_is_size(self.export_max_shard_size), "export_max_shard_size", "must be a size such as 5GB or 500MB",
                self.export_max_shard_size)
         _check(self.num_completions_to_print is None or self.num_completions_to_print >= 0,

@@ -54,9 +54,9 @@ class TrainerState:
     max_steps: int = 0
     epoch: float = 0.0  # fractional epochs of the prompt set done
     num_train_epochs: float = 0.0
-    logging_steps: int = 0
-    eval_steps: int | None = None
-    save_steps: int = 0
+    logging_steps: int | float = 0  # the run's: ratios (floats in (0, 1)) resolved to steps once it starts
+    eval_steps: int | float | None = None
+    save_steps: int | float = 0
     train_batch_size: int = 0  # completions per device per micro-step (per_device_train_batch_size)
     is_world_process_zero: bool = True
     log_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # logged records, this process's run

@@ -143,6 +143,7 @@ class _OnlineTrainer:
                                                 if isinstance(environment_factory, dict)
                                                 else describe(environment_factory))
         if train_dataset is None and environment_factory and not args.dataset_name:
+            refuse_epoch_strategies(args, "the environment owns the data (its rows are placeholders)")
             train_dataset = environment_rows(args, environment_factory)
         if train_dataset is not None:
             overrides["dataset_name"] = IN_MEMORY
@@ -154,8 +155,11 @@ class _OnlineTrainer:
         # checked again for this machine's devices, as the run will use them
         self.args = replace(args, device_count=jax.device_count(), process_count=jax.process_count(),
                                         **overrides)
-        if self.args.eval_steps and eval_dataset is None and train_dataset is not None:
-            raise ConfigError("args.eval_steps is set but no eval_dataset was given; pass one, or eval_steps=None")
+        if isinstance(train_dataset, datasets.IterableDataset):
+            refuse_epoch_strategies(self.args, "an IterableDataset has none")
+        if self.args.evaluates and eval_dataset is None and train_dataset is not None:
+            raise ConfigError(f"{evaluation_option(self.args)} but no eval_dataset was given; pass one, or "
+                              "eval_steps=None (eval_strategy='steps')")
         self.model_name_or_path = model
         self._reward_sources = funcs
         self._tokenizer = processing_class
@@ -495,8 +499,9 @@ class PPOTrainer(_OnlineTrainer):
             raise ConfigError("train_dataset is required (or set args.dataset_name to a dataset to load)")
         self.args = replace(args, device_count=jax.device_count(), process_count=jax.process_count(), **overrides)
         self.args.require_sources(len(self.args.reward_sources))
-        if self.args.eval_steps and eval_dataset is None and train_dataset is not None:
-            raise ConfigError("args.eval_steps is set but no eval_dataset was given; pass one, or eval_steps=None")
+        if self.args.evaluates and eval_dataset is None and train_dataset is not None:
+            raise ConfigError(f"{evaluation_option(self.args)} but no eval_dataset was given; pass one, or "
+                              "eval_steps=None (eval_strategy='steps')")
         self.model_name_or_path = policy
         self._reward_sources = funcs or []
         self._tokenizer = processing_class
@@ -544,6 +549,21 @@ def environment_rows(cfg: TrainConfig, factory: Any) -> list[dict[str, Any]]:
                           "be set to a positive value to define the training length.")
     machine = training.for_this_machine(cfg)
     return [{"prompt": [{"role": "user", "content": ""}]}] * machine.prompts_per_generation
+
+
+def evaluation_option(cfg: TrainConfig) -> str:
+    """What asks `cfg` to evaluate, as a ConfigError names it."""
+    return "args.eval_strategy is 'epoch'" if cfg.eval_strategy == "epoch" else "args.eval_steps is set"
+
+
+def refuse_epoch_strategies(cfg: TrainConfig, why: str) -> None:
+    """ConfigError when save_strategy or eval_strategy is `epoch` but the training data has no epochs (`why`): the
+    run is max_steps long, so an interval in steps (or a ratio of max_steps) is what applies."""
+    for strategy, steps in (("save_strategy", "save_steps"), ("eval_strategy", "eval_steps")):
+        if getattr(cfg, strategy) == "epoch":
+            raise ConfigError(f"args.{strategy}='epoch' needs the length of an epoch, and {why}: the run is max_steps "
+                              f"long; use {strategy}='steps' with {steps}=N steps or a ratio of max_steps (e.g. "
+                              f"{steps}=0.25)")
 
 
 def prompts_needed(cfg: TrainConfig) -> int | None:

@@ -100,8 +100,37 @@ def _debug(v: Any) -> dict[str, Any]:
                       "tracebacks of configuration and data errors")
 
 
-def _eval_strategy(v: Any) -> dict[str, Any]:
-    return {"eval_steps": None} if _text(getattr(v, "value", v)) == "no" else {}
+def _strategy(name: str, taken: tuple[str, ...], why: str) -> Callable[[Any], dict[str, Any]]:
+    """transformers' IntervalStrategy / SaveStrategy option `name` (a string or the enum): steps and epoch are the
+    field's values; `no` (where taken) turns evaluation off (eval_steps None); others are refused, saying `why`."""
+
+    def translate(v: Any) -> dict[str, Any]:
+        text = _text(getattr(v, "value", v))
+        if text not in taken:
+            raise ConfigError(f"{name}={v!r} cannot be honoured here: {why} (accepted: {', '.join(taken)})")
+        return {"eval_steps": None} if text == "no" else {name: text}
+
+    return translate
+
+
+_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_xla", "adamw_torch_npu_fused",
+          "adamw_apex_fused", "adamw_anyprecision")
+
+
+def _optim(v: Any) -> dict[str, Any]:
+    """transformers' optimizer names: the AdamW ones are optax AdamW; the 8- and 4-bit ones (bitsandbytes' and
+    torchao's quantised states) are refused saying why and what saves optimizer memory here; others refused."""
+    text = _text(getattr(v, "value", v))
+    if text in _ADAMW:
+        return {}
+    if "8bit" in text or "4bit" in text:
+        raise ConfigError(
+            f"optim={v!r} is not supported here: optax has no 8-bit (or 4-bit) AdamW, and bitsandbytes' quantised "
+            "optimizer states are torch CUDA kernels; to save optimizer memory use --mu_dtype bfloat16 (AdamW's "
+            "first moment in bfloat16), --use_peft (optimizer state for the LoRA adapters only) or --fsdp (the "
+            "state sharded over the devices), or pass optim adamw_torch (optax AdamW in float32)")
+    raise ConfigError(f"optim={v!r} cannot be honoured here: the optimizer is optax AdamW (accepted: an AdamW name: "
+                      f"{', '.join(_ADAMW)})")
 
 
 def _same_generation_batch(cfg: Any, v: Any) -> None:
@@ -271,9 +300,10 @@ SHARED: list[tuple[str, str, Decision]] = [
     ("lr_scheduler_kwargs", "lr_scheduler_kwargs", accepted(
         "cosine_with_min_lr's min_lr or min_lr_rate, as those options; num_cycles 0.5 (the half cosine) only",
         takes_text="a dict of min_lr, min_lr_rate, num_cycles 0.5", translate=_lr_scheduler_kwargs)),
-    ("optim", "optim", accepted("the optimizer is optax AdamW", is_one_of(
-        "adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_apex_fused",
-        "adamw_anyprecision"), "an AdamW name (adamw_torch, adamw_torch_fused, ...)")),
+    ("optim", "optim", accepted(
+        "the optimizer is optax AdamW; optax has no 8-bit AdamW (adamw_8bit, adamw_bnb_8bit, paged_adamw_8bit, ... "
+        "are refused naming what saves optimizer memory here: mu_dtype bfloat16, use_peft, fsdp)",
+        takes_text="an AdamW name (adamw_torch, adamw_torch_fused, ...)", translate=_optim)),
     ("optimizer extras", "optim_args optim_target_modules", refused("only AdamW, on every trained parameter", off,
                                                                      "None")),
     ("average_tokens_across_devices", "average_tokens_across_devices",
@@ -305,7 +335,9 @@ SHARED: list[tuple[str, str, Decision]] = [
     ("use_cache", "use_cache", accepted("the sampler always uses its KV cache; the training passes never do")),
     ("torch memory", "torch_empty_cache_steps skip_memory_metrics", accepted(_NO_TORCH)),
     # --- logging and evaluation
-    ("logging", "logging_steps report_to", supported("report_to: none, tensorboard, wandb (metrics.jsonl always)")),
+    ("logging", "logging_steps report_to", supported(
+        "logging_steps as transformers': an integer >= 1 (steps) or a float in (0, 1) (a ratio of the run's steps, "
+        "ceil(total x ratio)); report_to: none, tensorboard, wandb (metrics.jsonl always)")),
     ("run_name", "run_name", supported("the W&B run name")),
     ("logging_strategy", "logging_strategy", accepted("logging is every logging_steps", is_one_of("steps"),
                                                       "steps")),
@@ -315,20 +347,29 @@ SHARED: list[tuple[str, str, Decision]] = [
          "counted as skipped_steps")),
     ("project / trackio", "project trackio_space_id trackio_bucket_id trackio_static_space_id",
      accepted("no Trackio sink; the W&B project comes from WANDB_PROJECT")),
-    ("eval_strategy", "eval_strategy", accepted(
-        "evaluation runs every eval_steps; `no` turns it off", is_one_of("no", "steps"), "no, steps",
-        _eval_strategy)),
-    ("evaluation", "eval_steps per_device_eval_batch_size", supported("reward and length statistics of sampled "
-                                                                      "completions on dataset_test_split")),
+    ("eval_strategy", "eval_strategy", supported(
+        "steps: every eval_steps; epoch: at the end of each pass over the training prompts (its optimizer steps as "
+        "num_train_epochs counts them; not with an IterableDataset: no epochs); `no` sets eval_steps None; also at "
+        "the end of the run", _strategy("eval_strategy", ("no", "steps", "epoch"), "evaluation runs every "
+                                        "eval_steps or at each epoch's end"))),
+    ("evaluation", "eval_steps per_device_eval_batch_size", supported(
+        "reward and length statistics of sampled completions on dataset_test_split; eval_steps as transformers': an "
+        "integer >= 1 (steps) or a float in (0, 1) (a ratio of the run's steps, ceil(total x ratio)); None "
+        "(steps strategy): no evaluation")),
     ("evaluation extras", "prediction_loss_only eval_do_concat_batches eval_use_gather_object "
      "eval_accumulation_steps include_for_metrics batch_eval_metrics",
      accepted("evaluation reports reward and length statistics of sampled completions, not a loss")),
     ("eval timing", "eval_delay eval_on_start", refused("evaluation runs every eval_steps and at the end", off,
                                                         "0 / false")),
     # --- checkpoints and outputs
-    ("save cadence", "save_steps save_total_limit", supported("orbax checkpoints in output_dir/checkpoints")),
-    ("save_strategy", "save_strategy", accepted("checkpoints are written every save_steps and at the end",
-                                                is_one_of("steps"), "steps")),
+    ("save cadence", "save_steps save_total_limit", supported(
+        "orbax checkpoints in output_dir/checkpoints; save_steps as transformers': an integer >= 1 (steps) or a "
+        "float in (0, 1) (a ratio of the run's steps, ceil(total x ratio))")),
+    ("save_strategy", "save_strategy", supported(
+        "steps: every save_steps; epoch: at the end of each pass over the training prompts (not with an "
+        "IterableDataset: no epochs); always at the end of the run too; `no` and `best` are refused",
+        _strategy("save_strategy", ("steps", "epoch"), "a run always writes checkpoints (resume and final/ read "
+                  "them; a larger save_steps writes fewer), and best needs metric_for_best_model, refused here"))),
     ("checkpoint extras", "save_only_model save_on_each_node restore_callback_states_from_checkpoint",
      accepted("a checkpoint always holds what resume needs (policy, optimizer, data position, RNG), written by "
               "every process together")),

@@ -174,7 +174,13 @@ def test_derived_values():
         ({"dataset_name": "tfds:glue/sst2/x"}, r"dataset_name: `tfds:glue/sst2/x` is not a TFDS dataset name"),
         ({"dataset_name": "tfds:glue/cola", "dataset_config": "sst2"}, "names config 'cola' but dataset_config"),
         ({"tfds_data_dir": "gs://b/tfds"}, "tfds_data_dir is only read for `tfds:` datasets .dataset_name is 'd'"),
-        ({"logging_steps": 0}, "logging_steps must be >= 1"),
+        ({"logging_steps": 0}, r"logging_steps must be an integer >= 1 \(steps\) or a float in \(0, 1\)"),
+        ({"save_steps": 2.5}, r"save_steps must be an integer >= 1 \(steps\) or a float in \(0, 1\)"),
+        ({"eval_steps": 1.0001}, r"eval_steps must be an integer >= 1 \(steps\) or a float in \(0, 1\) \(a ratio of "
+                                 r"the run's steps\) or None"),
+        ({"logging_steps": "x"}, "logging_steps must be a number"),
+        ({"per_device_eval_batch_size": 5, "eval_strategy": "epoch"}, "per_device_eval_batch_size .5. must be "
+                                                                      "divisible"),
         ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
         ({"matmul_precision": "highets"}, "did you mean 'highest'"),
         ({"recompute_old_logps": False, "num_iterations": 2}, "recompute_old_logps false: this run is off-policy"),

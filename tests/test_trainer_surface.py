@@ -2,11 +2,13 @@
 callback that raises), `train()`'s `TrainOutput` and the end-of-training record, `evaluate()` with named sets, and
 the trainer's attributes (models, tokenizers, reward functions, state, args)."""
 
+import json
 import os
 from dataclasses import replace
 
 import datasets
 import pytest
+import yaml
 
 import rloo_jax
 from rloo_jax import demo
@@ -195,3 +197,64 @@ def test_an_unknown_reward_name_fails_at_construction():
     with pytest.raises(ConfigError, match="no_such_module"):
         rloo_jax.RLOOTrainer("demo", "no_such_module:f", args=args, train_dataset=rows())
     assert rloo_jax.RLOOTrainer("demo", ["format", first_letter], args=args, train_dataset=rows()).args.reward_funcs
+
+
+def test_epoch_strategies_and_ratio_steps_land_where_transformers_puts_them(tmp_path):
+    """save_strategy / eval_strategy `epoch`: a checkpoint and an evaluation at each epoch's end (6 prompts, 2 a
+    step: 3 steps an epoch, 2 epochs); logging_steps 0.5: every ceil(6 x 0.5) = 3 steps, as transformers'
+    TrainerState.compute_steps resolves it, and config.yaml records the 3 the run used."""
+    out = tmp_path / "epochs"
+    settings = dict(SETTINGS, per_device_train_batch_size=4, num_generations=2, per_device_eval_batch_size=2,
+                    logging_steps=0.5)
+    args = rloo_jax.RLOOConfig(output_dir=str(out), num_train_epochs=2, save_strategy="epoch", eval_strategy="epoch",
+                               **settings)
+    assert rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=rows(6),
+                                eval_dataset=rows(2)).train().global_step == 6
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == [3, 6]
+    assert [r["step"] for r in records if "eval_reward" in r] == [3, 6]
+    assert sorted(os.listdir(out / "checkpoints"), key=int) == ["3", "6"]
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert (saved["logging_steps"], saved["save_strategy"], saved["eval_strategy"]) == (3, "epoch", "epoch")
+
+
+def test_an_epoch_a_step_spans_from_the_command_line(tmp_path):
+    """The command line (YAML alike): 3 prompts, 1 a generation batch of 1 micro-batch, gradient_accumulation_steps
+    2 -> 3/2 steps an epoch (a step spans two epochs), 3 epochs = 9 micro-batches = 4 steps: epoch e ends in step
+    ceil(3e/2) = 2, 3 (and 5, past the end), where save_strategy epoch writes its checkpoints, and at the end (4);
+    logging_steps 0.5 -> every ceil(4 x 0.5) = 2 steps."""
+    from rloo_jax.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows(3)))
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", "demo", "--dataset_name", str(data), "--reward_funcs",
+            "rloo_jax.demo:letters_reward", "--output_dir", str(out), "--num_train_epochs", "3",
+            "--per_device_train_batch_size", "2", "--num_generations", "2", "--steps_per_generation", "1",
+            "--gradient_accumulation_steps", "2", "--max_completion_length", "4", "--save_strategy", "epoch",
+            "--logging_steps", "0.5", "--compilation_cache", "false"]
+    assert main(argv) == 0
+    assert sorted(os.listdir(out / "checkpoints"), key=int) == ["2", "3", "4"]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] == [2, 4]
+    assert yaml.safe_load((out / "config.yaml").read_text())["logging_steps"] == 2
+
+
+def test_epoch_strategies_need_epochs():
+    """An IterableDataset (TRL: max_steps required) has no epochs: save_strategy / eval_strategy `epoch` fail in
+    the constructor, naming the option and what to use."""
+    stream = datasets.Dataset.from_list(rows()).to_iterable_dataset()
+    for strategy in ("save_strategy", "eval_strategy"):
+        args = rloo_jax.RLOOConfig(output_dir="unused", max_steps=2, **{strategy: "epoch"}, **SETTINGS)
+        with pytest.raises(ConfigError, match=f"args.{strategy}='epoch' needs the length of an epoch, and an "
+                                              "IterableDataset has none: the run is max_steps long; use "
+                                              f"{strategy}='steps'"):
+            rloo_jax.RLOOTrainer("demo", first_letter, args=args, train_dataset=stream, eval_dataset=rows(2))
+
+    class Environment:  # TRL's environment_factory with no train_dataset: placeholder rows, no epochs either
+        def reset(self, **kwargs):
+            return "hi"
+
+    args = rloo_jax.GRPOConfig(output_dir="unused", max_steps=2, save_strategy="epoch", **SETTINGS)
+    with pytest.raises(ConfigError, match="args.save_strategy='epoch' needs the length of an epoch, and the "
+                                          "environment owns the data"):
+        rloo_jax.GRPOTrainer("demo", first_letter, args=args, environment_factory=Environment)

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import sys
+from fractions import Fraction
 
 import pytest
 import trl
@@ -17,6 +18,7 @@ from rloo_jax.algorithms import GRPOConfig, RLOOConfig
 from rloo_jax.cli import load_config, main
 from rloo_jax.config import field_names, parse_argv
 from rloo_jax.errors import ConfigError
+from rloo_jax.loop import crossed
 from rloo_jax.trl_options import split_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,7 +129,15 @@ def test_a_trl_yaml_with_its_usual_options_loads(tmp_path, caplog):
         ("push_to_hub: true", "push_to_hub=True is not supported here: nothing is uploaded"),
         ("fp16: true", "fp16=True is not supported here: float16 needs loss scaling"),
         ("optim: sgd", "optim='sgd' cannot be honoured here: the optimizer is optax AdamW .accepted: an AdamW name"),
-        ("eval_strategy: epoch", "eval_strategy='epoch' cannot be honoured here"),
+        ("eval_strategy: best", "eval_strategy='best' cannot be honoured here: evaluation runs every eval_steps or "
+                                "at each epoch's end .accepted: no, steps, epoch."),
+        ("save_strategy: 'no'", "save_strategy='no' cannot be honoured here: a run always writes checkpoints"),
+        ("optim: adamw_8bit", "optim='adamw_8bit' is not supported here: optax has no 8-bit .or 4-bit. AdamW, .* "
+                              "use --mu_dtype bfloat16 .*--use_peft .*--fsdp"),
+        ("optim: paged_adamw_8bit", "optim='paged_adamw_8bit' is not supported here: optax has no 8-bit"),
+        ("logging_steps: 1.5", r"logging_steps must be an integer >= 1 \(steps\) or a float in \(0, 1\) \(a ratio "
+                               r"of the run's steps\) \(got 1.5\); fix --logging_steps"),
+        ("save_steps: 0", r"save_steps must be an integer >= 1 \(steps\) or a float in \(0, 1\)"),
         ("generation_batch_size: 16", r"generation_batch_size=16 is not this run's generation batch .* = 8\)"),
         ("debug: underflow_overflow", "debug: 'underflow_overflow' is one of transformers' torch debug modes"),
     ],
@@ -202,6 +212,49 @@ def test_command_line_and_python_take_trl_names():
     assert (cfg.output_dir, cfg.report_to, cfg.logging_steps, cfg.model_name_or_path) == ("o", ["none"], 5, None)
     with pytest.raises(ConfigError, match="use_vllm=True is not supported"):
         RLOOConfig(use_vllm=True)
+
+
+@pytest.mark.parametrize("name", ["logging_steps", "save_steps", "eval_steps"])
+@pytest.mark.parametrize("ratio, total", [(0.1, 25), (0.25, 10), (0.3, 7), (0.05, 100), (0.999, 3), (0.01, 16)])
+def test_ratio_steps_resolve_as_transformers_does(name, ratio, total):
+    """A float in (0, 1) is a ratio of the run's steps, resolved once the total is known to what transformers'
+    TrainerState.compute_steps (its own code, run here) makes of it; integers stay as given."""
+    from transformers.trainer_callback import TrainerState
+    from transformers.training_args import TrainingArguments
+
+    theirs = TrainerState()
+    theirs.compute_steps(TrainingArguments(output_dir="o", **{name: ratio}), total)
+    cfg = RLOOConfig(output_dir="o", **{name: ratio})
+    assert getattr(cfg, name) == ratio and isinstance(getattr(cfg, name), float)
+    assert getattr(cfg.with_intervals(total), name) == getattr(theirs, name)
+    whole = RLOOConfig(output_dir="o", **{name: 7.0}).with_intervals(total)  # 7.0 is 7 steps
+    assert getattr(whole, name) == 7 and isinstance(getattr(whole, name), int)
+    assert getattr(load_config([*REQUIRED, f"--{name}", str(ratio)]), name) == ratio  # the command line too
+
+
+def test_epoch_strategies_are_fields_and_trl_spellings_map():
+    from transformers.trainer_utils import IntervalStrategy, SaveStrategy
+
+    cfg = RLOOConfig(output_dir="o", save_strategy=SaveStrategy.EPOCH, eval_strategy=IntervalStrategy.EPOCH)
+    assert (cfg.save_strategy, cfg.eval_strategy, cfg.eval_steps, cfg.evaluates) == ("epoch", "epoch", None, True)
+    assert not RLOOConfig(output_dir="o", eval_strategy="no", eval_steps=5).evaluates  # TRL's `no` wins
+    assert not RLOOConfig(output_dir="o").evaluates
+    assert load_config([*REQUIRED, "--save_strategy", "epoch"]).save_strategy == "epoch"
+    # an epoch in optimizer steps, as num_train_epochs counts them: 16 prompts, 2 per generation batch of 2
+    # micro-batches -> 16 micro-batches an epoch; gradient_accumulation_steps 2 -> 8 steps, 3 -> 16/3 (a step spans
+    # two epochs; epoch e ends in step ceil(16 e / 3))
+    def run(gas):
+        return RLOOConfig(output_dir="o", per_device_train_batch_size=2, num_generations=2, steps_per_generation=2,
+                          gradient_accumulation_steps=gas, num_train_epochs=3)
+
+    assert (run(2).steps_per_epoch(16), run(2).total_steps(16)) == (8, 24)
+    assert (run(3).steps_per_epoch(16), run(3).total_steps(16)) == (Fraction(16, 3), 16)
+    assert [k for k in range(1, 17) if crossed(k - 1, k, Fraction(16, 3))] == [6, 11, 16]  # the loop's test
+    assert crossed(4, 7, Fraction(16, 3)) and not crossed(6, 10, Fraction(16, 3))  # a generation batch of steps
+    from rloo_jax.algorithms import PPOConfig
+
+    ppo = PPOConfig(output_dir="o", gradient_accumulation_steps=4)  # a step is an update: a generation batch
+    assert ppo.steps_per_epoch(10 * ppo.prompts_per_generation + 1) == 10  # the partial batch dropped
 
 
 def test_warmup_steps_are_steps_or_a_fraction():

@@ -2,6 +2,7 @@
 clipped policy and value losses, PPO epochs over shuffled mini-batches), its TRL option table and its demo run. The
 math is `rloo_jax.algorithms.ppo`; docs/ppo.md."""
 
+import fractions
 import logging
 import math
 from dataclasses import dataclass
@@ -145,11 +146,11 @@ class PPOConfig(TrainConfig):
         "only at stop_token / stop_token_id.",
     )
     num_generations: int = _opt(1, "generation", "PPO samples one completion per prompt (fixed at 1).")
-    logging_steps: int = _opt(
+    logging_steps: int | float = _opt(
         1,
         "logging",
         "Log metrics every this many PPO updates (TRL 1.12's PPO logs every update, whatever its logging_steps: "
-        "default 1 here).",
+        "default 1 here); a float in (0, 1) is a ratio of the run's updates (rounded up, as transformers).",
     )
     max_grad_norm: float = _opt(0.0, "optimization", "TRL 1.12's PPOTrainer never clips gradients (fixed at 0).")
     missing_eos_penalty: float | None = _opt(
@@ -327,6 +328,10 @@ class PPOConfig(TrainConfig):
             return self.max_steps
         episodes = self.total_episodes or int(self.num_train_epochs * num_prompts)
         return max(1, math.ceil(episodes / self.generation_batch_size))
+
+    def steps_per_epoch(self, num_prompts: int) -> fractions.Fraction:
+        """PPO updates per pass over `num_prompts` prompts: one per generation batch (the partial one dropped)."""
+        return fractions.Fraction(num_prompts // self.prompts_per_generation)
 
     def resolved_stop_token_id(self, tokenizer: Any) -> int | None:
         """The id generation stops at: the tokenizer's EOS for stop_token `eos`, else stop_token_id (TRL)."""
