@@ -60,8 +60,8 @@ class ProgramReport:
     parts: list[ProgramReport] = dataclasses.field(default_factory=list)  # a phase of several programs (`phase`)
 
     @property
-    def flops_ratio(self) -> float:
-        return self.flops / self.model_flops
+    def flops_ratio(self) -> float:  # NaN where the model's FLOPs are counted elsewhere (a multi-turn rollout's)
+        return self.flops / self.model_flops if self.model_flops else math.nan
 
     @property
     def decode_bytes_per_step(self) -> float:
@@ -235,6 +235,43 @@ def phase(name: str, parts: list[ProgramReport]) -> ProgramReport:
     )
 
 
+def decoding(report: ProgramReport, steps: int, chip: Chip) -> ProgramReport:
+    """`report` with its decode loop counted at `steps` iterations. A multi-turn program's loop (`rloo_jax.turns`)
+    stops at a data-dependent pause, not at a counted bound, so the compiler's figures count it once; over a
+    rollout's turns its rows decode at most C tokens (max_completion_length) in all."""
+    loop = report.decode
+    if loop is None:
+        return report
+    extra = loop.per_iteration * ((steps - loop.trips) * loop.runs)
+    out = dataclasses.replace(report, flops=report.flops + extra.flops,
+                              bytes_accessed=report.bytes_accessed + extra.hbm_bytes,
+                              ici_bytes=report.ici_bytes + extra.ici_bytes,
+                              decode=dataclasses.replace(loop, trips=steps))
+    out.estimated_seconds = out.roofline(chip)
+    return out
+
+
+def repeated(report: ProgramReport, times: int) -> ProgramReport:
+    """`report` run `times` times one after the other (its peak once; FLOPs, bytes and seconds `times` over)."""
+    return dataclasses.replace(report, flops=report.flops * times, bytes_accessed=report.bytes_accessed * times,
+                               ici_bytes=report.ici_bytes * times, estimated_seconds=report.estimated_seconds * times,
+                               model_flops=report.model_flops * times, name=f"{report.name} x{times}")
+
+
+def turns_phase(name: str, lines: dict[str, list[ProgramReport]], prefix: str, rounds: int, steps: int,
+                chip: Chip) -> ProgramReport:
+    """A multi-turn rollout as one report line, popped from `lines` (`<prefix>turns_start`, `...turns_resume@<w>`
+    and `...turns_close`, then the line `name`'s programs: `finish`): the first turn with the C decode steps of
+    every turn (`decoding`), `rounds` resumes at the narrowest suffix width (tool results that fit it) without
+    decoding, the close. The wider resumes stay lines of their own (what a longer tool result runs instead)."""
+    start = decoding(lines.pop(f"{prefix}turns_start")[0], steps, chip)
+    widths = sorted((k for k in lines if k.startswith(f"{prefix}turns_resume@")), key=lambda k: int(k.split("@")[1]))
+    resume = repeated(decoding(lines.pop(widths[0])[0], 0, chip), rounds)
+    close = lines.pop(f"{prefix}turns_close")[0]
+    resume.model_flops = close.model_flops = 0.0  # the conversation's model FLOPs are counted at the first turn
+    return phase(name, [start, resume, close, *lines.pop(name, [])])
+
+
 # ------------------------------------------------------------------------------------------------ the report
 STEP_PROGRAMS = ("rollout", "update")  # with each reward model: what every step of the loop runs (the estimate)
 # the report's lines that gather programs the loop runs one after the other (`phase`)
@@ -337,13 +374,13 @@ def table_lines(report: Report) -> list[str]:
     ICI bytes per call, the roofline seconds, compile seconds; then the decode loop against its floor and the
     roofline's assumption and step time."""
     slc, hbm = report.topology, report.topology.chip.hbm_bytes
-    head = (f"{'program':13s} {'resident':>10s} {'temp + code':>12s} {'peak/chip':>10s} {'of HBM':>7s} "
+    head = (f"{'program':15s} {'resident':>10s} {'temp + code':>12s} {'peak/chip':>10s} {'of HBM':>7s} "
             f"{'TFLOP/call':>10s} {'x model':>7s} {'HBM GB':>7s} {'ICI GB':>7s} {'est. s':>7s} {'compile':>8s}")
     lines = [head]
     for p in report.programs:
         resident = max(p.resident_bytes, p.argument_bytes)
         lines.append(
-            f"{p.name:13s} {gib(resident):>10s} {gib(p.temp_bytes + p.code_bytes):>12s} "
+            f"{p.name:15s} {gib(resident):>10s} {gib(p.temp_bytes + p.code_bytes):>12s} "
             f"{gib(p.peak_bytes_per_chip):>10s} "
             f"{100 * p.peak_bytes_per_chip / hbm:6.0f}% {_num(p.flops / 1e12, '10.2f'):>10s} "
             f"{_num(p.flops_ratio, '.2f') + 'x':>7s} {_num(p.bytes_accessed / 1e9, '7.1f'):>7s} "
@@ -477,6 +514,12 @@ def compile_run(cfg: Any, slc: Slice, out: Callable[[str], None] = print) -> Rep
             report.estimated_seconds = report.roofline(slc.chip)
             lines.setdefault(phase_of.get(program.name, program.name), []).append(report)
     reshard = lines.pop("rollout_layout")[0]
+    if "turns_start" in lines:  # a multi-turn rollout: its turns' programs as the rollout line (`turns_phase`)
+        rounds = cfg.max_tool_calling_iterations or 1
+        turns = {"rollout": turns_phase("rollout", lines, "", rounds, c, slc.chip)}
+        if "eval_turns_start" in lines:
+            turns["eval_rollout"] = turns_phase("eval_rollout", lines, "eval_", rounds, c, slc.chip)
+        lines = {**{k: [v] for k, v in turns.items()}, **lines}
     settings = run_settings(assembly, shapes)
     if reward_models:  # their weights per chip, resident in every program's figure
         settings["reward_model_bytes_per_chip"] = [per_chip_bytes(p.args[0]) for p in reward_models]

@@ -245,9 +245,14 @@ def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: 
         at = "" if w == shapes.widths[0] else f"@{w}"
         costs[f"finish{at}"] = (finish_flops(w) / chips, math.nan)
         costs[f"update{at}"] = (update_flops(w) / chips, math.nan)
+    if scfg.multi_turn:  # the prompts prefilled once and the C completion slots decoded or (tool results)
+        # prefilled over the turns: what `sample` needs, counted at the first turn (compile-only's rollout line)
+        costs["turns_start"] = costs["sample"]
     if shapes.eval_prompts:
         eb, ge = shapes.eval_prompts, cfg.resolved_num_generations_eval
         costs["eval_sample"] = (model.sampling(eb, p, ge, c) / chips, decode_floor(eb, ge))
+        if scfg.multi_turn:
+            costs["eval_turns_start"] = costs["eval_sample"]
         if prepared.device_reward_model is not None:
             costs["eval_scores"] = (heads[-1].batch_forward(eb, p, ge, c) / chips, math.nan)
     n = b * g

@@ -30,6 +30,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from rloo_jax.sampling import (
+    DECODE_LOOP,
     SamplingConfig,
     _is_eos,
     _left_align,
@@ -120,7 +121,8 @@ def _decode(model: Any, t: Turns, draws: jax.Array | None, key: jax.Array, cfg: 
         h, cache = model.model.extend(_last_tokens(t)[:, None], t.cursor - 1, running[:, None], t.cache)
         return _emit(t.replace(cache=cache), model.unembed(h[:, 0]), running, draws, key, cfg)
 
-    return jax.lax.while_loop(cond, body, t)
+    with jax.named_scope(DECODE_LOOP):  # compile-only's report finds the loop by this name (`rloo_jax.hlo`)
+        return jax.lax.while_loop(cond, body, t)
 
 
 def _start(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax.Array,
