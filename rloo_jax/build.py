@@ -69,6 +69,8 @@ class Prepared:
     total_steps: int | None = None  # the run's steps; None: not known (compile-only without max_steps: no dataset)
     # optimizer steps per pass over the training prompts (`TrainConfig.steps_per_epoch`); None: no dataset read
     steps_per_epoch: fractions.Fraction | None = None
+    # TRL's rollout_func bound to the trainer (`rloo_jax.external`): the generation batches come from it; else None
+    rollout_func: Any = None
 
     def __post_init__(self) -> None:
         if not self.reward_weights:
@@ -188,7 +190,7 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
         cfg.sampler_stop_ids(tokenizer, eos),
         reward_models, model_dir, adapter_dir, value_model, device_reward[0] if device_reward else None,
         [os.path.basename(os.path.normpath(str(path))) or "reward_model" for _, path in heads[bool(value_path):]],
-        tool_use, weights, description, total, per_epoch,
+        tool_use, weights, description, total, per_epoch, given.rollout_func,
     )
 
 
@@ -280,7 +282,10 @@ def assemble(
     value = None if prepared.value_model is None else nnx.split(prepared.value_model)
     reward = None if prepared.device_reward_model is None else nnx.split(prepared.device_reward_model)
     sampling = sampling_config(cfg, prepared.eos_ids, prepared.tokenizer.pad_token_id, cfg.num_generations)
-    programs = Programs(pol.graphdef, optimizer, step_config(cfg, sampling, prepared.tokenizer), mesh=mesh,
+    step = step_config(cfg, sampling, prepared.tokenizer)
+    if prepared.rollout_func is not None:  # its rollouts carry a tool mask (env_mask; the lengths count it)
+        step = dataclasses.replace(step, multi_turn=True)
+    programs = Programs(pol.graphdef, optimizer, step, mesh=mesh,
                         ref_graphdef=pol.ref_graphdef, rollout_mesh=rollout_mesh,
                         value_graphdef=value and value[0], reward_graphdef=reward and reward[0])
     # the batch shapes of every program the loop runs, for the widest prompts (max_prompt_length rounded up to
@@ -288,6 +293,7 @@ def assemble(
     # completion width the reference pass and the update may run at, the update plans the run's generation batches
     # take, the evaluation batch, the reference sync, a multi-turn rollout's turn widths
     scfg, g_eval, sync = programs.cfg, cfg.resolved_num_generations_eval, cfg.reference_sync
+    turns = scfg.multi_turn and prepared.tool_use is not None  # the sampler's multi-turn rollouts
     shapes = Shapes(
         prompts=cfg.prompts_per_generation,
         prompt_length=cfg.compiled_prompt_length,
@@ -298,8 +304,8 @@ def assemble(
         eval_prompts=cfg.eval_batch_size // g_eval if cfg.evaluates else 0,
         eval_sampling=dataclasses.replace(scfg.sampling, num_generations=g_eval) if cfg.evaluates else None,
         sync_alpha=None if sync is None else sync[1],
-        suffix_widths=suffix_buckets(cfg.max_completion_length, cfg.tool_suffix_bucket) if scfg.multi_turn else (),
-        pause_at=(cfg.tool_batch_rows or 0) if scfg.multi_turn else 0,
+        suffix_widths=suffix_buckets(cfg.max_completion_length, cfg.tool_suffix_bucket) if turns else (),
+        pause_at=(cfg.tool_batch_rows or 0) if turns else 0,
     )
     return Assembly(cfg, platform, prepared.options, prepared, pol, value, reward, optimizer, schedule, total, mesh,
                     rollout_mesh, programs, shapes)

@@ -11,6 +11,7 @@ from rloo_jax.build import Prepared
 from rloo_jax.completions import decode_and_score, encode_rows, score_conversations
 from rloo_jax.conversations import run_conversations
 from rloo_jax.data import eval_batches
+from rloo_jax.external import External, run_rollout_func, score_external
 from rloo_jax.metrics import weighted_rewards
 from rloo_jax.placement import Placement
 from rloo_jax.programs import Programs
@@ -40,7 +41,10 @@ def evaluate(
         rows = place.rows(len(idx))
         batch_key = place.replicate(jax.random.fold_in(key, i))
         context = logs.context(trainer_state or TrainerState())
-        if prepared.tool_use is not None:  # conversations, as in training (single process)
+        if prepared.rollout_func is not None:  # TRL calls the rollout_func for evaluation too
+            ext = external_batch(prepared, place, programs, dataset[idx[rows]], g)
+            sampled, scored = ext.rollout, score_external(prepared.reward_funcs, ext, context)
+        elif prepared.tool_use is not None:  # conversations, as in training (single process)
             conv = run_conversations(programs, state, dataset[idx[rows]], batch_key, prepared.tool_use,
                                      prepared.encoder, sc)
             sampled, scored = conv.rollout, score_conversations(prepared, conv, context)
@@ -68,6 +72,15 @@ def evaluate(
     out["completions/clipped_ratio"] = float(truncated.mean())
     out.update({name: float(np.mean(values)) for name, values in logged.items()})
     return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def external_batch(prepared: Prepared, place: Placement, programs: Programs, rows: dict[str, list[Any]],
+                   g: int) -> External:
+    """A generation batch of `rows` (G completions each) from the run's rollout_func (`rloo_jax.external`)."""
+    cfg, sc = prepared.cfg, programs.cfg.sampling
+    return run_rollout_func(prepared.rollout_func, rows, g, sc.max_new_tokens, cfg.max_prompt_length,
+                            cfg.prompt_bucket, sc.pad_token_id, sc.eos_token_ids or (), prepared.tokenizer, place,
+                            programs.cfg.algorithm.mask_truncated_completions)
 
 
 def eval_prefix(name: str) -> str:

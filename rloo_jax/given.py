@@ -310,3 +310,4 @@ class Given:
     callbacks: list[Any] | None = None  # transformers-style callbacks (rloo_jax.callbacks)
     tools: list[Any] | None = None  # tool callables (TRL's `tools`), in the place of the config's names
     environment_factory: Any = None  # TRL's `environment_factory` (a callable or {name: callable})
+    rollout_func: Callable[[list[Any]], dict[str, Any]] | None = None  # TRL's rollout_func bound to the trainer

@@ -42,7 +42,8 @@ from rloo_jax.config import replace as replace_config
 from rloo_jax.conversations import conversation_record, run_conversations
 from rloo_jax.data import PromptIterator, prompt_texts
 from rloo_jax.errors import ConfigError
-from rloo_jax.evaluation import eval_prefix, evaluate
+from rloo_jax.evaluation import eval_prefix, evaluate, external_batch
+from rloo_jax.external import score_external
 from rloo_jax.given import Given
 from rloo_jax.metrics import (
     JsonlWriter,
@@ -462,6 +463,10 @@ def train_step(s: Session, t0: float, first: bool, plan: UpdatePlan | None = Non
     if s.prepared.tool_use is not None:
         batch, rollout, reference, t_sampled, scored, compiling, conv = conversation_rollout(
             s, rows, key, first, plan, num_rewards, context)
+    elif s.prepared.rollout_func is not None:
+        batch, rollout, reference, t_sampled, scored, compiling = external_rollout(
+            s, rows, first, plan, num_rewards, context)
+        conv = None
     else:
         batch, rollout, reference, t_sampled, scored, compiling = single_turn_rollout(
             s, rows, key, first, plan, num_rewards, context)
@@ -543,6 +548,23 @@ def conversation_rollout(s: Session, rows: dict[str, list[Any]], key: jax.Array,
     t_sampled = time.perf_counter()
     scored = score_conversations(s.prepared, conv, context)
     return batch, rollout, reference, t_sampled, scored, compiling, conv
+
+
+def external_rollout(s: Session, rows: dict[str, list[Any]], first: bool, plan: UpdatePlan | None,
+                     num_rewards: int, context: dict[str, Any]) -> tuple:
+    """TRL's rollout_func (`rloo_jax.external`): the user's function builds the batch's completions on the host, the
+    reference (and old) log-prob passes run at the width that holds the longest, then the rewards with the
+    function's other fields. Returns `single_turn_rollout`'s."""
+    cfg = s.cfg
+    ext = external_batch(s.prepared, s.place, s.programs, rows, cfg.num_generations)
+    batch = ext.batch
+    width = completion_width(ext.width, cfg.max_completion_length, cfg.completion_bucket)
+    compiling = compile_quietly(s.programs, batch.prompt_ids.shape, num_rewards, width, plan) if first else None
+    rollout = s.programs.finish(s.state, ext.rollout, width)
+    reference = ReadyTime(rollout.ref_logps)
+    t_sampled = time.perf_counter()
+    scored = score_external(s.prepared.reward_funcs, ext, context)
+    return batch, rollout, reference, t_sampled, scored, compiling
 
 
 def per_generation(s: Session) -> bool:

@@ -87,6 +87,13 @@ class _OnlineTrainer:
       peft_config: a peft `LoraConfig` (r, lora_alpha, lora_dropout, target_modules, use_rslora), or a dict with
         those names or ours (lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora): trains LoRA
         adapters on the frozen base. Not with a PeftModel or an adapter folder (ConfigError, as TRL refuses it).
+      rollout_func: TRL 1.16 GRPOTrainer's custom generation, `rollout_func(prompts, trainer) -> dict` (also taken
+        by RLOOTrainer): called on the host with each generation batch's prompts (every prompt num_generations times,
+        consecutively; an evaluation batch's num_generations_eval times) and this trainer, in the place of the
+        sampler; returns `prompt_ids`, `completion_ids`, `logprobs` (one list per completion), optional `env_mask`
+        (1: the model's tokens, 0: external ones, out of the loss) and other keys passed to the reward functions
+        (`rloo_jax.external`). The completions of one prompt must share its prompt_ids. Not with tools or
+        environment_factory, nor on several processes.
       callbacks, optimizers, quantization_config: TRL's torch hooks, refused unless None (the step is one jitted
         program; the optimizer is optax AdamW from args; no quantised base yet).
     """
@@ -110,7 +117,10 @@ class _OnlineTrainer:
         peft_config: Any = None,
         tools: Any = None,
         environment_factory: Any = None,
+        rollout_func: Any = None,
     ) -> None:
+        if rollout_func is not None:
+            check_rollout_func(rollout_func, tools, environment_factory)
         given_model = None if isinstance(model, str | os.PathLike) else loaded_policy(model)
         if quantization_config:
             raise ConfigError("quantization_config is not supported: set load_in_4bit / load_in_8bit in args "
@@ -171,13 +181,21 @@ class _OnlineTrainer:
         self.callback_handler = CallbackHandler(callbacks)
         sets = None if eval_dataset is None else eval_sets(eval_dataset, self.args)
         self.given = Given(processing_class, self.train_dataset, sets, funcs, tokenizers,
-                           self.callback_handler.callbacks, tools or None, environment_factory or None)
+                           self.callback_handler.callbacks, tools or None, environment_factory or None,
+                           None if rollout_func is None else self._bound_rollout_func(rollout_func))
         self.state = TrainerState(max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
                                   logging_steps=self.args.logging_steps, eval_steps=self.args.eval_steps,
                                   save_steps=self.args.save_steps,
                                   train_batch_size=self.args.per_device_train_batch_size)
         self.result: training.TrainResult | None = None
         self.callback_handler.call("on_init_end", self.args, self.state)
+
+    def _bound_rollout_func(self, rollout_func: Any) -> Any:
+        """TRL's call: `rollout_func(prompts, trainer)`, the trainer being this object."""
+        def bound(prompts: list[Any]) -> Any:
+            return rollout_func(prompts, self)
+
+        return bound
 
     def train(self, resume_from_checkpoint: Any = None) -> TrainOutput:
         """Train and export final/, as transformers' Trainer: a fresh run, unless `resume_from_checkpoint` is True
@@ -353,7 +371,7 @@ class GRPOTrainer(_OnlineTrainer):
         results are appended to the row's KV cache and decoding goes on; the loss sees the model's tokens only.
       environment_factory: a callable returning an environment (`reset(**row)`, public methods as tools, optional
         `get_reward()`), or {name: callable} picked by the rows' `environment` column (TRL's semantics).
-      rollout_func: refused unless None (a custom generation function is not supported here)."""
+      rollout_func: a custom generation function in the place of the sampler (TRL's; see `_OnlineTrainer`)."""
 
     CONFIG = GRPOConfig
 
@@ -374,16 +392,13 @@ class GRPOTrainer(_OnlineTrainer):
         rollout_func: Any = None,
         environment_factory: Any = None,
     ) -> None:
-        if rollout_func is not None:
-            raise ConfigError("rollout_func is not supported: rollouts come from the JAX sampler (with tools or "
-                              "environment_factory, multi-turn); pass None")
         if (reward_funcs is None or (isinstance(reward_funcs, list | tuple) and not reward_funcs)) and \
                 not environment_factory:
             raise ConfigError("No reward source provided: pass reward_funcs (callables, reward model folders or "
                               "built-in names), or an environment_factory whose environment defines get_reward")
         super().__init__(model, [] if reward_funcs is None else reward_funcs, args, train_dataset, eval_dataset,
                          processing_class, reward_processing_classes, callbacks, optimizers, quantization_config,
-                         peft_config, tools, environment_factory)
+                         peft_config, tools, environment_factory, rollout_func)
 
 
 class PPOTrainer(_OnlineTrainer):
@@ -536,6 +551,21 @@ class PPOTrainer(_OnlineTrainer):
     @classmethod
     def from_args(cls, args: TrainConfig) -> "PPOTrainer":
         return cls(args=args).resuming_on_rerun()
+
+
+def check_rollout_func(rollout_func: Any, tools: Any, environment_factory: Any) -> None:
+    """rollout_func: a callable, not with tools or an environment (TRL runs its tool loop on a rollout_func's
+    completions; not supported here), on one process (it runs on the host, as the tools do)."""
+    if not callable(rollout_func):
+        raise ConfigError(f"rollout_func must be a callable (prompts, trainer) -> dict (got a "
+                          f"{type(rollout_func).__name__})")
+    if tools or environment_factory:
+        raise ConfigError("rollout_func with tools or environment_factory is not supported: pass one or the other "
+                          "(TRL runs its tool loop on a rollout_func's completions; here the tools run in the "
+                          "sampler's multi-turn rollouts only)")
+    if jax.process_count() > 1:
+        raise ConfigError("rollout_func runs on one process here (the host calls it for the whole generation "
+                          "batch); drop --num_processes or the rollout_func")
 
 
 def environment_rows(cfg: TrainConfig, factory: Any) -> list[dict[str, Any]]:
