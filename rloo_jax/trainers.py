@@ -119,8 +119,6 @@ class _OnlineTrainer:
         environment_factory: Any = None,
         rollout_func: Any = None,
     ) -> None:
-        if rollout_func is not None:
-            check_rollout_func(rollout_func, tools, environment_factory)
         given_model = None if isinstance(model, str | os.PathLike) else loaded_policy(model)
         if quantization_config:
             raise ConfigError("quantization_config is not supported: set load_in_4bit / load_in_8bit in args "
@@ -134,6 +132,10 @@ class _OnlineTrainer:
             args = cls(output_dir=f"{os.path.basename(name.rstrip('/'))}-{cls.ALGORITHM.upper()}")
         if not isinstance(args, cls):
             raise ConfigError(f"{type(self).__name__} takes a {cls.__name__} as args (got a {type(args).__name__})")
+        if rollout_func is not None:  # before anything is written
+            check_rollout_func(rollout_func, tools or getattr(args, "tools", None),
+                               environment_factory or getattr(args, "environment_factory", None),
+                               max(jax.process_count(), getattr(args, "num_processes", None) or 1))
         funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
         tokenizers = reward_tokenizers(reward_processing_classes, len(funcs))
         # loaded models: converted and written under output_dir once, then named by their folders like any other
@@ -553,7 +555,7 @@ class PPOTrainer(_OnlineTrainer):
         return cls(args=args).resuming_on_rerun()
 
 
-def check_rollout_func(rollout_func: Any, tools: Any, environment_factory: Any) -> None:
+def check_rollout_func(rollout_func: Any, tools: Any, environment_factory: Any, processes: int) -> None:
     """rollout_func: a callable, not with tools or an environment (TRL runs its tool loop on a rollout_func's
     completions; not supported here), on one process (it runs on the host, as the tools do)."""
     if not callable(rollout_func):
@@ -563,7 +565,7 @@ def check_rollout_func(rollout_func: Any, tools: Any, environment_factory: Any) 
         raise ConfigError("rollout_func with tools or environment_factory is not supported: pass one or the other "
                           "(TRL runs its tool loop on a rollout_func's completions; here the tools run in the "
                           "sampler's multi-turn rollouts only)")
-    if jax.process_count() > 1:
+    if processes > 1:
         raise ConfigError("rollout_func runs on one process here (the host calls it for the whole generation "
                           "batch); drop --num_processes or the rollout_func")
 

@@ -178,6 +178,10 @@ def test_rollout_func_refused_with_tools(model_dir, tmp_path):
         trainer_with(model_dir, tmp_path, make_rollout_func(False, []), tools=[add])
     with pytest.raises(ConfigError, match="rollout_func must be a callable"):
         trainer_with(model_dir, tmp_path, "not a function")
+    with pytest.raises(ConfigError, match="rollout_func runs on one process here"):
+        rj.GRPOTrainer(model=model_dir, reward_funcs=[reward], rollout_func=make_rollout_func(False, []),
+                       args=rj.GRPOConfig(**tp._common(str(tmp_path / "out"), max_steps=1), num_processes=2),
+                       train_dataset=datasets.Dataset.from_dict({"prompt": tp.PROMPTS}))
 
 
 def test_completion_of_covers_the_cases():
@@ -189,3 +193,25 @@ def test_completion_of_covers_the_cases():
     assert ends.any() and not ends.all()
     assert any(tp.EOS in c[:-1] for c in comps)
     assert {len(c) for c in comps} >= {2, tp.C}
+
+
+def test_rloo_trainer_trains_and_evaluates_with_rollout_func(model_dir, tmp_path):
+    """RLOOTrainer takes a rollout_func too; evaluation calls it as TRL does (each evaluation prompt
+    num_generations_eval times), its metrics from the function's completions (lengths: every returned token)."""
+    calls = []
+    tok = tp.tokenizer()
+    args = rj.RLOOConfig(**tp._common(str(tmp_path / "out"), max_steps=2, steps_per_generation=2, beta=0.05,
+                                      eval_steps=2, per_device_eval_batch_size=4, num_generations_eval=2))
+    trainer = rj.RLOOTrainer(model=model_dir, reward_funcs=[reward], processing_class=tok, args=args,
+                             train_dataset=datasets.Dataset.from_dict({"prompt": tp.PROMPTS}),
+                             eval_dataset=datasets.Dataset.from_dict({"prompt": tp.PROMPTS[:2]}),
+                             rollout_func=make_rollout_func(False, calls))
+    trainer.train()
+    train_calls, eval_calls = calls[:-1], calls[-1:]
+    assert train_calls == [[tp.PROMPTS[0]] * tp.G]  # one prompt per generation batch (2 x 2 completions)
+    assert eval_calls == [[p for p in tp.PROMPTS[:2] for _ in range(2)]]
+    lengths = [len(completion_of(tok(p)["input_ids"], i % tp.G)) for i, p in enumerate(eval_calls[0])]
+    evals = [r for r in trainer.state.log_history if "eval_reward" in r]
+    assert len(evals) == 1 and evals[0]["eval_completions/mean_length"] == pytest.approx(np.mean(lengths))
+    train_records = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(train_records) == 2 and np.isfinite(train_records[-1]["loss"])
