@@ -283,8 +283,8 @@ def assemble(
     reward = None if prepared.device_reward_model is None else nnx.split(prepared.device_reward_model)
     sampling = sampling_config(cfg, prepared.eos_ids, prepared.tokenizer.pad_token_id, cfg.num_generations)
     step = step_config(cfg, sampling, prepared.tokenizer)
-    if prepared.rollout_func is not None:  # its rollouts carry a tool mask (env_mask; the lengths count it)
-        step = dataclasses.replace(step, multi_turn=True)
+    if prepared.rollout_func is not None:  # its rollouts carry a tool mask (env_mask: the lengths count it)
+        step = dataclasses.replace(step, multi_turn=True, given_logps=True)
     programs = Programs(pol.graphdef, optimizer, step, mesh=mesh,
                         ref_graphdef=pol.ref_graphdef, rollout_mesh=rollout_mesh,
                         value_graphdef=value and value[0], reward_graphdef=reward and reward[0])

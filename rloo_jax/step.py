@@ -202,6 +202,9 @@ class StepConfig:
     multi_turn: bool = False
     """Rollouts are conversations (``rloo_jax.turns``: tool results between the model's turns): the rollout carries
     a ``tool_mask`` and the completion lengths count the model's tokens only (TRL's tool loop)."""
+    given_logps: bool = False
+    """The rollouts' log-probs come from a user's rollout_func (TRL: ``sampling_per_token_logps``): kept as
+    ``sampler_logps`` (the old ones recomputed) and read by the off-policy mask (TRL's OPSM prefers them)."""
     row_order: bool = False
     """The update takes each micro-batch's rows as an input (``order [updates x gradient_accumulation_steps, rows]``
     int32, drawn on the host: PPO's per-epoch shuffles) instead of cutting the generation batch in order."""
@@ -241,6 +244,8 @@ class StepConfig:
         sampler/trainer correction, which TRL applies to vLLM's samples). On policy without dropout the update's
         forward runs at the sampling parameters and stands in for it: the ratio is exactly 1 and the
         sampler/trainer gap is measured there, at no extra cost."""
+        if self.given_logps:
+            return True
         if self.recompute_old_logps is not None:
             return self.recompute_old_logps
         return not self.on_policy or self.dropout_seed is not None or self.importance_sampling is not None
@@ -669,7 +674,7 @@ class Step:
         loss, algo_metrics, stats = algo.loss(LossInputs(
             logps=logps, entropy=entropy, old_logps=old, mask=mask, advantages=mb["advantages"],
             ref_logps=mb.get("ref_logps"),
-            sampler_logps=mb.get("sampler_logps") if cfg.importance_sampling is not None else None,
+            sampler_logps=mb.get("sampler_logps") if cfg.importance_sampling is not None or cfg.given_logps else None,
             is_weights=is_weights, targets=targets, values=values, num_items=num_items, algo_state=algo_state,
         ))
         metrics.update(algo_metrics)

@@ -88,11 +88,12 @@ def run(side, model, out, env_mask, **options):
 
 
 # off policy (steps_per_generation 4: old log-probs recomputed, the rollout's zeros as the sampler's), with a
-# reference; on policy with env_mask (the external tokens out of the loss, the KL and the lengths)
+# reference; on policy with env_mask (the external tokens out of the loss, the KL and the lengths) and the off-policy
+# sequence mask, which reads the returned log-probs (zeros: far from the policy, so negative-advantage rows drop)
 CASES = {
     "off_policy_beta": dict(env_mask=False, beta=0.04, loss_type="dapo"),
     "on_policy_env_mask": dict(env_mask=True, beta=0.04, loss_type="grpo", gradient_accumulation_steps=4,
-                               mask_truncated_completions=True),
+                               mask_truncated_completions=True, off_policy_mask_threshold=0.5),
 }
 
 
