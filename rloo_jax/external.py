@@ -11,9 +11,9 @@ out of the loss, out of the completion lengths); every other key goes to the rew
 (`values[i]` for a list, the value itself otherwise). Every returned token is in the completion mask (no EOS cut);
 a completion is truncated when its last token is neither an EOS nor pad (with mask_truncated_completions its row
 leaves the loss); completions are decoded whole (`parse_response` when the tokenizer has a response template and the
-prompts are conversational). The returned log-probs are the sampler's: they stand as old log-probs where TRL's rule
-keeps the sampler's (on policy the update's own forward replaces them) and as `sampler_logps` where the old ones are
-recomputed.
+prompts are conversational). The returned log-probs are TRL's `sampling_per_token_logps`: the programs run with
+`StepConfig.given_logps`, which keeps them as `sampler_logps` (the old log-probs recomputed by a training forward,
+used as TRL's rule says: off policy) and gives them to the off-policy sequence mask.
 
 Ours only: the G completions of one prompt must share its prompt_ids (the programs hold one prompt row per group);
 no prompt may be longer than max_prompt_length, no completion longer than max_completion_length (DataError naming
