@@ -219,6 +219,29 @@ def run_conversations(
     return out
 
 
+def transcript(x: Any) -> Any:
+    """A prompt or completion of rollouts.jsonl as one line of text: chat messages as `role: content` joined by
+    ` | `, an assistant turn's tool calls as `-> name(arg=value, ...)`, a tool message as `tool name: result`; a
+    text as it is. Example: [assistant calling multiply(a=7, b=3), tool multiply `21`, assistant `The answer is
+    21.`] -> "assistant: -> multiply(a=7, b=3) | tool multiply: 21 | assistant: The answer is 21."."""
+    if not isinstance(x, list):
+        return x
+    parts = []
+    for m in x:
+        content = m.get("content") or ""
+        if m.get("role") == "tool":
+            parts.append(f"tool {m.get('name') or ''}: {content}".replace("tool : ", "tool: "))
+            continue
+        shown = [content] if content else []
+        for call in m.get("tool_calls") or []:
+            f = call.get("function", call)
+            args = f.get("arguments") or {}
+            args = ", ".join(f"{k}={v!r}" for k, v in args.items()) if isinstance(args, dict) else str(args)
+            shown.append(f"-> {f.get('name')}({args})")
+        parts.append(f"{m.get('role')}: {' '.join(shown)}")
+    return " | ".join(parts)
+
+
 def conversation_record(conv: Conversations, row: int, tool_mask: np.ndarray) -> dict[str, Any]:
     """One completion's conversation for rollouts.jsonl (`metrics.rollout_records`): its assistant turns, its tool
     calls with their results, its token count (the model's and the tools') and tool mask (1: the model's token)."""

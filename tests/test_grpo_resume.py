@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from rloo_jax import demo, demo_tools
+from rloo_jax.conversations import transcript
 from rloo_jax.metrics import read_jsonl
 from tests.fixtures_models import tools_policy  # noqa: F401
 from tests.test_reliability import (
@@ -85,6 +86,9 @@ def test_killed_grpo_qlora_tool_calling_run_with_adaptive_entropy_resumes_bit_id
     calls = [c for r in rollouts for c in r["tool_calls"]]
     assert calls and all(c["name"] == "multiply" and not c["failed"] for c in calls), calls
     assert any(0 in r["tool_mask"] and r["turns"] == 2 for r in rollouts)
+    # as the rollout notebook shows them: the call, its result, the answer
+    shown = next(transcript(r["completion"]) for r in rollouts if r["turns"] == 2)
+    assert shown.startswith("assistant: -> multiply(a=") and " | tool multiply: " in shown, shown
     assert next(r for r in got if "tools/call_frequency" in r)["tools/call_frequency"] > 0
     train = [r for r in got if "entropy_coef" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]

@@ -195,3 +195,22 @@ def test_loss_mask_keeps_the_models_tokens():
     tool = jnp.array([[1, 0, 0, 1, 1], [1, 1, 1, 1, 1]])
     np.testing.assert_array_equal(loss_mask(mask, tool), [[1, 0, 0, 1, 0], [1, 1, 0, 0, 0]])
     assert loss_mask(mask, None) is mask
+
+
+def test_transcript_shows_calls_and_results():
+    from rloo_jax.conversations import transcript
+
+    messages = [
+        {"role": "user", "content": "What is 7 * 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "multiply", "arguments": {"a": 7, "b": 3}}}]},
+        {"role": "tool", "name": "multiply", "content": "21"},
+        {"role": "assistant", "content": "Both:", "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": '{"a": 1'}}]},  # unparsed text
+        {"role": "tool", "content": "{'error': 'bad'}"},
+        {"role": "assistant", "content": "The answer is 21."},
+    ]
+    assert transcript(messages) == (
+        "user: What is 7 * 3? | assistant: -> multiply(a=7, b=3) | tool multiply: 21 | "
+        "assistant: Both: -> add({\"a\": 1) | tool: {'error': 'bad'} | assistant: The answer is 21.")
+    assert transcript("plain text") == "plain text"
