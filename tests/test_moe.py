@@ -1,0 +1,249 @@
+"""Qwen3-MoE (issue 37) against transformers' Qwen3MoeForCausalLM: logits with left padding (all layers routed, and
+a mix of dense and routed layers from `decoder_sparse_step` + `mlp_only_layers`), greedy KV-cache decoding =
+`generate`, export round trip, both spellings of the expert count, the unsupported-option error, the load-balancing
+loss = transformers' `load_balancing_loss_func`, and routing replay (the sampler's routes, replayed by the
+training forward, give the sampler's log-probs)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.numpy import load_file
+from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+from rloo_jax import sampling
+from rloo_jax.logprobs import per_token_logps_from_hidden
+from rloo_jax.models import ModelLoadError, config_from_hf, load_causal_lm, moe, save_pretrained
+from rloo_jax.models.loaded import convert
+from rloo_jax.models.transformer import Routes
+from tests.checkpoints import PAD_ID, build_qwen3_moe
+
+PROMPT_IDS = np.array([[0, 0, 0, 17, 90, 41, 5], [5, 210, 33, 8, 150, 77, 64], [0, 0, 120, 9, 250, 31, 3]], np.int32)
+PROMPT_MASK = (PROMPT_IDS != PAD_ID).astype(np.int32)
+TOL = 1e-5  # float32 logits; measured <= 2e-6
+
+# uniform: every layer routed, 8 experts top-2 renormalised (Qwen3-30B-A3B's norm_topk_prob); mixed: 4 layers,
+# decoder_sparse_step 2 routes layers 1 and 3, mlp_only_layers [3] makes 3 dense again: only layer 1 routed
+CONFIGS = {
+    "uniform": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    "mixed": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=4,
+                  decoder_sparse_step=2, mlp_only_layers=[3]),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    paths = {}
+
+    def get(name):
+        if name not in paths:
+            paths[name] = build_qwen3_moe(tmp_path_factory.mktemp(f"qwen3_moe_{name}"), **CONFIGS[name])
+        return paths[name]
+
+    return get
+
+
+def _hf(path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+def _hf_logits(hf, ids, mask):
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor(np.asarray(ids)).long(),
+                  attention_mask=torch.tensor(np.asarray(mask)).long()).logits.numpy()
+
+
+# ------------------------------------------------------------------------------------------------ the model
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_equal_transformers(checkpoint, name):
+    """Left-padded logits = transformers' in float32, stacked (scan) and unrolled; the mixed model runs unrolled
+    whatever scan_layers says (its blocks differ)."""
+    path = checkpoint(name)
+    ref = _hf_logits(_hf(path), PROMPT_IDS, PROMPT_MASK)
+    for scan in (True, False):
+        model = load_causal_lm(path, scan_layers=scan)
+        assert model.config.sparse_layers == ((True,) * 2 if name == "uniform" else (False, True, False, False))
+        assert model.config.scan_layers == (scan and name == "uniform")
+        ours = np.asarray(model(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK)))
+        diff = np.abs(ours - ref)[PROMPT_MASK == 1].max()
+        print(f"{name} scan={scan}: logits vs transformers max abs diff {diff:.2e}")
+        assert diff <= TOL
+
+
+def test_greedy_decode_equals_generate_and_full_forward(checkpoint):
+    """Prefill + KV-cache decode (the routed MLP on one token per row) = transformers' greedy `generate`."""
+    path, c = checkpoint("uniform"), 8
+    model, hf = load_causal_lm(path), _hf(path)
+    ours = sampling.generate(model, PROMPT_IDS, PROMPT_MASK, key=jax.random.key(0), max_new_tokens=c,
+                             temperature=0.0, pad_token_id=PAD_ID, prompt_bucket=8)
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.from_numpy(PROMPT_IDS).long(),
+                          attention_mask=torch.from_numpy(PROMPT_MASK).long(), do_sample=False, max_new_tokens=c,
+                          eos_token_id=None, pad_token_id=PAD_ID, top_k=None, top_p=None, temperature=None)
+    expected = out[:, PROMPT_IDS.shape[1]:].numpy()
+    ids = np.concatenate([PROMPT_IDS, expected], axis=1)
+    logits = _hf_logits(hf, ids, np.concatenate([PROMPT_MASK, np.ones_like(expected)], axis=1))
+    top2 = np.sort(logits[:, PROMPT_IDS.shape[1] - 1:-1], axis=-1)[..., -2:]
+    assert (top2[..., 1] - top2[..., 0]).min() > 1e-3  # every greedy choice was clear
+    np.testing.assert_array_equal(np.asarray(ours.completion_ids), expected)
+    assert len(set(map(tuple, expected))) == 3
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_export_round_trip(checkpoint, name, tmp_path):
+    """save_pretrained writes transformers' tensors bit for bit (one per expert) and a config.json that
+    transformers and we load back to the same logits."""
+    path = checkpoint(name)
+    model = load_causal_lm(path)
+    out = save_pretrained(model, tmp_path / "export")
+    theirs, ours = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(theirs) == sorted(ours)
+    for k in theirs:
+        np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert hf_cfg["num_local_experts"] == CONFIGS[name]["num_experts"] and "num_experts" not in hf_cfg
+    again = load_causal_lm(out)
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(again)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    hf_again = _hf(out)
+    np.testing.assert_array_equal(_hf_logits(hf_again, PROMPT_IDS, PROMPT_MASK),
+                                  _hf_logits(_hf(path), PROMPT_IDS, PROMPT_MASK))
+
+
+def test_fused_experts_and_hub_spelling(checkpoint):
+    """transformers' in-memory experts (fused `gate_up_proj` / `down_proj`) convert to the same parameters as the
+    file's per-expert tensors, and the hub's `num_experts` reads as transformers 5's `num_local_experts`."""
+    path = checkpoint("mixed")
+    hf = _hf(path)
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in hf.state_dict())
+    a, b = load_causal_lm(path), convert(hf)
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    written = json.loads((path / "config.json").read_text())
+    hub = {k: v for k, v in written.items() if k != "num_local_experts"} | {"num_experts": 4}
+    assert config_from_hf(hub) == config_from_hf(written)
+
+
+@pytest.mark.parametrize("option, value", [("shared_expert_intermediate_size", 32), ("router_type", "expert_choice"),
+                                           ("moe_capacity_factor", 1.25)])
+def test_unsupported_option_fails_at_load_naming_it(checkpoint, tmp_path, option, value):
+    path = checkpoint("uniform")
+    hf = json.loads((path / "config.json").read_text()) | {option: value}
+    with pytest.raises(ModelLoadError, match=option) as e:
+        config_from_hf(hf)
+    assert str(e.value).count("not supported") == 1
+
+
+# ------------------------------------------------------------------------------------------------ aux loss
+def test_load_balancing_loss_equals_transformers():
+    """The per-layer statistics summed over layers = transformers' `load_balancing_loss_func` on the same router
+    logits with an attention mask."""
+    rs = np.random.RandomState(0)
+    layers, b, t, e, k = 3, 2, 5, 8, 2
+    logits = rs.normal(size=(layers, b * t, e)).astype(np.float32) * 2
+    mask = np.array([[0, 1, 1, 1, 1], [1, 1, 1, 0, 0]], np.int32)
+    ref = modeling_qwen3_moe.load_balancing_loss_func(tuple(torch.tensor(x) for x in logits), e, k,
+                                                      torch.tensor(mask)).item()
+    stats = [moe.load_balancing_stats(jnp.asarray(x), jnp.asarray(mask.reshape(-1)), k) for x in logits]
+    counts, probs = (sum(s[i] for s in stats) for i in (0, 1))
+    ours = float(moe.load_balancing_loss(counts, probs, jnp.float32(mask.sum() * layers)))
+    assert abs(ours - ref) <= 1e-6 * abs(ref), (ours, ref)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_forward_aux_loss_equals_transformers(checkpoint, name):
+    """The training forward's load-balancing loss (each prompt once, weighted G times) = transformers' `aux_loss`
+    over the G [prompt; completion] rows (the forward TRL's GRPO takes it from)."""
+    path = checkpoint(name)
+    model, hf = load_causal_lm(path), _hf(path)
+    g = 2
+    comp = np.random.RandomState(3).randint(3, 280, size=(3 * g, 5)).astype(np.int32)
+    cmask = np.ones_like(comp)
+    cmask[1, 3:] = 0
+    _, ours = model.completion_states(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK), jnp.asarray(comp),
+                                      jnp.asarray(cmask))
+    ids = np.concatenate([np.repeat(PROMPT_IDS, g, 0), comp], axis=1)
+    mask = np.concatenate([np.repeat(PROMPT_MASK, g, 0), cmask], axis=1)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(),
+                 output_router_logits=True).aux_loss.item()
+    print(f"{name}: aux loss {float(ours):.6f} vs transformers {ref:.6f}")
+    assert abs(float(ours) - ref) <= 1e-5 * abs(ref)
+
+
+# ------------------------------------------------------------------------------------------------ routing replay
+def _training_logps(model, gen, temperature, routes):
+    h, _ = model.completion_states(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK), gen.completion_ids,
+                                   gen.completion_mask, routes=routes)
+    return per_token_logps_from_hidden(h, model.unembed, gen.completion_ids, temperature)
+
+
+def _used_experts(model, gen, routes):
+    """The experts the training forward routed the completion tokens to, [N, C, L, K]."""
+    m = model.model
+    p_ids, p_mask = jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK)
+    order = jnp.argsort(p_mask, axis=1, stable=True)
+    p_ids, p_mask = jnp.take_along_axis(p_ids, order, 1), jnp.take_along_axis(p_mask, order, 1)
+    *_, routing = m.forward_shared_prompt(p_ids, p_mask, gen.completion_ids, gen.completion_mask, routes=routes)
+    n, c = gen.completion_ids.shape
+    return jnp.moveaxis(routing.experts[:, :, p_ids.shape[1]:].reshape(routing.experts.shape[0], n, c, -1), 0, 2)
+
+
+def test_routing_replay(checkpoint):
+    """The sampler records each token's experts; the training forward replaying them gives the sampler's
+    log-probs (1e-5, float32). A perturbed router (as after an update) routes some completion tokens elsewhere
+    without replay; with replay it keeps the sampler's experts (the gate weights from the new router)."""
+    path = checkpoint("uniform")
+    model = load_causal_lm(path)
+    t = 0.8
+    gen = sampling.generate(model, PROMPT_IDS, PROMPT_MASK, key=jax.random.key(2), max_new_tokens=8,
+                            num_generations=2, temperature=t, pad_token_id=PAD_ID, prompt_bucket=8)
+    routes = gen.routes
+    n, c = gen.completion_ids.shape
+    assert routes.completion.shape == (n, c, 2, 2) and routes.prompt.shape == (3, 8, 2, 2)
+    fed = np.asarray(routes.completion)[:, :-1]
+    assert fed.min() >= 0 and (np.asarray(routes.completion)[:, -1] == -1).all()  # the last token is never fed
+    mask = np.asarray(gen.completion_mask) > 0
+    replayed = np.asarray(_training_logps(model, gen, t, routes))
+    diff = np.abs(replayed - np.asarray(gen.logps))[mask].max()
+    print(f"replay: training vs sampler log-probs max abs diff {diff:.2e}")
+    assert diff <= 1e-5
+    # the training forward's own routing (no replay) agrees with the sampler's on these unperturbed weights
+    np.testing.assert_array_equal(np.asarray(_used_experts(model, gen, None))[:, :-1], fed)
+
+    graphdef, state = nnx.split(model)
+    router = state["model"]["layers"]["mlp"]["router"]
+    router.value = router.value + 0.05 * jax.random.normal(jax.random.key(9), router.value.shape)
+    moved = nnx.merge(graphdef, state)
+    own = np.asarray(_used_experts(moved, gen, None))[:, :-1]
+    kept = np.asarray(_used_experts(moved, gen, routes))[:, :-1]
+    differ = (np.sort(own, -1) != np.sort(fed, -1)).any(-1)  # [N, C-1, L]
+    print(f"perturbed router: {differ.mean():.2%} of (token, layer) routes differ without replay")
+    assert differ.any()
+    np.testing.assert_array_equal(kept, fed)
+    off = load_causal_lm(path, routing_replay=False)
+    np.testing.assert_array_equal(np.asarray(_used_experts(off, gen, routes)), np.asarray(_used_experts(off, gen,
+                                                                                                          None)))
+
+
+def test_routes_fit_other_prompt_widths(checkpoint):
+    """Prompt routes of left-aligned prompts are right-aligned to the training forward's prompt width."""
+    path = checkpoint("uniform")
+    model = load_causal_lm(path)
+    gen = sampling.generate(model, PROMPT_IDS, PROMPT_MASK, key=jax.random.key(2), max_new_tokens=4,
+                            num_generations=1, temperature=0.0, pad_token_id=PAD_ID, prompt_bucket=16)
+    assert gen.routes.prompt.shape[1] == 16  # bucketed wider than P = 7
+    h_wide, _ = model.completion_states(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK), gen.completion_ids,
+                                        gen.completion_mask, routes=gen.routes)
+    narrow = Routes(prompt=gen.routes.prompt[:, -7:], completion=gen.routes.completion)
+    h_narrow, _ = model.completion_states(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK), gen.completion_ids,
+                                          gen.completion_mask, routes=narrow)
+    np.testing.assert_array_equal(np.asarray(h_wide), np.asarray(h_narrow))
