@@ -274,9 +274,11 @@ def assemble(
     value = None if prepared.value_model is None else nnx.split(prepared.value_model)
     reward = None if prepared.device_reward_model is None else nnx.split(prepared.device_reward_model)
     sampling = sampling_config(cfg, prepared.eos_ids, prepared.tokenizer.pad_token_id, cfg.num_generations)
-    programs = Programs(pol.graphdef, optimizer, step_config(cfg, sampling, prepared.tokenizer), mesh=mesh,
-                        ref_graphdef=pol.ref_graphdef, rollout_mesh=rollout_mesh,
-                        value_graphdef=value and value[0], reward_graphdef=reward and reward[0])
+    # the policy's config: a mixture of experts' load-balancing loss weight (`step.router_aux_loss_coef`)
+    step_cfg = step_config(cfg, sampling, prepared.tokenizer, prepared.model.config)
+    programs = Programs(pol.graphdef, optimizer, step_cfg, mesh=mesh, ref_graphdef=pol.ref_graphdef,
+                        rollout_mesh=rollout_mesh, value_graphdef=value and value[0],
+                        reward_graphdef=reward and reward[0])
     # the batch shapes of every program the loop runs, for the widest prompts (max_prompt_length rounded up to
     # prompt_bucket; `dataclasses.replace(shapes, prompt_length=...)` for narrower ones): the generation batch, each
     # completion width the reference pass and the update may run at, the update plans the run's generation batches

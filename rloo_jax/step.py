@@ -35,6 +35,7 @@ from rloo_jax.algorithms.common import (
     importance_sampling_weights,
     sampling_logp_difference,
 )
+from rloo_jax.errors import ConfigError
 from rloo_jax.logprobs import completion_mask, masked_mean, per_token_logps_from_hidden
 from rloo_jax.mesh import BATCH_AXES, constrain_batch
 from rloo_jax.sampling import SamplingConfig, generate_fn
@@ -205,6 +206,9 @@ class StepConfig:
     row_order: bool = False
     """The update takes each micro-batch's rows as an input (``order [updates x gradient_accumulation_steps, rows]``
     int32, drawn on the host: PPO's per-epoch shuffles) instead of cutting the generation batch in order."""
+    router_aux_loss_coef: float = 0.0
+    """A mixture of experts' load-balancing loss (transformers' ``aux_loss`` of the training forward), added to each
+    micro-batch's loss with this weight and logged as ``aux_loss`` (TRL 1.16's GRPO / RLOO); 0: off."""
     logprob_chunk: int = 64
     """Sequence positions unembedded at a time when computing log-probs (bounds the [.., V] logits held: at
     8 rows x 1024 positions and V = 152k, 64 keeps the log-prob pass under 1/8 of the full float32 logits;
@@ -282,8 +286,11 @@ def completion_logps(
     dropout_key: Array | None = None,
     frozen_unembed: bool = False,
     entropy_grad: bool = False,
-) -> Array | tuple[Array, Array]:
-    """Per-token log-probs of the completions under ``params``: ``[N, C]`` float32 (and entropy ``[N, C]``).
+    with_aux_loss: bool = False,
+) -> Array | tuple[Array, ...]:
+    """Per-token log-probs of the completions under ``params``: ``[N, C]`` float32 (and entropy ``[N, C]``; and with
+    ``with_aux_loss`` a mixture of experts' load-balancing loss ``[]``, transformers' ``aux_loss`` of the N
+    ``[prompt; completion]`` rows, last).
 
     prompt_ids/mask ``[N, P]`` (one prompt per completion) or ``[B, P]`` with ``N = B*G`` (prompt ``r // G`` for
     completion ``r``); completion ids/mask ``[N, C]``. Each distinct prompt row runs through the model once and its
@@ -297,12 +304,17 @@ def completion_logps(
     model = nnx.merge(graphdef, params)
     if completion_ids.shape[0] % prompt_ids.shape[0]:
         raise ValueError(f"{completion_ids.shape[0]} completions do not split into {prompt_ids.shape[0]} prompts")
-    hidden = model.completion_hidden_states(prompt_ids, prompt_mask, model_inputs(completion_ids, completion_mask),
-                                            completion_mask, dropout_key)
-    return per_token_logps_from_hidden(
+    hidden, aux = model.completion_states(prompt_ids, prompt_mask, model_inputs(completion_ids, completion_mask),
+                                          completion_mask, dropout_key)
+    out = per_token_logps_from_hidden(
         hidden, model.unembed, completion_ids, temperature, chunk_size=chunk, with_entropy=with_entropy,
         frozen_unembed=frozen_unembed, entropy_grad=entropy_grad,
     )
+    if not with_aux_loss:
+        return out
+    if aux is None:
+        raise ValueError("with_aux_loss: the model has no routed layers (no load-balancing loss)")
+    return (*out, aux) if with_entropy else (out, aux)
 
 
 def model_inputs(completion_ids: Array, completion_mask: Array) -> Array:
@@ -642,11 +654,12 @@ class Step:
         the algorithm's loss."""
         cfg, algo = self.cfg, self.algorithm
         whole = params if frozen is None else nnx.merge_state(frozen, params)  # gradients reach `params` only
-        logps, entropy = completion_logps(
+        with_aux = cfg.router_aux_loss_coef != 0.0
+        logps, entropy, *aux = completion_logps(
             self.graphdef, whole, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"],
             cfg.temperature, cfg.logprob_chunk, with_entropy=True, dropout_key=key,
             frozen_unembed=frozen is not None,  # LoRA: the head is part of the frozen base
-            entropy_grad=algo.entropy_grad,
+            entropy_grad=algo.entropy_grad, with_aux_loss=with_aux,
         )
         values = None
         if value_params is not None:
@@ -674,6 +687,9 @@ class Step:
         ))
         metrics.update(algo_metrics)
         metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), mask)
+        if with_aux:  # TRL: loss + coef * aux_loss / gas per micro-batch; the step's gradient here is their mean
+            loss = loss + cfg.router_aux_loss_coef * aux[0]
+            metrics["aux_loss"] = jax.lax.stop_gradient(aux[0])
         return loss, (metrics, stats)
 
     def _trained_loss(
@@ -932,11 +948,29 @@ def micro_batch_order(rng: np.random.RandomState, rows: int, epochs: int, micro_
     return np.concatenate([rng.permutation(rows).reshape(-1, micro_rows) for _ in range(epochs)]).astype(np.int32)
 
 
-def step_config(cfg: Any, sampling: SamplingConfig, tokenizer: Any = None) -> StepConfig:
+def router_aux_loss_coef(option: float | None, model: Any) -> float:
+    """TRL 1.16's rule for the load-balancing loss weight: the option, else the policy's config's
+    `router_aux_loss_coef` (a mixture of experts; 0.0 for a dense model); a non-zero option on a dense model is a
+    ConfigError. `model`: the policy's `ModelConfig` (None: unknown, dense). Example: (None, Qwen3-MoE with 0.001)
+    -> 0.001; (0.0, it) -> 0.0 (off); (0.01, a dense model) -> ConfigError."""
+    moe = model is not None and model.is_moe
+    if option and not moe:
+        raise ConfigError(f"router_aux_loss_coef is set to {option} but the policy is not a mixture-of-experts "
+                          "model, so there is no auxiliary loss to weight")
+    if option is None:
+        return float(model.router_aux_loss_coef) if moe else 0.0
+    return float(option) if moe else 0.0
+
+
+def step_config(cfg: Any, sampling: SamplingConfig, tokenizer: Any = None, model: Any = None) -> StepConfig:
     """The step's static options from the run config: the sampler's (`sampling`), the algorithm the config names
     (`cfg.make_algorithm`, with the policy's `tokenizer`), the batching
     and the algorithm's own (`cfg.step_options()`: where the old log-probs come from, the sampler/trainer
-    correction, PPO's log-prob temperature and row order)."""
+    correction, PPO's log-prob temperature and row order; the load-balancing loss weight, resolved against the
+    policy's `ModelConfig` `model` by `router_aux_loss_coef`)."""
+    options = cfg.step_options()
+    if "router_aux_loss_coef" in options:
+        options["router_aux_loss_coef"] = router_aux_loss_coef(options["router_aux_loss_coef"], model)
     return StepConfig(
         sampling=sampling,
         algorithm=cfg.make_algorithm(tokenizer),
@@ -944,5 +978,5 @@ def step_config(cfg: Any, sampling: SamplingConfig, tokenizer: Any = None) -> St
         steps_per_generation=cfg.resolved_steps_per_generation,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         dropout_seed=cfg.seed if cfg.use_peft and cfg.lora_dropout > 0 else None,
-        **cfg.step_options(),
+        **options,
     )

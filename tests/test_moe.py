@@ -4,11 +4,13 @@ a mix of dense and routed layers from `decoder_sparse_step` + `mlp_only_layers`)
 loss = transformers' `load_balancing_loss_func`, and routing replay (the sampler's routes, replayed by the
 training forward, give the sampler's log-probs)."""
 
+import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 import transformers
@@ -16,11 +18,14 @@ from flax import nnx
 from safetensors.numpy import load_file
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
+import rloo_jax as rj
 from rloo_jax import sampling
+from rloo_jax.errors import ConfigError
 from rloo_jax.logprobs import per_token_logps_from_hidden
-from rloo_jax.models import ModelLoadError, config_from_hf, load_causal_lm, moe, save_pretrained
+from rloo_jax.models import ModelLoadError, config_from_hf, init_causal_lm, load_causal_lm, moe, save_pretrained
 from rloo_jax.models.loaded import convert
 from rloo_jax.models.transformer import Routes
+from rloo_jax.step import Step, StepConfig, router_aux_loss_coef
 from tests.checkpoints import PAD_ID, build_qwen3_moe
 
 PROMPT_IDS = np.array([[0, 0, 0, 17, 90, 41, 5], [5, 210, 33, 8, 150, 77, 64], [0, 0, 120, 9, 250, 31, 3]], np.int32)
@@ -179,71 +184,106 @@ def test_forward_aux_loss_equals_transformers(checkpoint, name):
     assert abs(float(ours) - ref) <= 1e-5 * abs(ref)
 
 
+def test_router_aux_loss_coef_follows_trl():
+    """TRL 1.16's rule: the option, else the checkpoint's router_aux_loss_coef (Qwen3MoeConfig's default 0.001);
+    0.0 turns it off; set on a dense model it is an error."""
+    moe_cfg = config_from_hf(qwen3_moe_dict())
+    dense = moe_cfg.replace(num_experts=0)
+    assert router_aux_loss_coef(None, moe_cfg) == 0.001
+    assert router_aux_loss_coef(0.0, moe_cfg) == 0.0 and router_aux_loss_coef(0.02, moe_cfg) == 0.02
+    assert router_aux_loss_coef(None, dense) == 0.0 and router_aux_loss_coef(0.0, dense) == 0.0
+    with pytest.raises(ConfigError, match="router_aux_loss_coef"):
+        router_aux_loss_coef(0.02, dense)
+
+
+def qwen3_moe_dict():
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 40,
+            "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "initializer_range": 0.2}
+
+
+def test_loss_adds_the_weighted_aux_loss():
+    """A micro-batch's loss with router_aux_loss_coef c is the loss with 0 plus c times the load-balancing loss of
+    its training forward (so its gradient adds c * d(aux)), which it logs as `aux_loss` (TRL's metric name)."""
+    graphdef, params = nnx.split(init_causal_lm(qwen3_moe_dict(), seed=0))
+    g, rs = 2, np.random.RandomState(0)
+    mb = {"prompt_ids": jnp.asarray([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], jnp.int32),
+          "prompt_mask": jnp.asarray([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], jnp.int32),
+          "completion_ids": jnp.asarray(rs.randint(4, 40, (2 * g, 4)), jnp.int32),
+          "mask": jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], jnp.int32),
+          "old_logps": jnp.zeros((2 * g, 4), jnp.float32), "advantages": jnp.asarray([1.0, -1.0, 0.5, -0.5])}
+    sampling_cfg = sampling.SamplingConfig(max_new_tokens=4, num_generations=g, eos_token_ids=(3,), pad_token_id=0)
+
+    def loss(c):
+        cfg = StepConfig(sampling=sampling_cfg, algorithm=rj.RLOO(beta=0.0), router_aux_loss_coef=c)
+        step = Step(graphdef, optax.sgd(0.1), cfg)
+        return jax.jit(lambda p: step.loss(p, None, mb, None, None, jnp.float32(1.0)))(params)
+
+    (l0, (m0, _)), (l1, (m1, _)) = loss(0.0), loss(0.3)
+    model = nnx.merge(graphdef, params)
+    _, aux = model.completion_states(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"])
+    assert "aux_loss" not in m0
+    assert float(m1["aux_loss"]) == pytest.approx(float(aux), rel=1e-6)
+    assert float(l1 - l0) == pytest.approx(0.3 * float(aux), rel=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ routing replay
-def _training_logps(model, gen, temperature, routes):
-    h, _ = model.completion_states(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK), gen.completion_ids,
-                                   gen.completion_mask, routes=routes)
-    return per_token_logps_from_hidden(h, model.unembed, gen.completion_ids, temperature)
-
-
-def _used_experts(model, gen, routes):
-    """The experts the training forward routed the completion tokens to, [N, C, L, K]."""
-    m = model.model
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward(graphdef, temperature, state, ids, mask, routes):
+    """The training forward's log-probs of the completions [N, C] and the experts it routed them to [N, C, L, K]."""
+    model = nnx.merge(graphdef, state)
     p_ids, p_mask = jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK)
-    order = jnp.argsort(p_mask, axis=1, stable=True)
+    h, _ = model.completion_states(p_ids, p_mask, ids, mask, routes=routes)
+    logps = per_token_logps_from_hidden(h, model.unembed, ids, temperature)
+    order = jnp.argsort(p_mask, axis=1, stable=True)  # completion_states left-aligns the prompts likewise
     p_ids, p_mask = jnp.take_along_axis(p_ids, order, 1), jnp.take_along_axis(p_mask, order, 1)
-    *_, routing = m.forward_shared_prompt(p_ids, p_mask, gen.completion_ids, gen.completion_mask, routes=routes)
-    n, c = gen.completion_ids.shape
-    return jnp.moveaxis(routing.experts[:, :, p_ids.shape[1]:].reshape(routing.experts.shape[0], n, c, -1), 0, 2)
+    *_, routing = model.model.forward_shared_prompt(p_ids, p_mask, ids, mask, routes=routes)
+    experts = routing.experts[:, :, p_ids.shape[1]:].reshape(routing.experts.shape[0], *ids.shape, -1)
+    return logps, jnp.moveaxis(experts, 0, 2)
+
+
+def _training(model, gen, temperature, routes):
+    graphdef, state = nnx.split(model)
+    return _forward(graphdef, temperature, state, gen.completion_ids, gen.completion_mask, routes)
 
 
 def test_routing_replay(checkpoint):
     """The sampler records each token's experts; the training forward replaying them gives the sampler's
     log-probs (1e-5, float32). A perturbed router (as after an update) routes some completion tokens elsewhere
-    without replay; with replay it keeps the sampler's experts (the gate weights from the new router)."""
+    without replay; with replay it keeps the sampler's experts (the gate weights from the new router). Prompt
+    routes recorded at the sampler's (bucketed) width fit the training forward's narrower prompts."""
     path = checkpoint("uniform")
     model = load_causal_lm(path)
     t = 0.8
     gen = sampling.generate(model, PROMPT_IDS, PROMPT_MASK, key=jax.random.key(2), max_new_tokens=8,
-                            num_generations=2, temperature=t, pad_token_id=PAD_ID, prompt_bucket=8)
+                            num_generations=2, temperature=t, pad_token_id=PAD_ID, prompt_bucket=16)
     routes = gen.routes
     n, c = gen.completion_ids.shape
-    assert routes.completion.shape == (n, c, 2, 2) and routes.prompt.shape == (3, 8, 2, 2)
+    assert routes.completion.shape == (n, c, 2, 2) and routes.prompt.shape == (3, 16, 2, 2)  # wider than P = 7
     fed = np.asarray(routes.completion)[:, :-1]
     assert fed.min() >= 0 and (np.asarray(routes.completion)[:, -1] == -1).all()  # the last token is never fed
     mask = np.asarray(gen.completion_mask) > 0
-    replayed = np.asarray(_training_logps(model, gen, t, routes))
-    diff = np.abs(replayed - np.asarray(gen.logps))[mask].max()
+    replayed, used = _training(model, gen, t, routes)
+    diff = np.abs(np.asarray(replayed) - np.asarray(gen.logps))[mask].max()
     print(f"replay: training vs sampler log-probs max abs diff {diff:.2e}")
     assert diff <= 1e-5
-    # the training forward's own routing (no replay) agrees with the sampler's on these unperturbed weights
-    np.testing.assert_array_equal(np.asarray(_used_experts(model, gen, None))[:, :-1], fed)
+    np.testing.assert_array_equal(np.asarray(used)[:, :-1], fed)
+    narrow = Routes(prompt=routes.prompt[:, -PROMPT_IDS.shape[1]:], completion=routes.completion)
+    np.testing.assert_array_equal(np.asarray(_training(model, gen, t, narrow)[0]), np.asarray(replayed))
+    # on these weights the training forward's own routing (no replay) agrees with the sampler's
+    np.testing.assert_array_equal(np.asarray(_training(model, gen, t, None)[1])[:, :-1], fed)
 
     graphdef, state = nnx.split(model)
     router = state["model"]["layers"]["mlp"]["router"]
-    router.value = router.value + 0.05 * jax.random.normal(jax.random.key(9), router.value.shape)
+    router.value = router.value + 0.02 * jax.random.normal(jax.random.key(9), router.value.shape)
     moved = nnx.merge(graphdef, state)
-    own = np.asarray(_used_experts(moved, gen, None))[:, :-1]
-    kept = np.asarray(_used_experts(moved, gen, routes))[:, :-1]
+    own = np.asarray(_training(moved, gen, t, None)[1])[:, :-1]
+    kept = np.asarray(_training(moved, gen, t, routes)[1])[:, :-1]
     differ = (np.sort(own, -1) != np.sort(fed, -1)).any(-1)  # [N, C-1, L]
     print(f"perturbed router: {differ.mean():.2%} of (token, layer) routes differ without replay")
     assert differ.any()
     np.testing.assert_array_equal(kept, fed)
-    off = load_causal_lm(path, routing_replay=False)
-    np.testing.assert_array_equal(np.asarray(_used_experts(off, gen, routes)), np.asarray(_used_experts(off, gen,
-                                                                                                          None)))
-
-
-def test_routes_fit_other_prompt_widths(checkpoint):
-    """Prompt routes of left-aligned prompts are right-aligned to the training forward's prompt width."""
-    path = checkpoint("uniform")
-    model = load_causal_lm(path)
-    gen = sampling.generate(model, PROMPT_IDS, PROMPT_MASK, key=jax.random.key(2), max_new_tokens=4,
-                            num_generations=1, temperature=0.0, pad_token_id=PAD_ID, prompt_bucket=16)
-    assert gen.routes.prompt.shape[1] == 16  # bucketed wider than P = 7
-    h_wide, _ = model.completion_states(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK), gen.completion_ids,
-                                        gen.completion_mask, routes=gen.routes)
-    narrow = Routes(prompt=gen.routes.prompt[:, -7:], completion=gen.routes.completion)
-    h_narrow, _ = model.completion_states(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK), gen.completion_ids,
-                                          gen.completion_mask, routes=narrow)
-    np.testing.assert_array_equal(np.asarray(h_wide), np.asarray(h_narrow))
+    off = load_causal_lm(path, routing_replay=False)  # replay off: the router chooses whatever is recorded
+    np.testing.assert_array_equal(np.asarray(_training(off, gen, t, routes)[1]),
+                                  np.asarray(_training(off, gen, t, None)[1]))

@@ -98,6 +98,13 @@ class GroupConfig(TrainConfig):
         "algorithm",
         "Upper bound C_max of the importance-sampling ratio (TRL's default 3.0; None: no upper bound).",
     )
+    router_aux_loss_coef: float | None = _opt(
+        None,
+        "algorithm",
+        "Coefficient of the load-balancing auxiliary loss for Mixture-of-Experts (MoE) models, added to the training "
+        "loss with this weight. When not set, the value declared by the model config is used. Set to 0.0 to disable "
+        "it. Fails when used with a non-MoE model.",
+    )
     epsilon: float = _opt(
         0.2,
         "algorithm",
@@ -230,7 +237,7 @@ class GroupConfig(TrainConfig):
             correction = ImportanceSampling(self.importance_sampling_mode, self.importance_sampling_clip_min,
                                             self.importance_sampling_clip_max)
         return {"recompute_old_logps": self.recompute_old_logps, "importance_sampling": correction,
-                "multi_turn": self.uses_tools}
+                "multi_turn": self.uses_tools, "router_aux_loss_coef": self.router_aux_loss_coef}
 
     def report_settings(self) -> dict[str, Any]:
         return {"beta": self.beta}
