@@ -173,9 +173,12 @@ def qwen3_moe_config(**overrides: Any) -> Any:
     return transformers.Qwen3MoeConfig(**kw)
 
 
-def build_qwen3_moe(out_dir: str | Path, seed: int = 7, **overrides: Any) -> Path:
-    """A Qwen3MoeForCausalLM checkpoint (`qwen3_moe_config(**overrides)`), experts written one tensor each as
-    transformers 5's `save_pretrained` writes them."""
+def build_qwen3_moe(out_dir: str | Path, seed: int = 7, reward: bool = False, **overrides: Any) -> Path:
+    """A Qwen3MoeForCausalLM checkpoint (`reward`: a Qwen3MoeForSequenceClassification with one label) from
+    `qwen3_moe_config(**overrides)`, experts written one tensor each as transformers 5's `save_pretrained` does."""
+    if reward:
+        return _build(transformers.Qwen3MoeForSequenceClassification, qwen3_moe_config(num_labels=1, **overrides),
+                      out_dir, seed)
     return _build(transformers.Qwen3MoeForCausalLM, qwen3_moe_config(**overrides), out_dir, seed)
 
 

@@ -22,7 +22,15 @@ import rloo_jax as rj
 from rloo_jax import sampling
 from rloo_jax.errors import ConfigError
 from rloo_jax.logprobs import per_token_logps_from_hidden
-from rloo_jax.models import ModelLoadError, config_from_hf, init_causal_lm, load_causal_lm, moe, save_pretrained
+from rloo_jax.models import (
+    ModelLoadError,
+    config_from_hf,
+    init_causal_lm,
+    load_causal_lm,
+    load_reward_model,
+    moe,
+    save_pretrained,
+)
 from rloo_jax.models.loaded import convert
 from rloo_jax.models.transformer import Routes
 from rloo_jax.step import Step, StepConfig, router_aux_loss_coef
@@ -121,6 +129,18 @@ def test_export_round_trip(checkpoint, name, tmp_path):
     hf_again = _hf(out)
     np.testing.assert_array_equal(_hf_logits(hf_again, PROMPT_IDS, PROMPT_MASK),
                                   _hf_logits(_hf(path), PROMPT_IDS, PROMPT_MASK))
+
+
+def test_reward_model_scores_equal_transformers(tmp_path):
+    """Qwen3MoeForSequenceClassification (num_labels 1) loads as a reward model: scores at the last real token =
+    transformers' (left padding, float32)."""
+    path = build_qwen3_moe(tmp_path / "rm", seed=8, reward=True, **CONFIGS["uniform"])
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(PROMPT_IDS).long(), attention_mask=torch.tensor(PROMPT_MASK).long()
+                 ).logits[:, 0].numpy()
+    ours = np.asarray(jax.jit(lambda m, i, k: m(i, k))(load_reward_model(path), PROMPT_IDS, PROMPT_MASK))
+    assert np.abs(ours - ref).max() <= TOL
 
 
 def test_fused_experts_and_hub_spelling(checkpoint):
@@ -287,3 +307,29 @@ def test_routing_replay(checkpoint):
     off = load_causal_lm(path, routing_replay=False)  # replay off: the router chooses whatever is recorded
     np.testing.assert_array_equal(np.asarray(_training(off, gen, t, routes)[1]),
                                   np.asarray(_training(off, gen, t, None)[1]))
+
+
+def test_extend_records_routes_as_the_full_forward(checkpoint):
+    """The multi-turn sampler's `extend` (several tokens per row at per-row slots) gives the full forward's logits
+    and records the experts it routed each written token to."""
+    graphdef, state = nnx.split(load_causal_lm(checkpoint("uniform")))
+    ids, mask = jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK)
+    tokens = jnp.asarray(np.random.RandomState(1).randint(3, 280, (3, 4)), jnp.int32)
+    valid = jnp.asarray([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]], bool)
+
+    @jax.jit
+    def run(state):
+        model = nnx.merge(graphdef, state)
+        _, prompt_cache = model.prefill(ids, mask, 6)
+        logits, cache = model.extend(tokens, jnp.zeros((3,), jnp.int32), valid,
+                                     model.init_decode_cache(prompt_cache, 1, 6))
+        full_ids, full_mask = jnp.concatenate([ids, tokens], 1), jnp.concatenate([mask, jnp.ones_like(tokens)], 1)
+        h, _, routing = model.model.forward_routed(full_ids, full_mask)
+        return logits, cache.routes, model.unembed(h)[:, 7:], routing.experts[:, :, 7:]
+
+    logits, routes, ref, experts = (np.asarray(x) for x in run(state))
+    v = np.asarray(valid)
+    assert np.abs(logits - ref)[v].max() <= TOL
+    recorded = np.moveaxis(routes, 0, 2)  # [N, C, L, K]
+    np.testing.assert_array_equal(recorded[:, :4][v], np.moveaxis(experts, 0, 2)[v])
+    assert (recorded[:, :4][~v] == -1).all() and (recorded[:, 4:] == -1).all()

@@ -15,6 +15,9 @@ Parameters are named (our path -> HF name in `hf.py`):
     model.layers.mlp_norm.scale/bias      ("layers", "embed")   (absent with norm_layout post, as attn_norm)
     model.layers.mlp.{gate,up,down}       gate/up: ("layers", "embed", "mlp"), down: ("layers", "mlp", "embed")
     model.layers.post_mlp_norm.scale      ("layers", "embed")   (norm_layout sandwich / post)
+    model.layers.mlp.router               [D, E] ("layers", "embed", None)   (a routed layer, `MoE`, in place of
+                                          the gate/up/down above)
+    model.layers.mlp.experts_{gate,up}    [E, D, F] ("layers", "expert", "embed", "mlp"); experts_down [E, F, D]
     model.final_norm.scale/bias           ("embed",)
     lm_head.kernel [D, V]                 ("embed", "vocab")    (absent when embeddings are tied)
     score.kernel [D, 1]                   ("embed", None)       (RewardModel)
