@@ -33,7 +33,8 @@ from rloo_jax.models import (
 )
 from rloo_jax.models.loaded import convert
 from rloo_jax.models.transformer import Routes
-from rloo_jax.step import Step, StepConfig, router_aux_loss_coef
+from rloo_jax.programs import Programs
+from rloo_jax.step import Step, StepConfig, replayed_routes, router_aux_loss_coef
 from tests.checkpoints import PAD_ID, build_qwen3_moe
 
 PROMPT_IDS = np.array([[0, 0, 0, 17, 90, 41, 5], [5, 210, 33, 8, 150, 77, 64], [0, 0, 120, 9, 250, 31, 3]], np.int32)
@@ -333,3 +334,34 @@ def test_extend_records_routes_as_the_full_forward(checkpoint):
     recorded = np.moveaxis(routes, 0, 2)  # [N, C, L, K]
     np.testing.assert_array_equal(recorded[:, :4][v], np.moveaxis(experts, 0, 2)[v])
     assert (recorded[:, :4][~v] == -1).all() and (recorded[:, 4:] == -1).all()
+
+
+def test_step_replays_the_sampler_routes():
+    """In the training step (routing replay on): the sampled rollout carries the sampler's routes, cut with the
+    completions; the old-log-prob and reference forwards replay them in micro-batches (each prompt's routes with
+    its G completions) and give the sampler's log-probs; an update runs on them. Routes follow run options:
+    off with routing_replay false, absent for a dense policy."""
+    moe_cfg = config_from_hf(qwen3_moe_dict())
+    assert replayed_routes(True, moe_cfg, False) == (2, 2)
+    assert replayed_routes(False, moe_cfg, False) is None
+    assert replayed_routes(True, moe_cfg, True) is None  # multi-turn: the turns' sampler keeps none
+    assert replayed_routes(True, moe_cfg.replace(num_experts=0), False) is None
+    graphdef, params = nnx.split(init_causal_lm(qwen3_moe_dict(), seed=0))
+    prompt_ids = jnp.asarray([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], jnp.int32)
+    prompt_mask = jnp.asarray([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], jnp.int32)
+    sampling_cfg = sampling.SamplingConfig(max_new_tokens=8, num_generations=2, temperature=0.9,
+                                           eos_token_ids=(3,), pad_token_id=0)
+    cfg = StepConfig(sampling=sampling_cfg, algorithm=rj.RLOO(beta=0.1), steps_per_generation=2,
+                     recompute_old_logps=True, routes=(2, 2))
+    programs = Programs(graphdef, optax.sgd(0.1), cfg)
+    state = programs.init_state(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, params))
+    sampled = programs.sample(state, prompt_ids, prompt_mask, jax.random.key(0))
+    assert sampled.routes.completion.shape == (4, 8, 2, 2) and sampled.routes.prompt.shape == (2, 6, 2, 2)
+    rollout = programs.finish(state, sampled, 4)  # cut to 4 positions
+    assert rollout.routes.completion.shape == (4, 4, 2, 2)
+    mask = np.asarray(rollout.completion_mask) > 0
+    for name in ("old_logps", "ref_logps"):
+        diff = np.abs(np.asarray(getattr(rollout, name)) - np.asarray(rollout.sampler_logps))[mask].max()
+        assert diff <= 1e-5, (name, diff)
+    new, _ = programs.update(state, rollout, jnp.asarray([[1.0], [0.0], [0.5], [0.2]]), jnp.ones((1,)))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new.params))
