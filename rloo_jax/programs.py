@@ -40,6 +40,7 @@ from rloo_jax.mesh import (
     LOGICAL_RULES,
     Rules,
     batch_sharding,
+    fit_spec,
     kv_cache_sharding,
     param_shardings,
     replicate,
@@ -334,11 +335,14 @@ class Programs:
         cache = shapes.cache
         kv = lambda a: kv_cache_sharding(self.mesh, a.shape)  # noqa: E731
         rows = lambda a: batch_sharding(self.mesh, a.shape)  # noqa: E731
+        # a mixture of experts' recorded routes, layer-major [L, rows, T, K]: rows over data x fsdp
+        routes = lambda a: None if a is None else NamedSharding(  # noqa: E731
+            self.mesh, fit_spec((None, "batch", None, None), a.shape, self.mesh))
         placed = jax.tree.map(rows, shapes.replace(cache=None))
         return placed.replace(cache=cache.replace(
             prompt=cache.prompt.replace(k=kv(cache.prompt.k), v=kv(cache.prompt.v), mask=rows(cache.prompt.mask),
-                                        lengths=rows(cache.prompt.lengths)),
-            k=kv(cache.k), v=kv(cache.v)))
+                                        lengths=rows(cache.prompt.lengths), routes=routes(cache.prompt.routes)),
+            k=kv(cache.k), v=kv(cache.v), routes=routes(cache.routes)))
 
     def turns_start_program(self, num_prompts: int, prompt_len: int, pause_at: int,
                             sampling: SamplingConfig | None = None) -> Program:

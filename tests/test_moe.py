@@ -26,12 +26,16 @@ from rloo_jax.models import (
     ModelLoadError,
     config_from_hf,
     init_causal_lm,
+    load_adapter,
     load_causal_lm,
     load_reward_model,
+    lora_spec,
     moe,
+    save_adapter,
     save_pretrained,
 )
 from rloo_jax.models.loaded import convert
+from rloo_jax.models.lora import init_adapters, split_adapters, with_adapters
 from rloo_jax.models.transformer import Routes
 from rloo_jax.programs import Programs
 from rloo_jax.step import Step, StepConfig, replayed_routes, router_aux_loss_coef
@@ -365,3 +369,24 @@ def test_step_replays_the_sampler_routes():
         assert diff <= 1e-5, (name, diff)
     new, _ = programs.update(state, rollout, jnp.asarray([[1.0], [0.0], [0.5], [0.2]]), jnp.ones((1,)))
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new.params))
+
+
+def test_lora_on_a_mixture_of_experts(checkpoint, tmp_path):
+    """LoRA ("all-linear") adapts the attention of every layer and the dense layers' MLPs (the experts and the
+    router carry none, as peft finds no nn.Linear there in transformers 5): zero adapters give the base's logits, and
+    the PEFT adapter folder round-trips."""
+    path = checkpoint("mixed")
+    base = load_causal_lm(path)
+    model = with_adapters(base, lora_spec("llama", 4, 8.0, targets="all-linear"), jax.random.key(0))
+    graphdef, adapters, rest = split_adapters(model)
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(adapters)}
+    assert any("layers.1.attn.q" in n for n in names) and any("layers.0.mlp.gate" in n for n in names)
+    assert not any("layers.1.mlp" in n for n in names)  # layer 1 is routed
+    logits = jax.jit(lambda m: m(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK)))
+    np.testing.assert_array_equal(np.asarray(logits(model)), np.asarray(logits(base)))
+    drawn = jax.tree.map(lambda a: a + 0.01, init_adapters(adapters, jax.random.key(1)))
+    trained = nnx.merge(graphdef, drawn, rest)
+    out = save_adapter(trained, tmp_path / "adapter", str(path))
+    again = load_adapter(out)
+    for a, b in zip(jax.tree.leaves(drawn), jax.tree.leaves(split_adapters(again)[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

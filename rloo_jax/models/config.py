@@ -205,7 +205,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     # execution choices (never exported to config.json): how the L blocks run and what their backward keeps
-    scan_layers: bool = True  # jax.lax.scan over the stacked blocks (False: unrolled; the same numbers)
+    # jax.lax.scan over the stacked blocks (False: unrolled; the same numbers). Read as False for a model whose layers
+    # mix dense and routed MLPs (one scanned block has one structure)
+    scan_layers: bool = True
     remat_policy: str = "none"  # a key of REMAT_POLICIES
     lora: LoRASpec | None = None  # low-rank adapters on some projections (None: the plain model)
     # the block projections' kernels stored quantized, dequantized in the forward (QLoRA's frozen base; None: plain)
