@@ -282,12 +282,14 @@ def assemble(
     value = None if prepared.value_model is None else nnx.split(prepared.value_model)
     reward = None if prepared.device_reward_model is None else nnx.split(prepared.device_reward_model)
     sampling = sampling_config(cfg, prepared.eos_ids, prepared.tokenizer.pad_token_id, cfg.num_generations)
-    step = step_config(cfg, sampling, prepared.tokenizer)
-    if prepared.rollout_func is not None:  # its rollouts carry a tool mask (env_mask: the lengths count it)
-        step = dataclasses.replace(step, multi_turn=True, given_logps=True)
-    programs = Programs(pol.graphdef, optimizer, step, mesh=mesh,
-                        ref_graphdef=pol.ref_graphdef, rollout_mesh=rollout_mesh,
-                        value_graphdef=value and value[0], reward_graphdef=reward and reward[0])
+    # the policy's config: a mixture of experts' load-balancing loss weight (`step.router_aux_loss_coef`)
+    step = step_config(cfg, sampling, prepared.tokenizer, prepared.model.config)
+    if prepared.rollout_func is not None:  # its rollouts carry a tool mask (env_mask: the lengths count it) and no
+        # sampler routes to replay (a mixture of experts' forwards route for themselves)
+        step = dataclasses.replace(step, multi_turn=True, given_logps=True, routes=None)
+    programs = Programs(pol.graphdef, optimizer, step, mesh=mesh, ref_graphdef=pol.ref_graphdef,
+                        rollout_mesh=rollout_mesh, value_graphdef=value and value[0],
+                        reward_graphdef=reward and reward[0])
     # the batch shapes of every program the loop runs, for the widest prompts (max_prompt_length rounded up to
     # prompt_bucket; `dataclasses.replace(shapes, prompt_length=...)` for narrower ones): the generation batch, each
     # completion width the reference pass and the update may run at, the update plans the run's generation batches

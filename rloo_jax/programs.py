@@ -40,6 +40,7 @@ from rloo_jax.mesh import (
     LOGICAL_RULES,
     Rules,
     batch_sharding,
+    fit_spec,
     kv_cache_sharding,
     param_shardings,
     replicate,
@@ -47,6 +48,7 @@ from rloo_jax.mesh import (
     shard_params,
     state_shardings,
 )
+from rloo_jax.models.transformer import ROUTE_DTYPE, Routes
 from rloo_jax.rewards import reward_model_jit
 from rloo_jax.sampling import SamplingConfig, rollout_weights
 from rloo_jax.step import Rollout, Step, StepConfig, TrainState, UpdatePlan, policy_params
@@ -229,7 +231,12 @@ class Programs:
             values=n if self.step.value_graphdef is not None and finished else None,
             scores=n if self.step.reward_graphdef is not None and finished else None,
             tool_mask=n if self.cfg.multi_turn else None,
+            routes=self._routes_like(b, n),
         )
+
+    def _routes_like(self, prompts: Any, completions: Any) -> Routes | None:
+        """A ``Routes`` of `prompts` / `completions` leaves under routing replay (``StepConfig.routes``), else None."""
+        return None if self.cfg.routes is None else Routes(prompt=prompts, completion=completions)
 
     def _sds(self, shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -252,6 +259,9 @@ class Programs:
             values=self._sds((n, width), f32, ns) if with_values else None,
             scores=self._sds((n, self.step.device_rewards), f32, ns) if with_scores else None,
             tool_mask=self._sds((n, width), i32, ns) if self.cfg.multi_turn else None,
+            routes=None if self.cfg.routes is None else self._routes_like(
+                self._sds((b, p, *self.cfg.routes), ROUTE_DTYPE, bs), self._sds((n, width, *self.cfg.routes),
+                                                                               ROUTE_DTYPE, ns)),
         )
 
     def _key(self) -> jax.ShapeDtypeStruct:
@@ -303,7 +313,8 @@ class Programs:
             return self._rollout_shardings(num_prompts, finished=False)
         b, n = self._sharding(num_prompts), self._sharding(num_prompts * sc.num_generations)
         return Rollout(prompt_ids=b, prompt_mask=b, completion_ids=n, completion_mask=n, is_truncated=n,
-                       old_logps=n, ref_logps=None, tool_mask=n if self.cfg.multi_turn else None)
+                       old_logps=n, ref_logps=None, tool_mask=n if self.cfg.multi_turn else None,
+                       routes=self._routes_like(b, n))
 
     # -- the multi-turn rollout (rloo_jax.turns): the host runs the tools between these programs ------------------
     def _turns_abstract(self, num_prompts: int, prompt_len: int, sc: SamplingConfig, pause_at: int) -> Turns:
@@ -324,11 +335,14 @@ class Programs:
         cache = shapes.cache
         kv = lambda a: kv_cache_sharding(self.mesh, a.shape)  # noqa: E731
         rows = lambda a: batch_sharding(self.mesh, a.shape)  # noqa: E731
+        # a mixture of experts' recorded routes, layer-major [L, rows, T, K]: rows over data x fsdp
+        routes = lambda a: None if a is None else NamedSharding(  # noqa: E731
+            self.mesh, fit_spec((None, "batch", None, None), a.shape, self.mesh))
         placed = jax.tree.map(rows, shapes.replace(cache=None))
         return placed.replace(cache=cache.replace(
             prompt=cache.prompt.replace(k=kv(cache.prompt.k), v=kv(cache.prompt.v), mask=rows(cache.prompt.mask),
-                                        lengths=rows(cache.prompt.lengths)),
-            k=kv(cache.k), v=kv(cache.v)))
+                                        lengths=rows(cache.prompt.lengths), routes=routes(cache.prompt.routes)),
+            k=kv(cache.k), v=kv(cache.v), routes=routes(cache.routes)))
 
     def turns_start_program(self, num_prompts: int, prompt_len: int, pause_at: int,
                             sampling: SamplingConfig | None = None) -> Program:

@@ -117,6 +117,9 @@ class Generation:
     is_truncated: jax.Array  # [N] bool, no EOS within C tokens
     lengths: jax.Array  # [N] int32, completion_mask.sum(-1)
     logps: jax.Array  # [N, C] float32, log_softmax(logits / T)[token], 0 outside the mask
+    # a mixture of experts: each token's experts per layer as the sampler routed it (`transformer.Routes`: the
+    # prompts left-aligned, every completion token but the last), for routing replay; None for a dense model
+    routes: Any = None
 
 
 # ----------------------------------------------------------------------------------------------- filters
@@ -470,6 +473,7 @@ def _generate(
         is_truncated=~ended,
         lengths=lengths,
         logps=jnp.where(mask > 0, state.logps, 0.0),
+        routes=model.recorded_routes(state.cache),
     )
 
 

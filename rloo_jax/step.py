@@ -35,8 +35,10 @@ from rloo_jax.algorithms.common import (
     importance_sampling_weights,
     sampling_logp_difference,
 )
+from rloo_jax.errors import ConfigError
 from rloo_jax.logprobs import completion_mask, masked_mean, per_token_logps_from_hidden
 from rloo_jax.mesh import BATCH_AXES, constrain_batch
+from rloo_jax.models.transformer import Routes
 from rloo_jax.sampling import SamplingConfig, generate_fn
 from rloo_jax.turns import Turns, resume_turns, start_turns
 from rloo_jax.turns import completions as turns_completions
@@ -156,6 +158,9 @@ class Rollout:
     values: Array | None = None  # [N, C] float32, the value model's estimates at sampling time (needs_values)
     scores: Array | None = None  # [N, R] float32, the reward models scored on the device (prompt + completion)
     tool_mask: Array | None = None  # [N, C] int32, multi-turn: 1 where the model sampled the token (0 at tool results)
+    # routing replay (`StepConfig.routes`): the sampler's experts (`transformer.Routes`: prompt [B, P, L, K],
+    # completion [N, C, L, K]) that the old-log-prob, reference and update forwards route the tokens to; else None
+    routes: Routes | None = None
 
     @property
     def loss_mask(self) -> Array:
@@ -208,6 +213,13 @@ class StepConfig:
     row_order: bool = False
     """The update takes each micro-batch's rows as an input (``order [updates x gradient_accumulation_steps, rows]``
     int32, drawn on the host: PPO's per-epoch shuffles) instead of cutting the generation batch in order."""
+    routes: tuple[int, int] | None = None
+    """Routing replay: (L, K) of a mixture-of-experts policy's routes, which the sampler records (``Rollout.routes``)
+    and the old-log-prob, reference and update forwards replay (each token to the sampler's experts, the gate weights
+    from the current router); None: off, the router of each forward chooses."""
+    router_aux_loss_coef: float = 0.0
+    """A mixture of experts' load-balancing loss (transformers' ``aux_loss`` of the training forward), added to each
+    micro-batch's loss with this weight and logged as ``aux_loss`` (TRL 1.16's GRPO / RLOO); 0: off."""
     logprob_chunk: int = 64
     """Sequence positions unembedded at a time when computing log-probs (bounds the [.., V] logits held: at
     8 rows x 1024 positions and V = 152k, 64 keeps the log-prob pass under 1/8 of the full float32 logits;
@@ -287,8 +299,13 @@ def completion_logps(
     dropout_key: Array | None = None,
     frozen_unembed: bool = False,
     entropy_grad: bool = False,
-) -> Array | tuple[Array, Array]:
-    """Per-token log-probs of the completions under ``params``: ``[N, C]`` float32 (and entropy ``[N, C]``).
+    with_aux_loss: bool = False,
+    routes: Routes | None = None,
+) -> Array | tuple[Array, ...]:
+    """Per-token log-probs of the completions under ``params``: ``[N, C]`` float32 (and entropy ``[N, C]``; and with
+    ``with_aux_loss`` a mixture of experts' load-balancing loss ``[]``, transformers' ``aux_loss`` of the N
+    ``[prompt; completion]`` rows, last). ``routes``: recorded experts to replay (``transformer.Routes``, rows as
+    the prompts and completions).
 
     prompt_ids/mask ``[N, P]`` (one prompt per completion) or ``[B, P]`` with ``N = B*G`` (prompt ``r // G`` for
     completion ``r``); completion ids/mask ``[N, C]``. Each distinct prompt row runs through the model once and its
@@ -302,12 +319,17 @@ def completion_logps(
     model = nnx.merge(graphdef, params)
     if completion_ids.shape[0] % prompt_ids.shape[0]:
         raise ValueError(f"{completion_ids.shape[0]} completions do not split into {prompt_ids.shape[0]} prompts")
-    hidden = model.completion_hidden_states(prompt_ids, prompt_mask, model_inputs(completion_ids, completion_mask),
-                                            completion_mask, dropout_key)
-    return per_token_logps_from_hidden(
+    hidden, aux = model.completion_states(prompt_ids, prompt_mask, model_inputs(completion_ids, completion_mask),
+                                          completion_mask, dropout_key, routes)
+    out = per_token_logps_from_hidden(
         hidden, model.unembed, completion_ids, temperature, chunk_size=chunk, with_entropy=with_entropy,
         frozen_unembed=frozen_unembed, entropy_grad=entropy_grad,
     )
+    if not with_aux_loss:
+        return out
+    if aux is None:
+        raise ValueError("with_aux_loss: the model has no routed layers (no load-balancing loss)")
+    return (*out, aux) if with_entropy else (out, aux)
 
 
 def model_inputs(completion_ids: Array, completion_mask: Array) -> Array:
@@ -378,11 +400,26 @@ def truncate(rollout: Rollout, width: int) -> Rollout:
     def cut(x: Array | None) -> Array | None:
         return None if x is None else x[:, :width]
 
+    routes = rollout.routes
     return rollout.replace(
         completion_ids=cut(rollout.completion_ids), completion_mask=cut(rollout.completion_mask),
         old_logps=cut(rollout.old_logps), ref_logps=cut(rollout.ref_logps), sampler_logps=cut(rollout.sampler_logps),
         values=cut(rollout.values), tool_mask=cut(rollout.tool_mask),
+        routes=None if routes is None else routes.replace(completion=cut(routes.completion)),
     )
+
+
+def route_inputs(rollout: Rollout) -> dict[str, Array]:
+    """A rollout's routes as batch entries (``Step.micro_batches`` splits them with the prompts and completions):
+    ``prompt_routes`` [B, P, L, K], ``routes`` [N, C, L, K]; none without routes."""
+    if rollout.routes is None:
+        return {}
+    return {"prompt_routes": rollout.routes.prompt, "routes": rollout.routes.completion}
+
+
+def batch_routes(mb: dict[str, Array]) -> Routes | None:
+    """A micro-batch's routes to replay (``route_inputs``), None without them."""
+    return Routes(prompt=mb["prompt_routes"], completion=mb["routes"]) if "routes" in mb else None
 
 
 def policy_params(state: TrainState) -> nnx.State:
@@ -510,6 +547,7 @@ class Step:
             is_truncated=truncated,
             old_logps=gen.logps * mask,
             ref_logps=None,
+            routes=gen.routes if self.cfg.routes is not None else None,
         )
 
     # -- multi-turn rollout (rloo_jax.turns): the host runs the tools between these ---------------------------------
@@ -563,7 +601,8 @@ class Step:
         mask = rollout.completion_mask  # what the forwards attend to; their log-probs count on the loss mask
         kept = rollout.loss_mask
         micro = self.micro_batches(
-            rollout.prompt_ids, rollout.prompt_mask, {"completion_ids": rollout.completion_ids, "mask": mask}
+            rollout.prompt_ids, rollout.prompt_mask,
+            {"completion_ids": rollout.completion_ids, "mask": mask, **route_inputs(rollout)},
         )
         passes = {"ref": self.reference(state)} if needs_ref else {}
         if cfg.recompute:  # the policy exactly as it sampled (same parameters; training forward, no dropout)
@@ -572,7 +611,8 @@ class Step:
         def forward(i: Array) -> dict[str, Array]:
             mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
             inputs = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"])
-            out = {name: completion_logps(graphdef, params, *inputs, cfg.temperature, cfg.logprob_chunk)
+            out = {name: completion_logps(graphdef, params, *inputs, cfg.temperature, cfg.logprob_chunk,
+                                          routes=batch_routes(mb))
                    for name, (graphdef, params) in passes.items()}
             if with_values:  # the value before each completion token
                 out["values"] = head_scores(self.value_graphdef, state.value_params, *inputs)[:, :-1]
@@ -647,11 +687,12 @@ class Step:
         the algorithm's loss."""
         cfg, algo = self.cfg, self.algorithm
         whole = params if frozen is None else nnx.merge_state(frozen, params)  # gradients reach `params` only
-        logps, entropy = completion_logps(
+        with_aux = cfg.router_aux_loss_coef != 0.0
+        logps, entropy, *aux = completion_logps(
             self.graphdef, whole, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"],
             cfg.temperature, cfg.logprob_chunk, with_entropy=True, dropout_key=key,
             frozen_unembed=frozen is not None,  # LoRA: the head is part of the frozen base
-            entropy_grad=algo.entropy_grad,
+            entropy_grad=algo.entropy_grad, with_aux_loss=with_aux, routes=batch_routes(mb),
         )
         values = None
         if value_params is not None:
@@ -679,6 +720,9 @@ class Step:
         ))
         metrics.update(algo_metrics)
         metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), mask)
+        if with_aux:  # TRL: loss + coef * aux_loss / gas per micro-batch; the step's gradient here is their mean
+            loss = loss + cfg.router_aux_loss_coef * aux[0]
+            metrics["aux_loss"] = jax.lax.stop_gradient(aux[0])
         return loss, (metrics, stats)
 
     def _trained_loss(
@@ -723,6 +767,7 @@ class Step:
             batch["ref_logps"] = rollout.ref_logps
         if rollout.tool_mask is not None:
             batch["tool_mask"] = rollout.tool_mask
+        batch.update(route_inputs(rollout))
         # token-sum losses (dapo, cispo, vespo) divide by the generation batch's tokens per micro-batch step
         num_items = jnp.maximum(jnp.sum(rollout.loss_mask).astype(jnp.float32), 1.0) / spg
         if order is None:
@@ -870,8 +915,8 @@ class Step:
         """The generation batch row by row (``[N, ...]``), each completion with its own copy of its prompt, for
         micro-batches of any rows (``update(order=...)``)."""
         g = self.cfg.num_generations
-        return dict(batch, prompt_ids=self._rows(jnp.repeat(prompt_ids, g, 0)),
-                    prompt_mask=self._rows(jnp.repeat(prompt_mask, g, 0)))
+        prompts = {k: self._rows(jnp.repeat(v, g, 0)) for k, v in _prompt_entries(prompt_ids, prompt_mask, batch)}
+        return dict(batch, **prompts)
 
     def micro_batches(self, prompt_ids: Array, prompt_mask: Array, batch: dict[str, Array]) -> dict[str, Array]:
         """Completion arrays ``[N, ...]`` -> ``[spg, N / spg, ...]``: micro-batch i of the generation batch, with
@@ -885,11 +930,8 @@ class Step:
             raise ValueError(f"{n} completions cannot be split into steps_per_generation={spg} micro-batches")
         shards = 1 if self.mesh is None else int(np.prod([self.mesh.shape[a] for a in BATCH_AXES]))
         share = (n // spg) % g == 0 and (n // spg // g) % shards == 0
-        batch = dict(
-            batch,
-            prompt_ids=prompt_ids if share else self._rows(jnp.repeat(prompt_ids, g, 0)),
-            prompt_mask=prompt_mask if share else self._rows(jnp.repeat(prompt_mask, g, 0)),
-        )
+        batch = dict(batch, **{k: v if share else self._rows(jnp.repeat(v, g, 0))
+                               for k, v in _prompt_entries(prompt_ids, prompt_mask, batch)})
         return jax.tree.map(lambda x: self._rows(x.reshape(spg, x.shape[0] // spg, *x.shape[1:]), axis=1), batch)
 
     def sync_reference(self, state: TrainState, alpha: float) -> TrainState:
@@ -900,7 +942,13 @@ class Step:
 
 # what a micro-batch holds besides the algorithm's extra targets
 _BATCH_KEYS = ("completion_ids", "mask", "old_logps", "prompt_ids", "prompt_mask", "advantages", "is_weights",
-               "sampler_logps", "ref_logps", "tool_mask")
+               "sampler_logps", "ref_logps", "tool_mask", "routes", "prompt_routes")
+
+
+def _prompt_entries(prompt_ids: Array, prompt_mask: Array, batch: dict[str, Array]) -> list[tuple[str, Array]]:
+    """The batch entries with a row per prompt: its ids, mask and (routing replay) routes."""
+    out = [("prompt_ids", prompt_ids), ("prompt_mask", prompt_mask)]
+    return out + ([("prompt_routes", batch["prompt_routes"])] if "prompt_routes" in batch else [])
 
 
 def _scan(f: Callable, init: object, length: int) -> tuple[object, object]:
@@ -937,11 +985,40 @@ def micro_batch_order(rng: np.random.RandomState, rows: int, epochs: int, micro_
     return np.concatenate([rng.permutation(rows).reshape(-1, micro_rows) for _ in range(epochs)]).astype(np.int32)
 
 
-def step_config(cfg: Any, sampling: SamplingConfig, tokenizer: Any = None) -> StepConfig:
+def router_aux_loss_coef(option: float | None, model: Any) -> float:
+    """TRL 1.16's rule for the load-balancing loss weight: the option, else the policy's config's
+    `router_aux_loss_coef` (a mixture of experts; 0.0 for a dense model); a non-zero option on a dense model is a
+    ConfigError. `model`: the policy's `ModelConfig` (None: unknown, dense). Example: (None, Qwen3-MoE with 0.001)
+    -> 0.001; (0.0, it) -> 0.0 (off); (0.01, a dense model) -> ConfigError."""
+    moe = model is not None and model.is_moe
+    if option and not moe:
+        raise ConfigError(f"router_aux_loss_coef is set to {option} but the policy is not a mixture-of-experts "
+                          "model, so there is no auxiliary loss to weight")
+    if option is None:
+        return float(model.router_aux_loss_coef) if moe else 0.0
+    return float(option) if moe else 0.0
+
+
+def replayed_routes(replay: bool, model: Any, multi_turn: bool) -> tuple[int, int] | None:
+    """``StepConfig.routes``: (L, K) of a mixture-of-experts policy (`model`: its ``ModelConfig``) when routing
+    replay is on; None for a dense policy, with replay off, or for multi-turn rollouts (whose sampler does not
+    return routes)."""
+    if not replay or multi_turn or model is None or not model.is_moe:
+        return None
+    return model.num_layers, model.num_experts_per_tok
+
+
+def step_config(cfg: Any, sampling: SamplingConfig, tokenizer: Any = None, model: Any = None) -> StepConfig:
     """The step's static options from the run config: the sampler's (`sampling`), the algorithm the config names
     (`cfg.make_algorithm`, with the policy's `tokenizer`), the batching
     and the algorithm's own (`cfg.step_options()`: where the old log-probs come from, the sampler/trainer
-    correction, PPO's log-prob temperature and row order)."""
+    correction, PPO's log-prob temperature and row order; the load-balancing loss weight, resolved against the
+    policy's `ModelConfig` `model` by `router_aux_loss_coef`)."""
+    options = cfg.step_options()
+    if "router_aux_loss_coef" in options:
+        options["router_aux_loss_coef"] = router_aux_loss_coef(options["router_aux_loss_coef"], model)
+    if "routing_replay" in options:
+        options["routes"] = replayed_routes(options.pop("routing_replay"), model, options.get("multi_turn", False))
     return StepConfig(
         sampling=sampling,
         algorithm=cfg.make_algorithm(tokenizer),
@@ -949,5 +1026,5 @@ def step_config(cfg: Any, sampling: SamplingConfig, tokenizer: Any = None) -> St
         steps_per_generation=cfg.resolved_steps_per_generation,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         dropout_seed=cfg.seed if cfg.use_peft and cfg.lora_dropout > 0 else None,
-        **cfg.step_options(),
+        **options,
     )

@@ -165,6 +165,23 @@ def qwen3_config(**overrides: Any) -> Any:
     return transformers.Qwen3Config(**kw)
 
 
+def qwen3_moe_config(**overrides: Any) -> Any:
+    """Qwen3-MoE: Qwen3's attention (head_dim 8, GQA 4 / 2) with routed MLPs of 16-wide experts; the expert count,
+    top-k and layer pattern come from `overrides`."""
+    kw = dict(**TINY_SIZE, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, rope_theta=1000.0, **_SPECIAL)
+    kw.update(overrides)
+    return transformers.Qwen3MoeConfig(**kw)
+
+
+def build_qwen3_moe(out_dir: str | Path, seed: int = 7, reward: bool = False, **overrides: Any) -> Path:
+    """A Qwen3MoeForCausalLM checkpoint (`reward`: a Qwen3MoeForSequenceClassification with one label) from
+    `qwen3_moe_config(**overrides)`, experts written one tensor each as transformers 5's `save_pretrained` does."""
+    if reward:
+        return _build(transformers.Qwen3MoeForSequenceClassification, qwen3_moe_config(num_labels=1, **overrides),
+                      out_dir, seed)
+    return _build(transformers.Qwen3MoeForCausalLM, qwen3_moe_config(**overrides), out_dir, seed)
+
+
 def gemma2_config(**overrides: Any) -> Any:
     """Gemma 2: (1 + w) norms around attention and MLP, sqrt(D) embeddings, query_pre_attn_scalar 12 (not
     head_dim 8), attention / final soft-caps 5 / 3 (small, so they bite), layer 0 sliding (window 4), layer 1

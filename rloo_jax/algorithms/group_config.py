@@ -98,6 +98,20 @@ class GroupConfig(TrainConfig):
         "algorithm",
         "Upper bound C_max of the importance-sampling ratio (TRL's default 3.0; None: no upper bound).",
     )
+    router_aux_loss_coef: float | None = _opt(
+        None,
+        "algorithm",
+        "Coefficient of the load-balancing auxiliary loss for Mixture-of-Experts (MoE) models, added to the training "
+        "loss with this weight. When not set, the value declared by the model config is used. Set to 0.0 to disable "
+        "it. Fails when used with a non-MoE model.",
+    )
+    routing_replay: bool = _opt(
+        True,
+        "algorithm",
+        "Mixture-of-experts policies: the old-log-prob, reference and update forwards route each completion and "
+        "prompt token to the experts the sampler chose (gate weights from the current router), so their log-probs "
+        "of the sampled tokens equal the sampler's. Not in TRL. No effect on dense policies or multi-turn rollouts.",
+    )
     epsilon: float = _opt(
         0.2,
         "algorithm",
@@ -230,7 +244,8 @@ class GroupConfig(TrainConfig):
             correction = ImportanceSampling(self.importance_sampling_mode, self.importance_sampling_clip_min,
                                             self.importance_sampling_clip_max)
         return {"recompute_old_logps": self.recompute_old_logps, "importance_sampling": correction,
-                "multi_turn": self.uses_tools}
+                "multi_turn": self.uses_tools, "router_aux_loss_coef": self.router_aux_loss_coef,
+                "routing_replay": self.routing_replay}
 
     def report_settings(self) -> dict[str, Any]:
         return {"beta": self.beta}

@@ -10,12 +10,17 @@ Three families share one module tree (see `transformer.py`); what differs within
   `gate_up_proj`: split on load, `hf.py`), and LongRoPE (`su`) scaling.
 - "gpt_neox": GPT-NeoX / Pythia. LayerNorm with bias, gelu MLP with bias, partial rotary, parallel residual
   (optional), fused QKV in the checkpoint (split into q/k/v on load, see `hf.py`).
+
+A mixture of experts is a llama-family model whose MLPs are routed (`num_experts` > 0; per layer `moe_layers`):
+Qwen3-MoE, each token to the top `num_experts_per_tok` of softmax(router logits) (renormalised with
+`norm_topk_prob`), some layers dense (`decoder_sparse_step`, `mlp_only_layers`). The math: `moe.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,6 +45,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "smollm3": ("llama", "SmolLM3"),
     "phi3": ("phi3", "Phi3"),
     "gpt_neox": ("gpt_neox", "GPTNeoX"),
+    "qwen3_moe": ("llama", "Qwen3Moe"),
 }
 
 
@@ -187,10 +193,21 @@ class ModelConfig:
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before the mask
     final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     initializer_range: float = 0.02
+    # mixture of experts (0 experts: every MLP dense). A routed layer (`sparse_layers`) sends each token to
+    # num_experts_per_tok of num_experts gated MLPs of moe_intermediate_size; the other layers are dense MLPs of
+    # intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()  # per layer, True where routed; (): every layer when num_experts > 0
+    norm_topk_prob: bool = False  # the k chosen probabilities renormalised to sum to 1
+    router_aux_loss_coef: float = 0.0  # the checkpoint's load-balancing loss weight (TRL's default for the option)
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     # execution choices (never exported to config.json): how the L blocks run and what their backward keeps
-    scan_layers: bool = True  # jax.lax.scan over the stacked blocks (False: unrolled; the same numbers)
+    # jax.lax.scan over the stacked blocks (False: unrolled; the same numbers). Read as False for a model whose layers
+    # mix dense and routed MLPs (one scanned block has one structure)
+    scan_layers: bool = True
     remat_policy: str = "none"  # a key of REMAT_POLICIES
     lora: LoRASpec | None = None  # low-rank adapters on some projections (None: the plain model)
     # the block projections' kernels stored quantized, dequantized in the forward (QLoRA's frozen base; None: plain)
@@ -198,6 +215,9 @@ class ModelConfig:
     # how the forwards compute attention (`attention.IMPLEMENTATIONS`: eager, splash, cudnn); None: the best for
     # the platform compiled for. Decoding keeps its one-query einsum whatever this says.
     attn_implementation: str | None = None
+    # a mixture of experts given recorded routes (`transformer.Routes`, the sampler's): True routes each token to
+    # them (routing replay; gate weights from the current router logits), False lets the router choose
+    routing_replay: bool = True
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -229,6 +249,16 @@ class ModelConfig:
         for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ModelLoadError(f"{name}={getattr(self, name)} must be > 0 (or None)")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+                raise ModelLoadError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                                     f"{self.num_experts}] and moe_intermediate_size={self.moe_intermediate_size} >= 1")
+            if self.moe_layers and len(self.moe_layers) != self.num_layers:
+                raise ModelLoadError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+        if self.scan_layers and len(set(self.sparse_layers)) > 1:
+            # a scan runs one block structure; layers mixing dense and routed MLPs (`mlp_only_layers`) run
+            # unrolled, and every reader of `scan_layers` (the checkpoint tables, the resume layout) sees it
+            object.__setattr__(self, "scan_layers", False)
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -249,6 +279,18 @@ class ModelConfig:
     def attn_scale(self) -> float:
         """The factor on q k^T: query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Each layer's MLP: True routed (a mixture of experts), False dense."""
+        if not self.num_experts:
+            return (False,) * self.num_layers
+        return self.moe_layers or (True,) * self.num_layers
+
+    @property
+    def is_moe(self) -> bool:
+        """Some layer routes its tokens to experts."""
+        return any(self.sparse_layers)
 
     @property
     def gated_mlp(self) -> bool:
@@ -438,6 +480,9 @@ def _llama_flags(hf: dict[str, Any], model_type: str, layers: int) -> dict[str, 
         if hf.get("use_sliding_window"):
             raise ModelLoadError("Qwen2 with use_sliding_window=True is not supported")
         return flags
+    if model_type == "qwen3_moe":  # q/k norms as Qwen3; with use_sliding_window every layer slides
+        window = int(window) if hf.get("use_sliding_window") and window is not None else None
+        return {"qk_norm": "head", "sliding_window": window, **_moe_flags(hf, model_type, layers)}
     if model_type in ("qwen3", "smollm3") and not hf.get("use_sliding_window"):
         window = None  # as the config classes: the window applies only with use_sliding_window
     if model_type in ("gemma2", "gemma3_text"):
@@ -468,6 +513,57 @@ def _llama_flags(hf: dict[str, Any], model_type: str, layers: int) -> dict[str, 
         types, window = (), None  # no layer slides: no window (whatever sliding_window says)
     flags.update(sliding_window=None if window is None else int(window), layer_types=types)
     return flags
+
+
+# Settings of other mixtures of experts that change the math and that transformers' Qwen3-MoE does not have: a
+# config setting one is refused (`_refuse_moe_options`), never silently computed as Qwen3-MoE's routing.
+# (key, is it on, what it is)
+_MOE_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("shared_expert_intermediate_size", bool, "a shared expert (Qwen2-MoE's)"),
+    ("num_shared_experts", bool, "shared experts"),
+    ("n_shared_experts", bool, "shared experts (DeepSeek's)"),
+    ("router_type", lambda v: v not in ("topk", "top_k", "token_choice"), "a routing other than each token's top-k "
+     "experts (e.g. expert choice)"),
+    ("routing_type", lambda v: v not in ("topk", "top_k", "token_choice"), "a routing other than each token's top-k "
+     "experts (e.g. expert choice)"),
+    ("scoring_func", lambda v: v != "softmax", "a router score other than the softmax"),
+    ("topk_method", lambda v: v != "greedy", "group-limited routing (DeepSeek's)"),
+    ("n_group", lambda v: v not in (0, 1), "group-limited routing (DeepSeek's)"),
+    ("topk_group", lambda v: v not in (0, 1), "group-limited routing (DeepSeek's)"),
+    ("routed_scaling_factor", lambda v: v != 1, "scaled routed outputs"),
+    ("first_k_dense_replace", bool, "dense first layers (DeepSeek's; Qwen3-MoE's spelling is mlp_only_layers)"),
+    ("moe_capacity_factor", bool, "expert capacity (token dropping)"),
+    ("capacity_factor", bool, "expert capacity (token dropping)"),
+    ("router_jitter_noise", bool, "router noise"),
+    ("router_bias", bool, "a router bias"),
+)
+
+
+def _refuse_moe_options(hf: dict[str, Any], model_type: str) -> None:
+    """One ModelLoadError naming every `_MOE_REFUSED` option the config sets (None counts as unset)."""
+    bad = [f"{name}={hf[name]!r} ({what})" for name, on, what in _MOE_REFUSED if hf.get(name) is not None and
+           on(hf[name])]
+    if bad:
+        raise ModelLoadError(f"{model_type} checkpoint: {'; '.join(bad)} not supported (Qwen3-MoE's routing: each "
+                             "token to its top-k experts of softmax(router logits), all computed, none dropped)")
+
+
+def _moe_flags(hf: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's expert settings (see `ModelConfig`) with Qwen3MoeConfig's defaults, from either spelling of the
+    expert count (`num_experts`, the hub's; `num_local_experts`, what transformers 5 writes). A layer is routed as
+    Qwen3MoeDecoderLayer decides: not in `mlp_only_layers`, and (i + 1) % decoder_sparse_step == 0."""
+    _refuse_moe_options(hf, model_type)
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    experts = int(128 if experts is None else experts)
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers))
+    if not any(sparse):
+        return {}  # no routed layer: a dense model
+    return dict(num_experts=experts, num_experts_per_tok=int(hf.get("num_experts_per_tok") or 8),
+                moe_intermediate_size=int(hf.get("moe_intermediate_size") or 768),
+                moe_layers=() if all(sparse) else sparse, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str = "float32", param_dtype: str | None = None) -> ModelConfig:
@@ -523,7 +619,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32", param_dtype: str 
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in _TIED)),
         qkv_bias=qkv_bias,
         o_bias=family == "llama" and model_type != "qwen2" and bias,
-        mlp_bias=family == "llama" and bool(hf.get("mlp_bias", False)),
+        mlp_bias=family == "llama" and model_type != "qwen3_moe" and bool(hf.get("mlp_bias", False)),
         parallel_residual=False,
         **flags,
         **_rope_settings(hf, head_dim, 1.0, model_type),
@@ -592,7 +688,7 @@ def config_to_hf(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
         if cfg.rope_type != "default":
             hf["rope_scaling"] = dict(rope)
     if mt not in ("qwen2", "gemma2", "gemma3_text", "phi3"):
-        hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+        hf.update(attention_bias=cfg.qkv_bias, **({} if mt == "qwen3_moe" else {"mlp_bias": cfg.mlp_bias}))
     if mt in ("gemma2", "gemma3_text"):
         qpas = cfg.query_pre_attn_scalar
         qpas = int(qpas) if qpas is not None and float(qpas).is_integer() else qpas  # HF's field is an int
@@ -603,8 +699,23 @@ def config_to_hf(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
         hf["no_rope_layers"] = [int(x) for x in cfg.rope_layers] if cfg.rope_layers else [1] * cfg.num_layers
     if cfg.layer_types or mt in ("qwen3", "smollm3", "gemma2", "gemma3_text"):  # these derive their own if absent
         hf["layer_types"] = list(cfg.layer_types or ("full_attention",) * cfg.num_layers)
-    if mt in ("qwen3", "smollm3"):
+    if mt in ("qwen3", "smollm3", "qwen3_moe"):
         hf["use_sliding_window"] = cfg.sliding_window is not None
-    if mt in ("mistral", "phi3", "qwen3", "smollm3", "gemma2", "gemma3_text"):
+    if mt in ("mistral", "phi3", "qwen3", "smollm3", "gemma2", "gemma3_text", "qwen3_moe"):
         hf["sliding_window"] = cfg.sliding_window
+    if mt == "qwen3_moe":
+        hf.update(_moe_out(cfg, hf))
     return hf
+
+
+def _moe_out(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert keys for config.json: the expert count under one spelling (the checkpoint's hub
+    `num_experts`, else transformers 5's `num_local_experts`; never both), the routed layers as `mlp_only_layers`
+    with decoder_sparse_step 1 (the same layers, whatever the checkpoint's step was)."""
+    spelling = "num_experts" if "num_experts" in hf and "num_local_experts" not in hf else "num_local_experts"
+    other = "num_local_experts" if spelling == "num_experts" else "num_experts"
+    hf.pop(other, None)
+    return {spelling: cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, s in enumerate(cfg.sparse_layers) if not s]}

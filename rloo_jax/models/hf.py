@@ -101,12 +101,46 @@ def stacked(sizes: tuple[int, ...]) -> Transform:
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One HF tensor name <-> our parameter paths (dot-joined, e.g. "model.layers.attn.q.kernel"); `layer` is the
-    index on the leading layer axis of a stacked block parameter (None for the others)."""
+    index on the leading layer axis of a stacked block parameter (None for the others), `expert` the index on the
+    experts' axis that follows it (a hub Qwen3-MoE file holds one tensor per expert; None for the others)."""
 
     hf: str
     ours: tuple[str, ...]
     transform: Transform
     layer: int | None = None
+    expert: int | None = None
+
+    @property
+    def at(self) -> tuple[int, ...]:
+        """The leading indices of our parameters this tensor fills: (layer, expert) as present; () for all of it."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
+
+
+def _fused_experts(f: int) -> Transform:
+    """transformers' in-memory Qwen3-MoE experts, `gate_up_proj` [E, 2F, D] (gate rows first) <-> our gate and up
+    [E, D, F]. Example: F 1, rows [g; u] of expert e -> gate[e] = g^T, up[e] = u^T."""
+    return Transform(lambda a: (a[:, :f].transpose(0, 2, 1), a[:, f:].transpose(0, 2, 1)),
+                     lambda p: np.concatenate([x.transpose(0, 2, 1) for x in p], axis=1),
+                     lambda s: (s[0][0], 2 * s[0][2], s[0][1]))
+
+
+EXPERTS_TRANSPOSE = Transform(lambda a: (a.transpose(0, 2, 1),), lambda p: p[0].transpose(0, 2, 1),
+                              lambda s: (s[0][0], s[0][2], s[0][1]))
+
+
+def _moe_rows(cfg: ModelConfig, hf: str, us: str, layer: int | None, fused: bool) -> list[Row]:
+    """A routed MLP's tensors: the router `mlp.gate.weight` [E, D] and, as the hub and transformers 5's
+    `save_pretrained` write them, one gate / up / down `nn.Linear` weight per expert (`mlp.experts.{e}.*_proj`, into
+    expert e of our stacked [E, ...] kernels); `fused`: transformers' in-memory form instead, `mlp.experts.gate_up_proj`
+    [E, 2F, D] and `mlp.experts.down_proj` [E, D, F] (read when a file holds it)."""
+    rows = [Row(f"{hf}.mlp.gate.weight", (f"{us}.mlp.router",), TRANSPOSE, layer)]
+    names = {n: f"{us}.mlp.experts_{n}" for n in ("gate", "up", "down")}
+    if fused:
+        return rows + [Row(f"{hf}.mlp.experts.gate_up_proj", (names["gate"], names["up"]),
+                           _fused_experts(cfg.moe_intermediate_size), layer),
+                       Row(f"{hf}.mlp.experts.down_proj", (names["down"],), EXPERTS_TRANSPOSE, layer)]
+    return rows + [Row(f"{hf}.mlp.experts.{e}.{n}_proj.weight", (names[n],), TRANSPOSE, layer, e)
+                   for e in range(cfg.num_experts) for n in ("gate", "up", "down")]
 
 
 def _linear(hf: str, ours: str, bias: bool, layer: int | None = None) -> list[Row]:
@@ -134,8 +168,8 @@ _NORMS = {
 }
 
 
-def _llama_rows(cfg: ModelConfig) -> list[Row]:
-    """The llama and phi3 families (Phi-3: q/k/v and gate/up fused in the file)."""
+def _llama_rows(cfg: ModelConfig, fused_experts: bool = False) -> list[Row]:
+    """The llama and phi3 families (Phi-3: q/k/v and gate/up fused in the file); routed MLPs: `_moe_rows`."""
     rows = [Row("model.embed_tokens.weight", ("model.embed.embedding",), IDENTITY)]
     kv, f = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     for i in range(cfg.num_layers):
@@ -153,7 +187,9 @@ def _llama_rows(cfg: ModelConfig) -> list[Row]:
         if cfg.qk_norm:
             rows += _norm(f"{hf}.self_attn.q_norm", f"{us}.attn.q_norm", False, layer)
             rows += _norm(f"{hf}.self_attn.k_norm", f"{us}.attn.k_norm", False, layer)
-        if cfg.family == "phi3":
+        if cfg.sparse_layers[i]:
+            rows += _moe_rows(cfg, hf, us, layer, fused_experts)
+        elif cfg.family == "phi3":
             gate_up = (f"{us}.mlp.gate.kernel", f"{us}.mlp.up.kernel")
             rows.append(Row(f"{hf}.mlp.gate_up_proj.weight", gate_up, stacked((f, f)), layer))
             rows += _linear(f"{hf}.mlp.down_proj", f"{us}.mlp.down", False, layer)
@@ -180,9 +216,10 @@ def _gpt_neox_rows(cfg: ModelConfig) -> list[Row]:
     return rows + _norm("gpt_neox.final_layer_norm", "model.final_norm", True)
 
 
-def weight_table(cfg: ModelConfig, task: str) -> list[Row]:
-    """All rows for a model: backbone + `lm_head` (causal_lm, untied) or `score` (reward)."""
-    rows = _gpt_neox_rows(cfg) if cfg.family == "gpt_neox" else _llama_rows(cfg)
+def weight_table(cfg: ModelConfig, task: str, fused_experts: bool = False) -> list[Row]:
+    """All rows for a model: backbone + `lm_head` (causal_lm, untied) or `score` (reward). `fused_experts`: a
+    mixture of experts' experts as transformers holds them in memory (`_moe_rows`), else one tensor per expert."""
+    rows = _gpt_neox_rows(cfg) if cfg.family == "gpt_neox" else _llama_rows(cfg, fused_experts)
     if task == "reward":
         return rows + [Row("score.weight", ("score.kernel",), TRANSPOSE)]
     if not cfg.tie_word_embeddings:
@@ -200,8 +237,8 @@ def adapter_table(cfg: ModelConfig) -> list[Row]:
     ours, rows = cfg.lora.modules, []
     for r in weight_table(cfg, "causal_lm"):
         modules = [p.removesuffix(".kernel") for p in r.ours]
-        if not all(p.endswith(".kernel") for p in r.ours) or not r.hf.endswith(".weight"):
-            continue
+        if not all(p.endswith(".kernel") for p in r.ours) or not r.hf.endswith(".weight") or r.expert is not None:
+            continue  # not a projection's kernel (norms, the router, the experts: no adapters)
         hf = "base_model.model." + r.hf.removesuffix(".weight")
         if len(modules) == 3 and "qkv" in ours:  # fused q/k/v: one A in the attention module
             a = modules[0].rsplit(".", 1)[0] + ".qkv_lora_a"
@@ -330,8 +367,8 @@ def _fill(model_cls: type, cfg: ModelConfig, task: str, reader: TensorReader) ->
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     ours = dict(_flat_paths(pure))
-    rows = weight_table(cfg, task)
     names = reader.names()
+    rows = weight_table(cfg, task, fused_experts=any(n.endswith(".mlp.experts.gate_up_proj") for n in names))
     expected = {r.hf for r in rows}
     missing = sorted(expected - names)
     tied_head = {"lm_head.weight", "embed_out.weight"} if cfg.tie_word_embeddings else set()
@@ -362,14 +399,14 @@ def _read_rows(rows: list[Row], reader: TensorReader, pure: dict, ours: dict[str
     for r in rows:
         groups.setdefault(r.ours, []).append(r)
     for paths, group in groups.items():
-        host = {p: np.empty(ours[p].shape, pdt) for p in paths} if group[0].layer is not None else {}
+        host = {p: np.empty(ours[p].shape, pdt) for p in paths} if group[0].at else {}
         for r in group:
             src = reader.get(r.hf)
             for path, part in zip(paths, r.transform.to_ours(src), strict=True):
-                if r.layer is None:
+                if not r.at:
                     _set_path(pure, path, jnp.asarray(part.astype(pdt, order="C", copy=False)))
                 else:
-                    host[path][r.layer] = part
+                    host[path][r.at] = part
             del src
         for path, value in host.items():
             _set_path(pure, path, jnp.asarray(value))
@@ -377,8 +414,8 @@ def _read_rows(rows: list[Row], reader: TensorReader, pure: dict, ours: dict[str
 
 
 def _row_shape(shape: tuple[int, ...], row: Row) -> tuple[int, ...]:
-    """Our parameter's shape as one HF tensor sees it: without the layer axis for a stacked parameter."""
-    return tuple(shape) if row.layer is None else tuple(shape[1:])
+    """Our parameter's shape as one HF tensor sees it: without the layer (and expert) axes it indexes."""
+    return tuple(shape[len(row.at):])
 
 
 def _config(
@@ -557,7 +594,7 @@ class _TensorSource:
             if p not in self._host:
                 self._host[p] = np.asarray(jax.device_get(self._ours[p]))
         parts = tuple(
-            (self._host[p] if row.layer is None else self._host[p][row.layer]).astype(np.float32, copy=False)
+            (self._host[p][row.at] if row.at else self._host[p]).astype(np.float32, copy=False)
             for p in row.ours
         )
         return np.ascontiguousarray(row.transform.to_hf(parts).astype(self.dtype))

@@ -15,6 +15,9 @@ Parameters are named (our path -> HF name in `hf.py`):
     model.layers.mlp_norm.scale/bias      ("layers", "embed")   (absent with norm_layout post, as attn_norm)
     model.layers.mlp.{gate,up,down}       gate/up: ("layers", "embed", "mlp"), down: ("layers", "mlp", "embed")
     model.layers.post_mlp_norm.scale      ("layers", "embed")   (norm_layout sandwich / post)
+    model.layers.mlp.router               [D, E] ("layers", "embed", None)   (a routed layer, `MoE`, in place of
+                                          the gate/up/down above)
+    model.layers.mlp.experts_{gate,up}    [E, D, F] ("layers", "expert", "embed", "mlp"); experts_down [E, F, D]
     model.final_norm.scale/bias           ("embed",)
     lm_head.kernel [D, V]                 ("embed", "vocab")    (absent when embeddings are tied)
     score.kernel [D, 1]                   ("embed", None)       (RewardModel)
@@ -46,11 +49,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from rloo_jax import quant
 from rloo_jax.mesh import KV_CACHE_AXES, constrain, pin_layout, row_major
-from rloo_jax.models import attention
+from rloo_jax.models import attention, moe
 from rloo_jax.models.attention import attend, attend_shared_prompt, visible
 from rloo_jax.models.config import ModelConfig, ModelLoadError, rope_attention_factor, rope_inv_freq
 
-__all__ = ["CausalLM", "RewardModel", "Transformer", "attend", "attend_shared_prompt"]
+__all__ = ["CausalLM", "RewardModel", "Routes", "Routing", "Transformer", "attend", "attend_shared_prompt"]
 
 
 # ----------------------------------------------------------------------------------------------- pure functions
@@ -78,6 +81,17 @@ def left_align(ids: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """
     order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)
     return jnp.take_along_axis(ids, order, axis=1), jnp.take_along_axis(mask, order, axis=1)
+
+
+def fit_prompt_routes(routes: jax.Array, width: int) -> jax.Array:
+    """Routes of left-aligned prompts [B, P', ...] (real tokens last) at another width P: right-aligned, cut or
+    padded on the left with -1 (no record). Example: [[a, b, c]] at width 2 -> [[b, c]]; at 4 -> [[-1, a, b, c]]."""
+    have = routes.shape[1]
+    if have >= width:
+        return routes[:, have - width:]
+    pad = [(0, 0)] * routes.ndim
+    pad[1] = (width - have, 0)
+    return jnp.pad(routes, pad, constant_values=-1)
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
@@ -153,6 +167,7 @@ class PromptCache:
     v: jax.Array  # [L, B, K, P, Dh]
     mask: jax.Array  # [B, P] int32, 1 at real prompt tokens
     lengths: jax.Array  # [B] int32, real prompt tokens = position of the first generated token
+    routes: jax.Array | None = None  # [L, B, P, K] the prompt tokens' experts (a mixture of experts), else None
 
 
 @flax.struct.dataclass
@@ -162,6 +177,33 @@ class DecodeCache:
     prompt: PromptCache
     k: jax.Array  # [L, B*G, K, C, Dh] (kv-head-major: slot s of head k is [l, r, k, s])
     v: jax.Array  # [L, B*G, K, C, Dh]
+    # [L, B*G, C, K] the experts of the token fed at each slot (-1 until it is; -1 in a dense layer) with experts,
+    # else None
+    routes: jax.Array | None = None
+
+
+ROUTE_DTYPE = jnp.int16  # expert ids as routes are kept (-1: none recorded)
+
+
+@flax.struct.dataclass
+class Routes:
+    """Each token's experts in every layer, rows first (as a rollout keeps its arrays): the sampler's, replayed by
+    the training forwards (routing replay). Expert ids, -1 where none was recorded (a dense layer, a token the
+    sampler never fed: the router then chooses)."""
+
+    prompt: jax.Array  # [B, P, L, K] of the prompts left-aligned (real tokens last; any width, right-aligned)
+    completion: jax.Array  # [N, C, L, K], row r continuing prompt r // G
+
+
+@flax.struct.dataclass
+class Routing:
+    """What the routers of one forward did, per layer (stacked [L, ...]): `experts` [L, B, T, K] the experts each
+    token was routed to (-1 in a dense layer); with token weights (training forwards) the load-balancing statistics
+    `counts`, `probs` [L, E] (`moe.load_balancing_stats`; zeros in a dense layer), else None."""
+
+    experts: jax.Array
+    counts: jax.Array | None = None
+    probs: jax.Array | None = None
 
 
 # ----------------------------------------------------------------------------------------------- modules
@@ -418,37 +460,107 @@ class MLP(nnx.Module):
         return self.down(h.astype(x.dtype), kd)
 
 
+class MoE(nnx.Module):
+    """A routed MLP (Qwen3-MoE's sparse block): the router [D, E] and E gated expert MLPs, gate / up [E, D, F], down
+    [E, F, D] (`moe.py` has the math). The experts carry no LoRA adapters and are not quantized (as peft's
+    all-linear leaves transformers' fused expert parameters alone)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        pdt = jnp.dtype(cfg.param_dtype)
+        draw = lambda shape: (jax.random.normal(rngs.params(), shape, jnp.float32)  # noqa: E731
+                              * cfg.initializer_range).astype(pdt)
+        self.router = _param(draw((d, e)), ("embed", None))
+        self.experts_gate = _param(draw((e, d, f)), ("expert", "embed", "mlp"))
+        self.experts_up = _param(draw((e, d, f)), ("expert", "embed", "mlp"))
+        self.experts_down = _param(draw((e, f, d)), ("expert", "mlp", "embed"))
+        self.k, self.norm_topk, self.replay = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routing_replay
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def __call__(self, x: jax.Array, route: jax.Array | None = None, weights: jax.Array | None = None
+                 ) -> tuple[jax.Array, Routing]:
+        """x [B, T, D] -> (y [B, T, D], this layer's `Routing` without the layer axis).
+
+        `route` [B, T, K]: recorded experts (-1: none). With `routing_replay` a token with a record is routed to
+        those experts, their gate weights from the current router logits (`moe.gate_weights`); else, and for a
+        token without one, the router chooses (`moe.route`). `weights` [B, T]: token weights for the load-balancing
+        statistics, computed only then."""
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        # router logits in the compute dtype with float32 accumulation (HF: F.linear in the hidden states' dtype)
+        logits = jnp.dot(flat.astype(self.dtype), self.router[...].astype(self.dtype),
+                         preferred_element_type=jnp.float32).astype(self.dtype)
+        experts, gate_w = moe.route(logits, self.k, self.norm_topk)
+        if route is not None and self.replay:
+            recorded = route.reshape(b * t, -1).astype(jnp.int32)
+            experts = jnp.where(recorded[:, :1] >= 0, recorded, experts)
+            gate_w = moe.gate_weights(logits, experts, self.norm_topk)
+        # HF rounds the gate weights to the hidden states' dtype before weighting the experts' outputs
+        gate_w = gate_w.astype(self.dtype)
+        y = moe.experts_apply(flat, experts, gate_w, self.experts_gate[...], self.experts_up[...],
+                              self.experts_down[...], self.dtype)
+        routing = Routing(experts=experts.reshape(b, t, -1))
+        if weights is not None:
+            counts, probs = moe.load_balancing_stats(logits, weights.reshape(-1), self.k)
+            routing = routing.replace(counts=counts, probs=probs)
+        return checkpoint_name(y.astype(self.dtype).reshape(b, t, d), "mlpwo"), routing
+
+
+def dense_routing(x: jax.Array, cfg: ModelConfig, with_stats: bool) -> Routing:
+    """A dense layer's `Routing` in a model with routed layers (x [B, T, D]): experts -1, zero statistics."""
+    b, t, _ = x.shape
+    experts = jnp.full((b, t, cfg.num_experts_per_tok), -1, jnp.int32)
+    if not with_stats:
+        return Routing(experts=experts)
+    zeros = jnp.zeros((cfg.num_experts,), jnp.float32)
+    return Routing(experts=experts, counts=zeros, probs=zeros)
+
+
 class Block(nnx.Module):
     """A residual block; `norm_layout` pre: x += attn(n1(x)); x += mlp(n2(x)) (parallel: x += attn(n1(x)) +
     mlp(n2(x))); sandwich (Gemma): x += n3(attn(n1(x))); x += n4(mlp(n2(x))); post (OLMo 2): x += n3(attn(x));
-    x += n4(mlp(x))."""
+    x += n4(mlp(x)). `sparse`: the MLP is routed (`MoE`)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sparse: bool = False) -> None:
         pre, post = cfg.norm_layout != "post", cfg.norm_layout != "pre"
         self.attn_norm = Norm(cfg) if pre else None
         self.attn = Attention(cfg, rngs)
         self.post_attn_norm = Norm(cfg) if post else None
         self.mlp_norm = Norm(cfg) if pre else None
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if sparse else MLP(cfg, rngs)
         self.post_mlp_norm = Norm(cfg) if post else None
         self.parallel = cfg.parallel_residual
+        self.config = cfg
 
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable, key: jax.Array | None = None
-    ) -> tuple[jax.Array, Any]:
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable, key: jax.Array | None = None,
+        route: jax.Array | None = None, weights: jax.Array | None = None,
+    ) -> tuple[jax.Array, Any, Routing | None]:
+        """-> (x, the attention function's aux, this layer's `Routing`: None in a model without experts). `route`,
+        `weights`: see `MoE.__call__` (unused by a dense MLP)."""
         ka, km = _keys(key, 2)
         norm = lambda n, y: y if n is None else n(y)  # noqa: E731
         a, aux = self.attn(norm(self.attn_norm, x), cos, sin, fn, ka)
+
+        def mlp(h: jax.Array) -> tuple[jax.Array, Routing | None]:
+            if isinstance(self.mlp, MoE):
+                return self.mlp(h, route, weights)
+            routing = dense_routing(h, self.config, weights is not None) if self.config.is_moe else None
+            return self.mlp(h, km), routing
+
         if self.parallel:
-            return x + a + self.mlp(self.mlp_norm(x), km), aux
+            m, routing = mlp(self.mlp_norm(x))
+            return x + a + m, aux, routing
         x = x + norm(self.post_attn_norm, a)
-        return x + norm(self.post_mlp_norm, self.mlp(norm(self.mlp_norm, x), km)), aux
+        m, routing = mlp(norm(self.mlp_norm, x))
+        return x + norm(self.post_mlp_norm, m), aux, routing
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     """L blocks as ONE `Block` whose parameters have a leading layer axis: kernel [L, din, dout], logical axes
-    ("layers", ...). Initialised block by block in order, so the values equal L separately built blocks'."""
-    blocks = [Block(cfg, rngs) for _ in range(cfg.num_layers)]
+    ("layers", ...). Initialised block by block in order, so the values equal L separately built blocks'. Every
+    layer of one kind (a model mixing dense and routed layers runs unrolled: `ModelConfig.scan_layers`)."""
+    blocks = [Block(cfg, rngs, sparse) for sparse in cfg.sparse_layers]
     graphdef, _ = nnx.split(blocks[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.split(b)[1] for b in blocks))
     block = nnx.merge(graphdef, stacked)
@@ -488,8 +600,8 @@ class Transformer(nnx.Module):
         self.embed = Embedding(cfg, rngs)
         # stacked for a scan; a list of blocks unrolled: XLA:CPU copies a layer's slice of stacked weights on every
         # use (a decode step included), so the unrolled path keeps each block's weights whole (BENCHMARKS.md)
-        self.layers = stacked_blocks(cfg, rngs) if cfg.scan_layers else nnx.List([Block(cfg, rngs) for _ in
-                                                                                 range(cfg.num_layers)])
+        self.layers = stacked_blocks(cfg, rngs) if cfg.scan_layers else nnx.List([Block(cfg, rngs, sparse) for sparse
+                                                                                 in cfg.sparse_layers])
         self.final_norm = Norm(cfg)
         # tuples of floats (exact float32 values) keep them static graph data, not array attributes
         freqs = lambda *a, **k: tuple(float(f) for f in rope_inv_freq(cfg.rotary_dim, *a, **k))  # noqa: E731
@@ -513,6 +625,8 @@ class Transformer(nnx.Module):
         self.num_layers = cfg.num_layers
         self.scan_layers = cfg.scan_layers
         self.remat_policy = cfg.remat_policy
+        self.is_moe = cfg.is_moe
+        self.num_routed_layers = sum(cfg.sparse_layers)
 
     def rope_tables(self, positions: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
         """cos, sin [K, *positions.shape, R] float32: one table per RoPE kind the layers use (`rope_set`: global;
@@ -553,22 +667,27 @@ class Transformer(nnx.Module):
         xs: Any = None,
         carry: Any = None,
         dropout_key: jax.Array | None = None,
-    ) -> tuple[jax.Array, Any, Any]:
-        """x [B, T, D] through the L blocks -> (x, carry, ys stacked on a leading [L] axis); cos, sin: `rope_tables`.
+        routes: jax.Array | None = None,
+        token_weights: jax.Array | None = None,
+    ) -> tuple[jax.Array, Any, Any, Routing | None]:
+        """x [B, T, D] through the L blocks -> (x, carry, ys stacked on a leading [L] axis, the routers' `Routing`
+        [L, ...] (None without experts)); cos, sin: `rope_tables`.
 
         attention(q [B,T,H,Dh], k, v [B,T,K,Dh], layer, xs_l, carry) -> (o [B,T,H,Dh], carry, ys_l): the block's
         attention, given the layer index (traced under scan), this layer's slice of `xs` (e.g. its prompt KV
         cache) and the loop `carry` (e.g. the decode caches, updated in place). Each block runs under
         `jax.checkpoint` with `remat_policy`; with `scan_layers` the blocks are one `lax.scan`, else unrolled.
         `dropout_key`: LoRA dropout in training forwards (layer l uses fold_in(key, l); remat redraws the same mask).
+        `routes` [L, B, T, K]: recorded experts to replay (`MoE.__call__`); `token_weights` [B, T]: compute the
+        load-balancing statistics with these weights.
         """
         policy = remat_policy(self.remat_policy)
 
         def body(
-            graphdef: nnx.GraphDef, state: tuple[jax.Array, Any], inputs: tuple[Any, Any, Any]
+            graphdef: nnx.GraphDef, state: tuple[jax.Array, Any], inputs: tuple[Any, Any, Any, Any]
         ) -> tuple[tuple[jax.Array, Any], Any]:
             h, c = state
-            layer_params, layer, xs_l = inputs
+            layer_params, layer, xs_l, route = inputs
 
             def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
                 o, new_c, ys_l = attention(q, k, v, layer, xs_l, c)
@@ -577,8 +696,8 @@ class Transformer(nnx.Module):
             h = checkpoint_name(constrain(h, ("batch", None, None)), "decoder_layer_input")
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
             cos_l, sin_l = pick(cos, self.rope_index, layer), pick(sin, self.rope_index, layer)
-            h, (c, ys_l) = nnx.merge(graphdef, layer_params)(h, cos_l, sin_l, fn, key)
-            return (h, c), ys_l
+            h, (c, ys_l), routing = nnx.merge(graphdef, layer_params)(h, cos_l, sin_l, fn, key, route, token_weights)
+            return (h, c), (ys_l, routing)
 
         def block_fn(graphdef: nnx.GraphDef) -> Callable:
             f = functools.partial(body, graphdef)
@@ -587,16 +706,17 @@ class Transformer(nnx.Module):
 
         if self.scan_layers:
             graphdef, params = nnx.split(self.layers)
-            inputs = (params, jnp.arange(self.num_layers), xs)
-            (x, carry), ys = jax.lax.scan(block_fn(graphdef), (x, carry), inputs)
-            return x, carry, ys
+            inputs = (params, jnp.arange(self.num_layers), xs, routes)
+            (x, carry), (ys, routing) = jax.lax.scan(block_fn(graphdef), (x, carry), inputs)
+            return x, carry, ys, routing
         outs = []
         for layer, block in enumerate(self.layers):
             graphdef, params = nnx.split(block)
-            xs_l = jax.tree.map(lambda a, i=layer: a[i], xs)
-            (x, carry), ys_l = block_fn(graphdef)((x, carry), (params, layer, xs_l))
-            outs.append(ys_l)
-        return x, carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+            xs_l, route = jax.tree.map(lambda a, i=layer: a[i], (xs, routes))
+            (x, carry), out = block_fn(graphdef)((x, carry), (params, layer, xs_l, route))
+            outs.append(out)
+        ys, routing = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        return x, carry, ys, routing
 
     def forward(
         self, ids: jax.Array, mask: jax.Array, return_kv: bool = False, width: int | None = None
@@ -604,6 +724,15 @@ class Transformer(nnx.Module):
         """ids, mask [B, T] -> (hidden after final norm [B, T, D], with `return_kv` the post-RoPE keys and
         values of every layer, kv-head-major [L, B, K, T, Dh] each, else None). `width`: the rows' full width for
         LongRoPE's choice (`rope_tables`; default T; a prefill passes T + the tokens it will decode)."""
+        h, kvs, _ = self.forward_routed(ids, mask, return_kv, width)
+        return h, kvs
+
+    def forward_routed(
+        self, ids: jax.Array, mask: jax.Array, return_kv: bool = False, width: int | None = None,
+        routes: jax.Array | None = None, token_weights: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, Routing | None]:
+        """`forward`, and the routers' `Routing` [L, ...] (None without experts). `routes` [L, B, T, K]: recorded
+        experts to replay; `token_weights` [B, T]: the load-balancing statistics' weights (`run_layers`)."""
         pos = positions_from_mask(mask)
         fns = self.attention_fns(attention.causal, mask, pos)
         cos, sin = self.rope_tables(pos, ids.shape[1] if width is None else width)
@@ -612,8 +741,9 @@ class Transformer(nnx.Module):
             kv = (k.swapaxes(1, 2), v.swapaxes(1, 2)) if return_kv else None
             return switch(layer, self.window_index, fns, q, k, v), carry, kv
 
-        x, _, kvs = self.run_layers(self.embed(ids), cos, sin, attention_fn)
-        return self.final_norm(x), kvs
+        x, _, kvs, routing = self.run_layers(self.embed(ids), cos, sin, attention_fn, routes=routes,
+                                             token_weights=token_weights)
+        return self.final_norm(x), kvs, routing
 
     def forward_shared_prompt(
         self,
@@ -622,7 +752,8 @@ class Transformer(nnx.Module):
         completion_ids: jax.Array,
         completion_mask: jax.Array,
         dropout_key: jax.Array | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
+        routes: Routes | None = None,
+    ) -> tuple[jax.Array, jax.Array, Routing | None]:
         """B prompts, each continued by G completions, without repeating the prompts G times.
 
         prompt_ids, prompt_mask [B, P] (left padding; any padding with eager attention); completion_ids,
@@ -631,6 +762,11 @@ class Transformer(nnx.Module):
         [prompt; completion]: completion token t of row r sits at position lengths[r // G] + cumsum(mask)[t] - 1
         and attends to its prompt's real tokens (keys computed once per prompt) and to its own earlier real
         tokens. Gradients reach the prompt keys and values through all G rows.
+
+        With experts, also the routers' `Routing` [L, ...] over the packed rows [B, P + G*C] (else None), its
+        load-balancing statistics weighted as G separate [prompt; completion] rows would be (each real prompt token
+        G times, each real completion token once: the rows TRL's forward sees); `routes`: recorded experts to
+        replay (prompt routes of left-aligned prompts, as `prompt_ids` must then be).
         """
         b, p = prompt_ids.shape
         n, c = completion_ids.shape
@@ -656,9 +792,18 @@ class Transformer(nnx.Module):
                                       own(v))
             return jnp.concatenate([o_prompt, o_comp.reshape(b, g * c, *q.shape[2:])], axis=1), carry, None
 
-        x, _, _ = self.run_layers(x, cos, sin, attention_fn, dropout_key=dropout_key)
+        weights, packed = None, None
+        if self.is_moe:  # row b packs prompt b and its G completions
+            weights = jnp.concatenate([pmask * g, cmask.reshape(b, g * c)], axis=1)
+            if routes is not None:
+                prompt_routes = fit_prompt_routes(routes.prompt, p)
+                packed = jnp.concatenate([prompt_routes, routes.completion.reshape(b, g * c, *prompt_routes.shape[2:])
+                                          .astype(prompt_routes.dtype)], axis=1)
+                packed = jnp.moveaxis(packed, 2, 0)  # [L, B, P + G*C, K]
+        x, _, _, routing = self.run_layers(x, cos, sin, attention_fn, dropout_key=dropout_key, routes=packed,
+                                           token_weights=weights)
         x = self.final_norm(x)
-        return x[:, :p], x[:, p:].reshape(n, c, x.shape[-1])
+        return x[:, :p], x[:, p:].reshape(n, c, x.shape[-1]), routing
 
     def decode(self, tokens: jax.Array, step: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
         """One token per row: tokens [B*G] -> (hidden [B*G, D], cache with slot `step` written)."""
@@ -700,8 +845,11 @@ class Transformer(nnx.Module):
             return o.reshape(bg, 1, *q.shape[2:]), (gk, gv), None
 
         x = self.embed(tokens)[:, None]
-        x, (gk, gv), _ = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v))
-        return self.final_norm(x)[:, 0], DecodeCache(prompt=p, k=gk, v=gv)
+        x, (gk, gv), _, routing = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v))
+        routes = cache.routes
+        if routing is not None:  # the fed tokens' experts [L, B*G, 1, K] -> slot `step`
+            routes = jax.lax.dynamic_update_slice(routes, routing.experts.astype(routes.dtype), (0, 0, step, 0))
+        return self.final_norm(x)[:, 0], DecodeCache(prompt=p, k=gk, v=gv, routes=routes)
 
     def extend(self, tokens: jax.Array, start: jax.Array, valid: jax.Array, cache: DecodeCache
                ) -> tuple[jax.Array, DecodeCache]:
@@ -744,8 +892,11 @@ class Transformer(nnx.Module):
             return o.reshape(n, t, *q.shape[2:]), (gk, gv), None
 
         x = self.embed(tokens)
-        x, (gk, gv), _ = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v))
-        return self.final_norm(x), DecodeCache(prompt=p, k=gk, v=gv)
+        x, (gk, gv), _, routing = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v))
+        routes = cache.routes
+        if routing is not None:  # the valid tokens' experts [L, N, T, K] -> their slots, as the keys and values
+            routes = routes.at[:, rows, where].set(routing.experts.astype(routes.dtype), mode="drop")
+        return self.final_norm(x), DecodeCache(prompt=p, k=gk, v=gv, routes=routes)
 
 
 def prompt_and_completion_states(
@@ -755,16 +906,30 @@ def prompt_and_completion_states(
     completion_ids: jax.Array,
     completion_mask: jax.Array,
     dropout_key: jax.Array | None = None,
-) -> jax.Array:
+    routes: Routes | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
     """Final-norm hidden states at each prompt's last real token, then at every completion token: [B*G, C + 1, D]
-    (prompts [B, P] run once for their G completions [B*G, C], `Transformer.forward_shared_prompt`)."""
+    (prompts [B, P] run once for their G completions [B*G, C], `Transformer.forward_shared_prompt`), and with
+    experts transformers' load-balancing loss of the forward (`router_aux_loss`; else None). `routes`: recorded
+    experts to replay (`Routes`)."""
     # left-aligned prompts (what the sampler feeds): then each [prompt; completion] row's real tokens are one
     # contiguous run, as the fused attention implementations take them; nothing else depends on the padding
     prompt_ids, prompt_mask = left_align(prompt_ids, prompt_mask)
-    hp, hc = model.forward_shared_prompt(prompt_ids, prompt_mask, completion_ids, completion_mask, dropout_key)
+    hp, hc, routing = model.forward_shared_prompt(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                  dropout_key, routes)
     g = completion_ids.shape[0] // prompt_ids.shape[0]
     last = hp[jnp.arange(hp.shape[0]), last_token_index(prompt_mask)]  # [B, D]
-    return jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc], axis=1)
+    aux = None
+    if routing is not None:
+        tokens = jnp.sum(prompt_mask.astype(jnp.float32)) * g + jnp.sum(completion_mask.astype(jnp.float32))
+        aux = router_aux_loss(routing, tokens, model.num_routed_layers)
+    return jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc], axis=1), aux
+
+
+def router_aux_loss(routing: Routing, tokens: jax.Array, layers: int) -> jax.Array:
+    """transformers' `load_balancing_loss_func` of a forward from its `Routing` statistics [L, E] (dense layers
+    add zeros) over `layers` routed layers and `tokens` weighted tokens: `moe.load_balancing_loss`."""
+    return moe.load_balancing_loss(routing.counts.sum(0), routing.probs.sum(0), tokens * layers)
 
 
 class CausalLM(nnx.Module):
@@ -803,8 +968,23 @@ class CausalLM(nnx.Module):
         for t = 0, completion token t - 1 otherwise; `unembed` of it scores completion token t. `dropout_key`: LoRA
         dropout (training forwards; no effect without adapters or with lora dropout 0).
         """
-        return prompt_and_completion_states(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                            dropout_key)[:, :-1]
+        return self.completion_states(prompt_ids, prompt_mask, completion_ids, completion_mask, dropout_key)[0]
+
+    def completion_states(
+        self,
+        prompt_ids: jax.Array,
+        prompt_mask: jax.Array,
+        completion_ids: jax.Array,
+        completion_mask: jax.Array,
+        dropout_key: jax.Array | None = None,
+        routes: Routes | None = None,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """`completion_hidden_states` [B*G, C, D] and, with experts, the forward's load-balancing loss (transformers'
+        `aux_loss` of the G [prompt; completion] rows; else None). `routes`: the sampler's experts, replayed
+        (`Routes`; with `routing_replay` False the router chooses anyway)."""
+        h, aux = prompt_and_completion_states(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                              dropout_key, routes)
+        return h[:, :-1], aux
 
     def unembed(self, h: jax.Array) -> jax.Array:
         """h [..., D] -> logits [..., V] float32 (lm head, or the tied embedding transposed), soft-capped with
@@ -831,8 +1011,8 @@ class CausalLM(nnx.Module):
         """Run the prompts once: -> (logits at each prompt's last real token [B, V] f32, PromptCache).
         `max_new_tokens`: the decode steps to follow (C of `init_decode_cache`), for LongRoPE's choice of factors
         (`Transformer.rope_tables`: rows of P + C tokens)."""
-        h, (k, v) = self.model.forward(prompt_ids, prompt_mask, return_kv=True,
-                                       width=prompt_ids.shape[1] + max_new_tokens)
+        h, (k, v), routing = self.model.forward_routed(prompt_ids, prompt_mask, return_kv=True,
+                                                       width=prompt_ids.shape[1] + max_new_tokens)
         last = last_token_index(prompt_mask)
         logits = self.unembed(h[jnp.arange(h.shape[0]), last])
         mask = prompt_mask.astype(jnp.int32)
@@ -841,6 +1021,7 @@ class CausalLM(nnx.Module):
             v=v,
             mask=mask,
             lengths=mask.sum(-1).astype(jnp.int32),
+            routes=None if routing is None else routing.experts.astype(ROUTE_DTYPE),  # [L, B, P, K]
         )
         return logits, cache
 
@@ -849,7 +1030,20 @@ class CausalLM(nnx.Module):
         n_layers, b, kh, _, dh = prompt_cache.k.shape
         shape = (n_layers, b * num_generations, kh, max_new_tokens, dh)
         zeros = jnp.zeros(shape, prompt_cache.k.dtype)
-        return DecodeCache(prompt=prompt_cache, k=zeros, v=zeros)
+        routes = None
+        if prompt_cache.routes is not None:  # -1 until the slot's token is fed
+            k = prompt_cache.routes.shape[-1]
+            routes = jnp.full((n_layers, b * num_generations, max_new_tokens, k), -1, ROUTE_DTYPE)
+        return DecodeCache(prompt=prompt_cache, k=zeros, v=zeros, routes=routes)
+
+    @staticmethod
+    def recorded_routes(cache: DecodeCache) -> Routes | None:
+        """The routes a sampler recorded in its caches, rows first (`Routes`): the prompts' (as prefilled, left
+        aligned) and each completion slot's fed token's (-1 for a slot never fed: the last token and after);
+        None without experts."""
+        if cache.routes is None:
+            return None
+        return Routes(prompt=jnp.moveaxis(cache.prompt.routes, 0, 2), completion=jnp.moveaxis(cache.routes, 0, 2))
 
     def decode_step(self, tokens: jax.Array, step: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
         """tokens [B*G] at decode step `step` (position lengths[r // G] + step) -> (logits [B*G, V] f32, cache)."""
@@ -910,7 +1104,7 @@ class RewardModel(nnx.Module):
         is the reward model's score of prompt + completion (its last real token; the prompt's for an empty one).
         """
         return self.head(prompt_and_completion_states(self.model, prompt_ids, prompt_mask, completion_ids,
-                                                      completion_mask, dropout_key))
+                                                      completion_mask, dropout_key)[0])
 
 
 def logical_axes(model: nnx.Module) -> nnx.State:

@@ -1,0 +1,96 @@
+"""Mixture-of-experts math: top-k routing, dropless grouped matmuls over tokens sorted by expert, the load-balancing
+loss. Pure functions; `transformer.MoE` holds the parameters.
+
+A routed MLP sends each of T tokens to K of E experts (`route`), computes every (token, expert) pair (no capacity,
+none dropped) and sums the experts' outputs weighted by the gate weights:
+
+    y_t = sum_k w_tk * expert_{e_tk}(x_t)          expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
+
+The T*K pairs are sorted by expert, so each expert's rows are one contiguous group, and each projection is ONE
+`jax.lax.ragged_dot` over all experts (`experts_apply`). The same function runs in the sampler (prefill, one-token
+decode steps) and in the training forwards.
+
+Shapes: T tokens, D hidden, E experts, K experts per token, F an expert's hidden size, L routed layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["experts_apply", "gate_weights", "load_balancing_loss", "load_balancing_stats", "route",
+           "sort_by_expert"]
+
+
+def route(logits: jax.Array, k: int, norm_topk: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Qwen3-MoE's routing (transformers' Qwen3MoeTopKRouter): p = softmax(logits) in float32, each token's K largest
+    p (largest first; ties: the lower expert id), with `norm_topk` divided by their sum.
+
+    logits [T, E] -> (experts [T, K] int32, weights [T, K] float32).
+    Example: logits [[0, ln 2, ln 3]], k 2 -> experts [[2, 1]], weights [[1/2, 1/3]] (norm_topk: [[0.6, 0.4]]).
+    """
+    top, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), k)
+    return experts.astype(jnp.int32), top / jnp.sum(top, -1, keepdims=True) if norm_topk else top
+
+
+def gate_weights(logits: jax.Array, experts: jax.Array, norm_topk: bool = False) -> jax.Array:
+    """The weights `route` gives the experts `experts` [T, K] (e.g. the sampler's, replayed) under the current
+    logits [T, E]: softmax(logits) at those experts, renormalised with `norm_topk` -> [T, K] float32.
+    Differentiable in the logits, so the router trains under routing replay. Where `experts` is what `route` chose,
+    the same numbers. Example: logits [[0, ln 2, ln 3]], experts [[0, 2]] -> [[1/6, 1/2]] (norm_topk: [[0.25, 0.75]]).
+    """
+    picked = jnp.take_along_axis(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), experts, axis=-1)
+    return picked / jnp.sum(picked, -1, keepdims=True) if norm_topk else picked
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """The T*K (token, slot) pairs of `experts` [T, K] ordered by expert (stable: token order within an expert) ->
+    (order [T*K]: the flat pair index t * K + k of each sorted row, group_sizes [E] int32).
+    Example: experts [[2, 0], [1, 2]], E 3 -> order [1, 2, 0, 3], group_sizes [1, 1, 2]."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    return order, sizes
+
+
+def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
+                  down: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x_t), dropless: x [T, D], experts / weights [T, K], gate / up
+    [E, D, F], down [E, F, D] -> [T, D] float32.
+
+    The pairs are sorted by expert (`sort_by_expert`) and each projection is one `jax.lax.ragged_dot` over the
+    groups, in `dtype` with float32 accumulation; silu(gate) * up in float32, rounded once to `dtype` (as
+    `transformer.MLP`). The weighted sum over the K slots is in float32.
+    """
+    t, k = experts.shape
+    order, sizes = sort_by_expert(experts, gate.shape[0])
+    rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [T*K, D]
+
+    def project(h: jax.Array, w: jax.Array) -> jax.Array:
+        return jax.lax.ragged_dot(h, w.astype(dtype), sizes, preferred_element_type=jnp.float32)
+
+    h = (jax.nn.silu(project(rows, gate)) * project(rows, up)).astype(dtype)
+    y = project(h, down)  # [T*K, D], sorted
+    y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, slot) order
+    return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), y)
+
+
+def load_balancing_stats(logits: jax.Array, token_weights: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """One routed layer's share of transformers' `load_balancing_loss_func` (with an attention mask): per expert,
+    the weighted count of tokens whose top-k of softmax(logits) holds it (the router's own choice, whatever was
+    replayed), and the weighted sum of its probability. logits [T, E], token_weights [T] (the mask; a prompt shared
+    by G completions weighs G) -> (counts [E] (no gradient, as HF's), probs [E]) float32.
+    Example: logits [[0, 0, ln 2]], weights [2], k 1 -> counts [0, 0, 2], probs [0.5, 0.5, 1.0]."""
+    p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    w = token_weights.astype(jnp.float32)
+    _, chosen = jax.lax.top_k(p, k)
+    counts = jnp.zeros(logits.shape[-1], jnp.float32).at[chosen.reshape(-1)].add(jnp.repeat(w, k))
+    return jax.lax.stop_gradient(counts), jnp.einsum("t,te->e", w, p)
+
+
+def load_balancing_loss(counts: jax.Array, probs: jax.Array, rows: jax.Array) -> jax.Array:
+    """transformers' load-balancing loss from `load_balancing_stats` summed over the routed layers: counts, probs
+    [E], rows = (routed layers) x (weighted tokens) -> E * sum_e (counts_e / rows) (probs_e / rows), a scalar.
+    Balanced routing gives K. Example: counts [2, 0], probs [1.2, 0.8], rows 2 -> 2 * (1 * 0.6) = 1.2."""
+    rows = jnp.maximum(rows, 1.0)
+    return counts.shape[-1] * jnp.sum((counts / rows) * (probs / rows))
