@@ -237,8 +237,8 @@ def phase(name: str, parts: list[ProgramReport]) -> ProgramReport:
 
 def decoding(report: ProgramReport, steps: int, chip: Chip) -> ProgramReport:
     """`report` with its decode loop counted at `steps` iterations. A multi-turn program's loop (`rloo_jax.turns`)
-    stops at a data-dependent pause, not at a counted bound, so the compiler's figures count it once; over a
-    rollout's turns its rows decode at most C tokens (max_completion_length) in all."""
+    stops at a data-dependent pause; `rloo_jax.hlo` reads its bound from the condition's paused-row count, which is
+    not the rollout's: over a rollout's turns its rows decode at most C tokens (max_completion_length) in all."""
     loop = report.decode
     if loop is None:
         return report
@@ -263,10 +263,13 @@ def turns_phase(name: str, lines: dict[str, list[ProgramReport]], prefix: str, r
     """A multi-turn rollout as one report line, popped from `lines` (`<prefix>turns_start`, `...turns_resume@<w>`
     and `...turns_close`, then the line `name`'s programs: `finish`): the first turn with the C decode steps of
     every turn (`decoding`), `rounds` resumes at the narrowest suffix width (tool results that fit it) without
-    decoding, the close. The wider resumes stay lines of their own (what a longer tool result runs instead)."""
+    decoding, the close. The wider resumes stay lines of their own (what a longer tool result runs instead), their
+    decoding counted at the first turn too."""
     start = decoding(lines.pop(f"{prefix}turns_start")[0], steps, chip)
     widths = sorted((k for k in lines if k.startswith(f"{prefix}turns_resume@")), key=lambda k: int(k.split("@")[1]))
     resume = repeated(decoding(lines.pop(widths[0])[0], 0, chip), rounds)
+    for w in widths[1:]:  # their decode steps are the first turn's too
+        lines[w] = [decoding(lines[w][0], 0, chip)]
     close = lines.pop(f"{prefix}turns_close")[0]
     resume.model_flops = close.model_flops = 0.0  # the conversation's model FLOPs are counted at the first turn
     return phase(name, [start, resume, close, *lines.pop(name, [])])

@@ -211,3 +211,34 @@ def test_one_program_per_suffix_bucket(qwen2):
     run_turns(model, cfg, ScriptedTool(EOS), pause_at=1, key=1, jitted=jitted)
     run_turns(model, cfg, ScriptedTool(EOS), pause_at=1, width=16, jitted=jitted)
     assert start._cache_size() == 1 and resume._cache_size() == 2
+
+
+def _scattered_shapes(jaxpr):
+    """The operand shapes of every scatter in `jaxpr` and its sub-jaxprs (loops, scans, remat)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("scatter"):
+            out.append(tuple(eqn.invars[0].aval.shape))
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            out += _scattered_shapes(sub)
+    return out
+
+
+def test_turns_write_the_kv_cache_without_a_scatter(qwen2):
+    """The KV cache [L, N, K, C, Dh] is written by a select over one layer's slice, put back in place, not scattered
+    into: on a TPU the compiler copied the whole scattered cache into another layout and back at every layer of
+    every decode step (162 GB a step per chip for Qwen2.5-1.5B on a v5e-8, against 5.9 GB with the select and a
+    4.1 GB floor: BENCHMARKS.md Session 17). Both the first turn (decoding) and a resumed one (T new tokens)."""
+    cfg = SamplingConfig(max_new_tokens=C, num_generations=2, eos_token_ids=EOS, pad_token_id=PAD_ID)
+    graphdef, params = nnx.split(qwen2)
+    start = jax.make_jaxpr(lambda p, i, m, k: turns.start_turns(graphdef, p, i, m, k, cfg, 6))(
+        params, PROMPT_IDS, PROMPT_MASK, jax.random.key(0))
+    t = jax.eval_shape(lambda p, i, m, k: turns.start_turns(graphdef, p, i, m, k, cfg, 6), params, PROMPT_IDS,
+                       PROMPT_MASK, jax.random.key(0))
+    n = t.ids.shape[0]
+    resume = jax.make_jaxpr(lambda p, tt, s, sl, f, k: turns.resume_turns(graphdef, p, tt, s, sl, f, k, cfg, 6))(
+        params, t, jnp.zeros((n, 16), jnp.int32), jnp.ones((n,), jnp.int32), jnp.zeros((n,), bool),
+        jax.random.key(0))
+    for program in (start, resume):
+        caches = [s for s in _scattered_shapes(program.jaxpr) if len(s) == 5]
+        assert caches == [], caches

@@ -860,7 +860,7 @@ class Transformer(nnx.Module):
         Query t of row r attends to its prompt's real tokens and to its own slots ``<= start[r] + t`` (the slots
         written before, and this chunk's tokens up to t): the same numbers as a forward over [prompt; completion
         slots up to the token]. A decode step is T = 1 with ``start`` the slot of the token fed; a resumed turn
-        (tool results appended) is the new tokens only. Writes go to per-row slots (a scatter), so rows may stand at
+        (tool results appended) is the new tokens only. Writes go to per-row slots, so rows may stand at
         different lengths: the multi-turn sampler (`rloo_jax.turns`)."""
         p = cache.prompt
         b, n, t = p.mask.shape[0], tokens.shape[0], tokens.shape[1]
@@ -875,14 +875,27 @@ class Transformer(nnx.Module):
         p_allowed = jnp.stack([(p.mask[:, None, None, :] > 0) & visible(q_pos[..., None], p_pos[:, None, None, :], w)
                                for w in self.window_set])
         g_allowed = jnp.stack([(c <= q_slot[..., None]) & visible(q_slot[..., None], c, w) for w in self.window_set])
-        where = jnp.where(valid, slots, width)  # invalid tokens: out of bounds, dropped by the scatter
-        rows = jnp.arange(n)[:, None]
+
+        # cache slot c of row r takes the chunk's token c - start[r] where that is one of its valid tokens
+        src = c[None, :] - start[:, None]  # [N, C]
+        src_t = jnp.clip(src, 0, t - 1)
+        takes = (src >= 0) & (src < t) & jnp.take_along_axis(valid, src_t, axis=1)  # [N, C]
+
+        def write(cache: jax.Array, new: jax.Array, layer: Any) -> jax.Array:
+            """new [N, T, K, Dh] -> slots start[r] + t (where valid) of layer `layer` of the [L, N, K, C, Dh] cache:
+            the layer's slice gathered and selected, written back in place. A scatter of the tokens into the
+            [L, ...] cache would, on a TPU, copy the whole cache into the layout the scatter prefers and back at
+            every layer of every step (the compiler's count: 40x the decode's memory floor; BENCHMARKS.md Session
+            17)."""
+            new = new.swapaxes(1, 2).astype(cache.dtype)  # [N, K, T, Dh]
+            if t > 1:  # a resumed turn's tokens (once per tool round): each slot's own, [N, K, C, Dh]
+                new = jnp.take_along_axis(new, src_t[:, None, :, None], axis=2)
+            layer_slice = jnp.where(takes[:, None, :, None], new, cache[layer])
+            return jax.lax.dynamic_update_slice(cache, layer_slice[None], (layer, 0, 0, 0, 0))
 
         def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
             (pk, pv), (gk, gv) = xs_l, carry
-            # k, v [N, T, K, Dh] -> slots where[r, t] of layer `layer` of the [L, N, K, C, Dh] caches
-            gk = gk.at[layer, rows, :, where].set(k.astype(gk.dtype), mode="drop")
-            gv = gv.at[layer, rows, :, where].set(v.astype(gv.dtype), mode="drop")
+            gk, gv = write(gk, k, layer), write(gv, v, layer)
             gk, gv = row_major(gk, KV_CACHE_AXES), row_major(gv, KV_CACHE_AXES)
             o = attend_shared_prompt(
                 q.reshape(b, g, t, *q.shape[2:]), pk, pv, pick(p_allowed, self.window_index, layer),
@@ -895,6 +908,7 @@ class Transformer(nnx.Module):
         x, (gk, gv), _, routing = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v))
         routes = cache.routes
         if routing is not None:  # the valid tokens' experts [L, N, T, K] -> their slots, as the keys and values
+            rows, where = jnp.arange(n)[:, None], jnp.where(valid, slots, width)  # invalid: out of bounds, dropped
             routes = routes.at[:, rows, where].set(routing.experts.astype(routes.dtype), mode="drop")
         return self.final_norm(x), DecodeCache(prompt=p, k=gk, v=gv, routes=routes)
 
