@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("command line", {"rloo_jax.cli"}),
     ("trainers", {"rloo_jax.trainers"}),
     ("loop and compile-only", {"rloo_jax.loop", "rloo_jax.aot", "rloo_jax.evaluation", "rloo_jax.completions",
-                               "rloo_jax.resume", "rloo_jax.conversations"}),
+                               "rloo_jax.resume", "rloo_jax.conversations", "rloo_jax.external"}),
     ("assembly", {"rloo_jax.build"}),
     ("programs", {"rloo_jax.programs"}),
     ("step", {"rloo_jax.step"}),
