@@ -20,7 +20,6 @@ import os
 from typing import Any
 
 import jax
-import optax
 from flax import nnx
 
 from rloo_jax import demo, numerics, outputs
@@ -30,7 +29,7 @@ from rloo_jax.errors import ConfigError, DataError
 from rloo_jax.given import Given
 from rloo_jax.mesh import host_memory, make_mesh, reshaped, rollout_mesh_shape
 from rloo_jax.models import hf
-from rloo_jax.optimizer import make_optimizer
+from rloo_jax.optimizer import Scheduled, make_optimizer
 from rloo_jax.policy import Policy, policy
 from rloo_jax.programs import Program, Programs, Shapes, reward_model_program
 from rloo_jax.rewards import RewardFunction, reward_functions
@@ -221,8 +220,7 @@ class Assembly:
     policy: Policy  # the trained parameters and the reference (a copy, or with LoRA the frozen base)
     value: tuple[nnx.GraphDef, nnx.State] | None  # a value model trained with the policy (PPO)
     reward: tuple[nnx.GraphDef, nnx.State] | None  # a reward model scored on the token ids on the device (PPO)
-    optimizer: optax.GradientTransformation
-    schedule: optax.Schedule  # the learning rate of each step (what the loop logs)
+    optimizer: Scheduled  # AdamW; its schedule's horizon an argument of the update (`rate`: what the loop logs)
     total_steps: int | None  # None: not known (compile-only without max_steps: no dataset is read)
     mesh: jax.sharding.Mesh | None  # None: one device, plain jit
     rollout_mesh: jax.sharding.Mesh | None  # the sampler's layout over the same devices
@@ -277,7 +275,7 @@ def assemble(
     rollout_mesh = None if mesh is None else reshaped(mesh, rollout_mesh_shape(cfg, prepared.model, device_bytes))
     total = prepared.total_steps
     # the updates of one step share its learning rate (PPO: the scheduler steps once per PPO update, as TRL)
-    optimizer, schedule = make_optimizer(cfg, total or 1, platform, updates_per_step=cfg.updates_per_step)
+    optimizer = make_optimizer(cfg, total or 1, platform, updates_per_step=cfg.updates_per_step)
     pol = policy(cfg, prepared.model, prepared.adapter_dir)
     value = None if prepared.value_model is None else nnx.split(prepared.value_model)
     reward = None if prepared.device_reward_model is None else nnx.split(prepared.device_reward_model)
@@ -309,5 +307,5 @@ def assemble(
         suffix_widths=suffix_buckets(cfg.max_completion_length, cfg.tool_suffix_bucket) if turns else (),
         pause_at=(cfg.tool_batch_rows or 0) if turns else 0,
     )
-    return Assembly(cfg, platform, prepared.options, prepared, pol, value, reward, optimizer, schedule, total, mesh,
+    return Assembly(cfg, platform, prepared.options, prepared, pol, value, reward, optimizer, total, mesh,
                     rollout_mesh, programs, shapes)

@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -163,7 +164,7 @@ class Session:
     graphdef: Any
     iterator: PromptIterator
     total_steps: int
-    lr_at: Any  # jitted learning-rate schedule
+    lr_at: Callable[[int], float]  # the learning rate of an optimizer step
     weights: jax.Array  # [F] reward weights (replicated on a mesh)
     names: list[str]  # reward function names, for metrics
     eval_key: jax.Array
@@ -248,7 +249,12 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Session:
     place = Placement(assembly.mesh)
     place_reward_models(prepared.reward_funcs, place.mesh)  # host reward models sharded like the policy
     iterator = PromptIterator(len(prepared.train_ds), cfg.prompts_per_generation, cfg.seed, cfg.shuffle_dataset)
-    lr_at = jax.jit(assembly.schedule)  # one dispatch, not a handful of eager ops, per logged step
+    # one compiled program for every step and horizon (`optimizer.learning_rate_at`), not eager ops per logged step
+    optimizer = assembly.optimizer
+
+    def lr_at(step: int) -> float:
+        return optimizer.rate(step, optimizer.horizon)
+
     lr_at(0)  # compiled here, not at the first logged step (no compile after step 1)
     state = assembly.init_state()  # with a mesh: placed on its shardings (FSDP / tensor parallel)
     base_key = jax.random.key(cfg.seed)
@@ -290,14 +296,14 @@ def resume(s: Session) -> None:
     outputs.makedirs(s.cfg.output_dir)
     s.ckpt = Checkpointer(s.paths["checkpoints"], max_to_keep=s.cfg.save_total_limit)  # every process: collective
     latest = s.ckpt.latest_step()
-    changed: list[str] = []
+    found: list[resumed.Change] = []
     if latest is not None:
         meta = s.ckpt.read_meta(latest)
         check_layout(meta, layout(s.cfg, s.prepared.model.config.scan_layers), latest)
         saved = resumed.saved_config(meta, s.cfg.output_dir)  # changed options: noted, or refused (ConfigError)
         if saved is not None:
             found = resumed.changes(saved, recorded_config(s), latest, meta.get("total_steps"), s.total_steps)
-            changed = resumed.describe(found, latest)
+        found += resumed.reward_changes(meta.get("reward_sources"), reward_sources(s))
         # onto its shardings; a LoRA checkpoint holds the adapters and their optimizer state, not the frozen base
         # (nor a device reward model: both are read from their checkpoints again)
         restored, key, meta = s.ckpt.restore(latest, s.state.replace(frozen=None, reward_params=None),
@@ -326,11 +332,14 @@ def resume(s: Session) -> None:
             f"Resuming from checkpoint {os.path.join(s.paths['checkpoints'], str(latest))} (step {s.step}"
             + (f"; dropped {dropped} records logged after it)" if dropped else ")")
         )
-        for line in changed:
+        for line in resumed.describe(found, latest):
             print(line)
     elif dropped:
         print(f"No checkpoint in {s.paths['checkpoints']}: starting over (dropped {dropped} records of an earlier run)")
-    outputs.write_text(s.paths["config"], with_absolute_paths(s.cfg).to_yaml())  # local paths absolute
+    # the options the steps from here use (local paths absolute), after what earlier steps used (`resume.history`)
+    config = s.paths["config"]
+    previous = outputs.read_text(config) if latest is not None and outputs.exists(config) else None
+    outputs.write_text(config, resumed.history(previous, found, latest or 0) + with_absolute_paths(s.cfg).to_yaml())
     s.sinks = Sinks(outputs.join(s.cfg.output_dir), s.cfg.report_to, json_safe(s.cfg.to_dict()), s.cfg.run_name)
     s.rollouts = JsonlWriter(s.paths["rollouts"])
 
@@ -340,9 +349,15 @@ def recorded_config(s: Session) -> dict[str, Any]:
     return resumed.normalized(absolute_paths(s.cfg.to_dict()))
 
 
+def reward_sources(s: Session) -> dict[str, str | None]:
+    """Each reward function's source digest (`RewardFunction.digest`), by name: a resume compares them."""
+    return {func.name: func.digest() for func in s.prepared.reward_funcs}
+
+
 def save(s: Session) -> None:
     meta = {
         "config": recorded_config(s),  # what a resume compares its options with (rloo_jax.resume)
+        "reward_sources": reward_sources(s),  # and its reward functions' sources
         "total_steps": s.total_steps,
         "layout": layout(s.cfg, s.prepared.model.config.scan_layers),
         "data": s.iterator.state_dict(),

@@ -1,9 +1,12 @@
 """The optimizer and its learning-rate schedule: optax's AdamW as transformers configures it (clipping, weight decay
 on matrices only, transformers' schedules counted in optimizer steps), skipped whole on non-finite gradients.
 
-    optimizer, schedule = make_optimizer(cfg, total_steps)   # one for the loop and compile-only (`build.assemble`)
+    optimizer = make_optimizer(cfg, total_steps)   # one for the loop and compile-only (`build.assemble`)
+    optimizer.rate(step, optimizer.horizon)        # the learning rate of a step (the schedule's horizon is data)
 """
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -18,28 +21,58 @@ from rloo_jax.errors import ConfigError
 NEVER = int(np.iinfo(np.int32).max)  # optax's counters saturate there: `count > NEVER` is never true
 
 
-def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps: int,
+def lr_schedule(kind: str, learning_rate: float, warmup_steps: Any, total_steps: Any,
                 min_lr_rate: float = 0.0) -> optax.Schedule:
-    """transformers' schedules from optax's, counted in optimizer steps (step 0 = the first update).
+    """transformers' schedules, counted in optimizer steps (step 0 = the first update).
 
     Warmup: lr * s / W for s < W. Then linear: lr * (T - s) / (T - W); cosine: lr * (1 + cos(pi * progress)) / 2;
     cosine_with_min_lr: lr * (r + (1 - r) * (1 + cos(pi * progress)) / 2), r = `min_lr_rate`;
-    constant(_with_warmup): lr. E.g. linear, lr 1, W 2, T 6: [0, 0.5, 1, 0.75, 0.5, 0.25].
+    constant(_with_warmup): lr. progress = (s - W) / max(1, T - W), at most 1. E.g. linear, lr 1, W 2, T 6:
+    [0, 0.5, 1, 0.75, 0.5, 0.25].
+
+    `warmup_steps` and `total_steps` (the horizon) may be traced: the update program takes them as data
+    (`Scheduled`), so a run resumed with another max_steps reuses its compiled update. That is why these are not
+    optax's schedules, which take their horizon as Python numbers and so bake it into the program; the arithmetic
+    is optax's (linear_schedule, cosine_decay_schedule, join_schedules), operation for operation.
     """
-    decay_steps = max(1, total_steps - warmup_steps)
-    if kind == "constant":
-        return optax.constant_schedule(learning_rate)
-    if kind == "linear":
-        after = optax.linear_schedule(learning_rate, 0.0, decay_steps)
-    elif kind in ("cosine", "cosine_with_min_lr"):
-        after = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=min_lr_rate)  # 0 unless with_min_lr
-    elif kind == "constant_with_warmup":
-        after = optax.constant_schedule(learning_rate)
-    else:
+    if kind not in SCHEDULES:
         raise ConfigError(f"lr_scheduler_type {kind!r} is not supported")
-    if warmup_steps == 0:
-        return after
-    return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), after], [warmup_steps])
+
+    def schedule(count: Any) -> jax.Array:
+        count = jnp.asarray(count, jnp.float32)
+        if kind == "constant":
+            return jnp.full_like(count, learning_rate)
+        w, t = jnp.asarray(warmup_steps, jnp.float32), jnp.asarray(total_steps, jnp.float32)
+        decay = jnp.maximum(1.0, t - w)
+        after = jnp.clip(count - w, 0.0, decay)  # steps into the decay
+        if kind == "linear":
+            value = learning_rate * (1 - after / decay)
+        elif kind == "constant_with_warmup":
+            value = jnp.full_like(count, learning_rate)
+        else:  # cosine, cosine_with_min_lr (min_lr_rate 0 unless with_min_lr)
+            value = learning_rate * ((1 - min_lr_rate) * (0.5 * (1 + jnp.cos(jnp.pi * after / decay))) + min_lr_rate)
+        warm = -learning_rate * (1 - jnp.clip(count, 0.0, w) / jnp.maximum(w, 1.0)) + learning_rate
+        return jnp.where(count < w, warm, value)
+
+    return schedule
+
+
+SCHEDULES = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "learning_rate", "min_lr_rate"))
+def _rate(count: jax.Array, warmup: jax.Array, total: jax.Array, *, kind: str, learning_rate: float,
+          min_lr_rate: float) -> jax.Array:
+    return lr_schedule(kind, learning_rate, warmup, total, min_lr_rate)(count)
+
+
+def learning_rate_at(kind: str, learning_rate: float, step: int, warmup_steps: int, total_steps: int,
+                     min_lr_rate: float = 0.0) -> float:
+    """`lr_schedule`'s rate at `step`, on the host: ONE compiled program for every step and horizon (what the loop
+    logs, and what a resume's report compares), so a resumed run compiles nothing for it."""
+    count, warmup, total = (np.int32(np.asarray(v)) for v in (step, warmup_steps, total_steps))
+    return float(_rate(count, warmup, total, kind=kind, learning_rate=float(learning_rate),
+                       min_lr_rate=float(min_lr_rate)))
 
 
 def min_lr_rate(cfg: Any) -> float:
@@ -67,35 +100,74 @@ def warmup_steps(cfg: Any, total_steps: int) -> int:
     return math.ceil((cfg.warmup_steps or cfg.warmup_ratio) * total_steps)
 
 
-def make_optimizer(
-    cfg: Any, total_steps: int, platform: str | None = None, updates_per_step: int = 1
-) -> tuple[optax.GradientTransformation, Callable]:
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """An optax transformation whose learning-rate horizon is data: `at(horizon)` builds it inside a program from
+    the horizon (warmup and total steps, int32 scalars) the program takes as an argument, so changing max_steps
+    changes the program's inputs, not the program (a resumed run finds its update in the compilation cache).
+    `init` / `update` use the run's own `horizon` (outside a program: tests, tools). `rate(count, horizon)`: the
+    learning rate of optimizer step `count` (what the loop logs). The state does not depend on the horizon."""
+
+    build: Callable[[Any], optax.GradientTransformation]
+    horizon: tuple[jax.Array, jax.Array]
+    rate: Callable[[Any, Any], float]
+
+    def at(self, horizon: Any) -> optax.GradientTransformation:
+        return self.build(horizon)
+
+    def init(self, params: Any) -> Any:
+        return self.build(self.horizon).init(params)
+
+    def update(self, updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return self.build(self.horizon).update(updates, state, params)
+
+
+def horizon_of(optimizer: Any) -> tuple:
+    """The horizon a program passes to `transformation_at`: a `Scheduled`'s, () for a plain optax transformation."""
+    return optimizer.horizon if isinstance(optimizer, Scheduled) else ()
+
+
+def transformation_at(optimizer: Any, horizon: Any) -> optax.GradientTransformation:
+    """`optimizer` inside a program, at the horizon the program was given (a plain optax transformation as is)."""
+    return optimizer.at(horizon) if isinstance(optimizer, Scheduled) else optimizer
+
+
+def make_optimizer(cfg: Any, total_steps: int, platform: str | None = None, updates_per_step: int = 1) -> Scheduled:
     """clip_by_global_norm -> AdamW (first moment in `mu_dtype`; decay on matrices only), skipped whole on
     non-finite gradients: `skip_if_not_finite` for an accelerator, `optax.apply_if_finite` on CPU (the same state
     and numbers; XLA:CPU does not fuse the selects into AdamW's loops: 126 against 81 ms per update of a 26M-parameter
     model, BENCHMARKS.md Session 6). `platform`: the backend the program is compiled for (default: JAX's).
 
-    The schedule (returned too) is counted in the run's steps; `updates_per_step` optimizer updates share one step's
-    rate (TRL 1.12's PPO steps its scheduler once per PPO update, whatever the optimizer steps in it)."""
-    schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, warmup_steps(cfg, total_steps), total_steps,
-                           min_lr_rate(cfg))
-    by_update = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
-    adamw = optax.adamw(
-        by_update,
-        b1=cfg.adam_beta1,
-        b2=cfg.adam_beta2,
-        eps=cfg.adam_epsilon,
-        mu_dtype=cfg.mu_dtype,
-        weight_decay=cfg.weight_decay,
-        mask=decay_mask,
-    )
-    chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    # Non-finite gradients skip the whole update (params and AdamW moments kept). The consecutive-skip limit is
-    # enforced on the host (`skipped_updates`).
-    inner = optax.chain(*chain, adamw)
-    if (platform or jax.default_backend()) == "cpu":
-        return optax.apply_if_finite(inner, max_consecutive_errors=NEVER), schedule
-    return skip_if_not_finite(inner), schedule
+    The schedule is counted in the run's steps over the horizon (warmup_steps(cfg, total_steps), total_steps);
+    `updates_per_step` optimizer updates share one step's rate (TRL 1.12's PPO steps its scheduler once per PPO
+    update, whatever the optimizer steps in it)."""
+    floor = min_lr_rate(cfg)
+    horizon = (jnp.asarray(warmup_steps(cfg, total_steps), jnp.int32), jnp.asarray(total_steps, jnp.int32))
+    lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, 0, 1)  # an unknown kind fails here, not in a program
+
+    def rate(count: Any, horizon: Any) -> float:
+        return learning_rate_at(cfg.lr_scheduler_type, cfg.learning_rate, count, *horizon, floor)
+
+    def build(horizon: Any) -> optax.GradientTransformation:
+        schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, *horizon, floor)
+        adamw = optax.adamw(
+            lambda count: schedule(count // updates_per_step),
+            b1=cfg.adam_beta1,
+            b2=cfg.adam_beta2,
+            eps=cfg.adam_epsilon,
+            mu_dtype=cfg.mu_dtype,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
+        chain = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+        # Non-finite gradients skip the whole update (params and AdamW moments kept). The consecutive-skip limit
+        # is enforced on the host (`skipped_updates`).
+        inner = optax.chain(*chain, adamw)
+        if (platform or jax.default_backend()) == "cpu":
+            return optax.apply_if_finite(inner, max_consecutive_errors=NEVER)
+        return skip_if_not_finite(inner)
+
+    return Scheduled(build, horizon, rate)
 
 
 def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

@@ -25,14 +25,12 @@ Shapes: B prompts, G generations, N = B*G completions, P prompt length, C comple
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -49,6 +47,7 @@ from rloo_jax.mesh import (
     state_shardings,
 )
 from rloo_jax.models.transformer import ROUTE_DTYPE, Routes
+from rloo_jax.optimizer import horizon_of
 from rloo_jax.rewards import reward_model_jit
 from rloo_jax.sampling import SamplingConfig, rollout_weights
 from rloo_jax.step import Rollout, Step, StepConfig, TrainState, UpdatePlan, policy_params
@@ -112,7 +111,7 @@ class Programs:
     def __init__(
         self,
         graphdef: nnx.GraphDef,
-        optimizer: optax.GradientTransformation,
+        optimizer: Any,  # an optax transformation, or `optimizer.Scheduled` (its horizon an update argument)
         cfg: StepConfig,
         mesh: jax.sharding.Mesh | None = None,
         rules: Rules | None = None,
@@ -123,6 +122,9 @@ class Programs:
     ) -> None:
         self.step = Step(graphdef, optimizer, cfg, mesh, ref_graphdef, rollout_mesh, value_graphdef, reward_graphdef)
         self.graphdef, self.optimizer, self.cfg, self.mesh = graphdef, optimizer, cfg, mesh
+        # the learning-rate schedule's horizon, an argument of the update program (`optimizer.Scheduled`)
+        self.horizon = horizon_of(optimizer) if mesh is None else jax.tree.map(
+            lambda h: replicate(np.asarray(h), mesh), horizon_of(optimizer))
         self.rules = LOGICAL_RULES if rules is None else rules
         self.state_shardings: TrainState | None = None  # fixed by init_state / abstract_state on a mesh
         self.state_abstract: TrainState | None = None  # the state as ShapeDtypeStructs (with its shardings)
@@ -484,16 +486,22 @@ class Programs:
             ro = self._rollout_shardings(num_prompts, finished=True)
             n, rep = ro.completion_ids, self._replicated()
             ordered = self.cfg.row_order
+
+            def update(state: TrainState, rollout: Rollout, rewards: Array, weights: Array, horizon: Any,
+                       *order: Array) -> tuple[TrainState, dict[str, Any]]:  # named `update` (logs, reports)
+                return self.step.update(state, rollout, rewards, weights, *order, plan=plan, horizon=horizon)
+
             fn = self._jit(("update", n, plan), lambda: jax.jit(
-                self._on_mesh(functools.partial(self.step.update, plan=plan)),  # named `update` (logs, reports)
-                in_shardings=None if self.mesh is None else (self.state_shardings, ro, n, rep) + (rep,) * ordered,
+                self._on_mesh(update),
+                in_shardings=None if self.mesh is None else (self.state_shardings, ro, n, rep, rep) + (rep,) * ordered,
                 out_shardings=None if self.mesh is None else (self.state_shardings, rep),
                 donate_argnums=0,
             ))
             rewards, weights = self._rewards(num_prompts, num_rewards)
+            horizon = jax.tree.map(lambda h: self._sds((), h.dtype, rep), horizon_of(self.optimizer))
             order = (self._sds(self.order_shape(num_prompts), jnp.int32, rep),) if ordered else ()
             return Program("update", fn, (self._state(), self._abstract_rollout(num_prompts, prompt_len, width, True),
-                                          rewards, weights, *order))
+                                          rewards, weights, horizon, *order))
 
         return self._program(("update", num_prompts, prompt_len, width, num_rewards, plan), make)
 
@@ -570,7 +578,8 @@ class Programs:
                order: Array | None = None, plan: UpdatePlan | None = None) -> tuple[TrainState, dict[str, Any]]:
         b, p = rollout.prompt_ids.shape
         program = self.update_program(b, p, rollout.completion_ids.shape[1], rewards_per_func.shape[1], plan)
-        return program(state, rollout, rewards_per_func, reward_weights, *(() if order is None else (order,)))
+        return program(state, rollout, rewards_per_func, reward_weights, self.horizon,
+                       *(() if order is None else (order,)))
 
     def device_scores(self, state: TrainState, rollout: Rollout, sampling: SamplingConfig | None = None) -> Array:
         return self.device_scores_program(*rollout.prompt_ids.shape, sampling)(state, rollout)

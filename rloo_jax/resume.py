@@ -125,14 +125,15 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
 
 def learning_rate_at(config: dict[str, Any], step: int, total: int) -> float:
     """The learning rate of optimizer step `step` under `config`'s schedule over `total` steps
-    (`rloo_jax.optimizer.lr_schedule`, warmup as `rloo_jax.optimizer.warmup_steps`)."""
-    from rloo_jax.optimizer import lr_schedule, min_lr_rate, warmup_steps
+    (`rloo_jax.optimizer.learning_rate_at`, warmup as `rloo_jax.optimizer.warmup_steps`)."""
+    from rloo_jax.optimizer import learning_rate_at as rate
+    from rloo_jax.optimizer import min_lr_rate, warmup_steps
 
     warmup = warmup_steps(SimpleNamespace(warmup_steps=config.get("warmup_steps", 0),
                                           warmup_ratio=config.get("warmup_ratio", 0.0)), total)
     floor = min_lr_rate(SimpleNamespace(learning_rate=config["learning_rate"], min_lr=config.get("min_lr"),
                                         min_lr_rate=config.get("min_lr_rate")))
-    return float(lr_schedule(config["lr_scheduler_type"], config["learning_rate"], warmup, total, floor)(step))
+    return rate(config["lr_scheduler_type"], config["learning_rate"], step, warmup, total, floor)
 
 
 def changes(saved: dict[str, Any], current: dict[str, Any], step: int, saved_total: int | None, total: int
@@ -182,6 +183,28 @@ def changes(saved: dict[str, Any], current: dict[str, Any], step: int, saved_tot
         out.append(Change("total steps", saved_total, total, f"the run now ends at step {total} (a batch option "
                                                               f"changed the steps per epoch); {recomputed}"))
     return out
+
+
+def reward_changes(saved: dict[str, str | None] | None, current: dict[str, str | None]) -> list[Change]:
+    """The reward functions whose source differs from the checkpoint's run (`RewardFunction.digest`, by name; a
+    name added or removed is a reward_funcs change, reported by `changes`). saved None: an older checkpoint."""
+    return [Change(f"reward function {name!r}", saved[name], digest, "its source (hashed) was edited since the "
+                   "checkpoint's run; rewards from this step come from the new code")
+            for name, digest in current.items()
+            if saved and saved.get(name) and digest and saved[name] != digest]
+
+
+HISTORY = "# resumed at step "  # config.yaml's history lines: what the steps before each resume used
+
+
+def history(previous: str | None, found: list[Change], step: int) -> str:
+    """config.yaml's leading comment: the earlier resumes' lines of `previous` (the file being replaced), then one
+    per option `found` changed at this resume (`step`), so the file (the options the steps from here use) also
+    says what earlier steps ran with. E.g. "# resumed at step 2: max_steps 2 -> 4 (steps 1-2 used 2)"."""
+    kept = [line for line in (previous or "").splitlines() if line.startswith(HISTORY)]
+    kept += [f"{HISTORY}{step}: {c.option} {_show(c.old)} -> {_show(c.new)} (steps 1-{step} used {_show(c.old)})"
+             for c in found]
+    return "".join(line + "\n" for line in kept)
 
 
 def saved_config(meta: dict[str, Any], output_dir: str) -> dict[str, Any] | None:

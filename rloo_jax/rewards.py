@@ -11,6 +11,7 @@ prompts get completions as `[{"role": "assistant", "content": text}]`. `None`, N
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -41,6 +42,16 @@ class RewardFunction:
     def is_async(self) -> bool:
         call = type(self.fn).__call__ if not inspect.isfunction(self.fn) else None
         return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(call)
+
+    def digest(self) -> str | None:
+        """A short hash of the function's source (an object's: its class's), recorded in each checkpoint so that a
+        resume under an edited reward says so; None where Python has no source (a builtin, a C extension)."""
+        target = self.fn if inspect.isfunction(self.fn) or inspect.ismethod(self.fn) else type(self.fn)
+        try:
+            source = inspect.getsource(target)
+        except (OSError, TypeError):
+            return None
+        return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass

@@ -39,6 +39,7 @@ from rloo_jax.errors import ConfigError
 from rloo_jax.logprobs import completion_mask, masked_mean, per_token_logps_from_hidden
 from rloo_jax.mesh import BATCH_AXES, constrain_batch
 from rloo_jax.models.transformer import Routes
+from rloo_jax.optimizer import transformation_at
 from rloo_jax.sampling import SamplingConfig, generate_fn
 from rloo_jax.turns import Turns, resume_turns, start_turns
 from rloo_jax.turns import completions as turns_completions
@@ -465,7 +466,7 @@ class Step:
     def __init__(
         self,
         graphdef: nnx.GraphDef,
-        optimizer: optax.GradientTransformation,
+        optimizer: Any,  # an optax transformation, or `optimizer.Scheduled` (its horizon a program argument)
         cfg: StepConfig,
         mesh: jax.sharding.Mesh | None = None,
         ref_graphdef: nnx.GraphDef | None = None,
@@ -735,7 +736,7 @@ class Step:
 
     def update(
         self, state: TrainState, rollout: Rollout, rewards_per_func: Array, reward_weights: Array,
-        order: Array | None = None, plan: UpdatePlan | None = None,
+        order: Array | None = None, plan: UpdatePlan | None = None, horizon: Any = (),
     ) -> tuple[TrainState, dict[str, dict[str, Array]]]:
         """Score the generation batch, then the optimizer steps over its micro-batches.
 
@@ -748,7 +749,8 @@ class Step:
         ``state.grad_acc``). Micro-batch k of the generation (k < plan.micro_batches) is its micro-batch ``k % spg`` and
         belongs to optimizer step ``(plan.carried + k) // gas`` of the program; the step's gradient is the mean of
         its ``gas`` micro-batches' (carried ones included); the micro-batches after the last complete step are
-        summed into the returned ``grad_acc``.
+        summed into the returned ``grad_acc``. ``horizon``: the learning-rate schedule's (``optimizer.Scheduled``;
+        () for a plain optax transformation), data rather than a constant of the program.
 
         Returns the new state and the metrics as the algorithm logs them (``algorithm.summarize`` of: ``generation``
         (scalars, once per generation batch: rewards, lengths, tokens, the sampler gap), ``micro`` (per micro-batch,
@@ -757,6 +759,7 @@ class Step:
         (pre-clip) and what the algorithm's state logs))."""
         cfg = self.cfg
         plan = cfg.default_plan() if plan is None else plan
+        optimizer = transformation_at(self.optimizer, horizon)
         targets, gen_metrics = self.score(rollout, rewards_per_func, reward_weights)
         spg, gas = cfg.steps_per_generation, cfg.gradient_accumulation_steps
         batch = {"completion_ids": rollout.completion_ids, "mask": rollout.completion_mask,
@@ -800,7 +803,7 @@ class Step:
             """One optimizer step from its micro-batches' mean gradient, summed statistics and losses' mean."""
             trained, opt_state, algo_state = carry
             grad_norm = optax.global_norm(grads)
-            updates, opt_state = self.optimizer.update(grads, opt_state, trained)
+            updates, opt_state = optimizer.update(grads, opt_state, trained)
             trained = optax.apply_updates(trained, updates)
             # the algorithm's state moves once per optimizer step, from its micro-batches' summed statistics
             algo_state, step_metrics = self.algorithm.next_state(algo_state, stats)

@@ -217,7 +217,9 @@ class _OnlineTrainer:
                  ) -> dict[str, float]:
         """Sample and score the evaluation set(s) (`eval_dataset`, else the trainer's) with the newest checkpoint
         of args.output_dir (the initial policy before any), as the training loop evaluates; the metrics are logged
-        and returned under TRL's names: `eval_reward`, ..., or `eval_<name>_reward` for a dict of named sets."""
+        and returned under TRL's names: `eval_reward`, ..., or `eval_<name>_reward` for a dict of named sets.
+        Unlike TRL's, no `eval_loss` (TRL's: the training loss on the evaluation completions at importance ratio
+        1, i.e. minus the advantages' token mean plus beta x KL): not computed here."""
         sets = self.given.eval_dataset if eval_dataset is None else eval_sets(eval_dataset, self.args)
         if metric_key_prefix != "eval":
             raise ConfigError("evaluate: metric_key_prefix must be 'eval' (TRL's names); name sets with a dict")

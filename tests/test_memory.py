@@ -161,12 +161,12 @@ def _cfg(**kw) -> RLOOConfig:
 def test_optimizer_storage_dtypes_and_decay_mask():
     model = init_causal_lm(TINY, seed=0)
     _, params = nnx.split(model)
-    opt, _ = make_optimizer(_cfg(mu_dtype="bfloat16", weight_decay=0.1), 10)
+    opt = make_optimizer(_cfg(mu_dtype="bfloat16", weight_decay=0.1), 10)
     state = opt.init(params)
     adam = state.inner_state[1][0]  # apply_if_finite -> chain(clip, adamw) -> (scale_by_adam, ...)
     assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype(jnp.float32)}
-    default = make_optimizer(_cfg(), 10)[0].init(params).inner_state[1][0]
+    default = make_optimizer(_cfg(), 10).init(params).inner_state[1][0]
     assert {x.dtype for x in jax.tree.leaves(default.mu)} == {jnp.dtype(jnp.float32)}
     # decay on matrices only, by name: the stacked norm scales [L, D] are 2-D but are not decayed
     mask = nnx.to_pure_dict(decay_mask(params))

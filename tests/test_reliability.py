@@ -360,7 +360,7 @@ def test_optimizer_skips_non_finite_updates_and_counts_them():
     """The skip for an accelerator (elementwise selects) and the CPU one (optax.apply_if_finite) give the same
     state tree (a checkpoint moves between them) and bit-identical parameters, moments and counts."""
     cfg = load_config(["--learning_rate", "0.1"], base=demo.DEFAULT_CONFIG)
-    opts = {p: make_optimizer(cfg, total_steps=10, platform=p)[0] for p in ("cpu", "tpu")}
+    opts = {p: make_optimizer(cfg, total_steps=10, platform=p) for p in ("cpu", "tpu")}
     params = {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}
     states = {p: opt.init(params) for p, opt in opts.items()}
     assert jax.tree.structure(states["cpu"]) == jax.tree.structure(states["tpu"])
@@ -424,7 +424,7 @@ def demo_model_dir(seed):
 
 
 def make_like(cfg, params):
-    opt, _ = make_optimizer(cfg, cfg.max_steps)
+    opt = make_optimizer(cfg, cfg.max_steps)
     ref = jax.tree.map(jnp.copy, params) if cfg.beta > 0 else None
     return TrainState(params=params, opt_state=opt.init(params), ref_params=ref, step=jnp.zeros((), jnp.int32))
 

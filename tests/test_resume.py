@@ -4,6 +4,7 @@ changed options says what each change does or refuses it (rloo_jax.resume)."""
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -132,8 +133,11 @@ def test_config_yaml_records_absolute_paths_and_a_resume_reports_changes(tmp_pat
     monkeypatch.chdir(work)
     shutil.copytree(demo.prepare_model(demo.model_dir(CACHE_ROOT, 0), 0), work / "model")
     (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in demo.make_rows(32, seed=0)))
+    reward = work / "reward.py"
+    reward.write_text("from rloo_jax.demo import letters_reward\n\n\ndef reward(completions, **kwargs):\n"
+                      "    return letters_reward(completions, **kwargs)\n")
     run = ["--model_name_or_path", "./model", "--dataset_name", "data.jsonl", "--reward_funcs",
-           "rloo_jax.demo:letters_reward", "--output_dir", "out", "--per_device_train_batch_size", "16",
+           "reward.py:reward", "--output_dir", "out", "--per_device_train_batch_size", "16",
            "--num_generations", "4", "--max_completion_length", "4", "--eval_steps", "None", "--logging_steps", "1",
            "--save_steps", "2", "--compilation_cache", "false", "--lr_scheduler_type", "linear"]
     assert main([*run, "--max_steps", "2"]) == 0
@@ -148,6 +152,8 @@ def test_config_yaml_records_absolute_paths_and_a_resume_reports_changes(tmp_pat
 
     monkeypatch.chdir(work)
     capsys.readouterr()
+    reward.write_text(reward.read_text().replace("return letters_reward(completions, **kwargs)",
+                                                 "return [2 * r for r in letters_reward(completions, **kwargs)]"))
     assert main([*run, "--max_steps", "4", "--learning_rate", "5e-4"]) == 0
     out = capsys.readouterr().out
     # linear decay: lr(2) over 2 steps = 0; over 4 steps at 5e-4 = 5e-4 * 2/4
@@ -156,11 +162,61 @@ def test_config_yaml_records_absolute_paths_and_a_resume_reports_changes(tmp_pat
             "at step 2 goes from 0 to 0.00025\n"
             "  max_steps 2 -> 4: the run now ends at step 4 (was 2); the learning-rate schedule is recomputed for 4 "
             "steps; the learning rate at step 2 goes from 0 to 0.00025\n") in out, out
+    assert re.search(r"  reward function 'reward' \"[0-9a-f]{16}\" -> \"[0-9a-f]{16}\": its source \(hashed\) was "
+                     r"edited since the checkpoint's run; rewards from this step come from the new code\n", out), out
     logged = [r for r in map(json.loads, (work / "out" / "metrics.jsonl").read_text().splitlines())]
     assert [r["step"] for r in logged] == [1, 2, 3, 4] and logged[2]["learning_rate"] == pytest.approx(2.5e-4)
+    # config.yaml: the options of steps 3-4, after what steps 1-2 used (YAML comments: it still loads as a config)
+    text = (work / "out" / "config.yaml").read_text()
+    assert text.startswith("# resumed at step 2: learning_rate 1e-06 -> 0.0005 (steps 1-2 used 1e-06)\n"
+                           "# resumed at step 2: max_steps 2 -> 4 (steps 1-2 used 2)\n"
+                           "# resumed at step 2: reward function 'reward' \""), text[:400]
+    assert (yaml.safe_load(text)["max_steps"], yaml.safe_load(text)["learning_rate"]) == (4, 5e-4)
 
     before = {p: os.path.getmtime(p) for p in map(str, (work / "out").rglob("*"))}
     assert main([*run, "--max_steps", "6", "--learning_rate", "5e-4", "--seed", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot resume checkpoint 4 with seed 42 -> 1 (the data order") and "--seed 42" in err
     assert {p: os.path.getmtime(p) for p in map(str, (work / "out").rglob("*"))} == before
+
+
+@pytest.mark.slow  # two short runs of the demo model, the second from the suite's compilation cache (~20 s)
+def test_a_resume_with_only_max_steps_changed_compiles_nothing(tmp_path, monkeypatch):
+    """The learning-rate schedule's horizon (warmup and total steps) is an argument of the update program, not a
+    constant in it: a run resumed with a longer max_steps (linear decay after a warmup, so every step's rate moves)
+    takes every program from the compilation cache (0 XLA compiles; before, the update recompiled: 52 s on CPU for
+    the demo) and logs the rates of the new horizon."""
+    import jax
+
+    from tests.test_compile import CACHE_HIT, COMPILE
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(demo.prepare_model(demo.model_dir(CACHE_ROOT, 0), 0), tmp_path / "model")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in demo.make_rows(16, seed=0)))
+    run = ["--model_name_or_path", "model", "--dataset_name", "data.jsonl", "--reward_funcs",
+           "rloo_jax.demo:letters_reward", "--output_dir", "out", "--per_device_train_batch_size", "8",
+           "--num_generations", "4", "--max_completion_length", "4", "--eval_steps", "None", "--logging_steps", "1",
+           "--lr_scheduler_type", "linear", "--warmup_steps", "0.5", "--learning_rate", "1e-3"]
+    counts = {"compiles": 0, "hits": 0}  # a hit is counted in both: jax times the cache read as a compile
+
+    def compiled(event: str, duration: float, **kwargs: object) -> None:
+        counts["compiles"] += event == COMPILE
+
+    def hit(event: str, **kwargs: object) -> None:
+        counts["hits"] += event == CACHE_HIT
+
+    jax.monitoring.register_event_duration_secs_listener(compiled)
+    jax.monitoring.register_event_listener(hit)
+    try:
+        assert main([*run, "--max_steps", "2"]) == 0
+        first = dict(counts)
+        assert main([*run, "--max_steps", "6"]) == 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(compiled)
+        jax.monitoring.unregister_event_listener(hit)
+    resumed = {k: counts[k] - first[k] for k in counts}
+    logged = [json.loads(line)["learning_rate"] for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    # first run: warmup ceil(0.5 x 2) = 1 step, then the decay; resumed over 6 steps: warmup 3, decay over 3
+    assert logged == pytest.approx([0.0, 1e-3, 2e-3 / 3, 1e-3, 2e-3 / 3, 1e-3 / 3]), logged
+    assert first["compiles"] > first["hits"] and resumed["hits"] > 0, (first, resumed)  # the counters count
+    assert resumed["compiles"] == resumed["hits"], (first, resumed)  # every program from the cache
