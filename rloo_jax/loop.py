@@ -74,13 +74,14 @@ logger = logging.getLogger("rloo_jax")
 fold_in = jax.jit(jax.random.fold_in)  # the per-step key: one dispatch instead of eager ops (~1 ms a step)
 
 
-def compile_quietly(programs: Programs, prompt_shape: tuple[int, int], num_rewards: int, width: int,
+def compile_quietly(s: "Session", prompt_shape: tuple[int, int], num_rewards: int, width: int,
                     plan: UpdatePlan | None = None) -> threading.Thread:
-    """`Programs.compile_update` in a background thread (started): a failure there is left to the real call,
-    which compiles again and raises it with its own message."""
-    thread = threading.Thread(target=_compile_update, args=(programs, prompt_shape, num_rewards, width, plan),
+    """`Programs.compile_update` in a background thread (started; `train` joins it whatever happens): a failure
+    there is left to the real call, which compiles again and raises it with its own message."""
+    thread = threading.Thread(target=_compile_update, args=(s.programs, prompt_shape, num_rewards, width, plan),
                               daemon=True)
     thread.start()
+    s.compiling.append(thread)
     return thread
 
 
@@ -188,6 +189,9 @@ class Session:
     ckpt: Checkpointer | None = None
     sinks: Sinks | None = None
     rollouts: JsonlWriter | None = None
+    # the update's ahead-of-time compiles (`compile_quietly`); a step that fails before joining one (a reward error)
+    # leaves it in XLA, where the interpreter's exit would kill it mid-compile and abort the process
+    compiling: list[threading.Thread] = dataclasses.field(default_factory=list)
 
     @property
     def save_every(self) -> int | fractions.Fraction:
@@ -531,13 +535,13 @@ def single_turn_rollout(s: Session, rows: dict[str, list[Any]], key: jax.Array, 
     one_width = completion_width(1, longest, cfg.completion_bucket) == longest
     # the first step compiles update in a thread while the rollout compiles and runs (from the start when its
     # width is known: one completion width; else once the samples tell it)
-    compiling = compile_quietly(s.programs, ids.shape, num_rewards, longest, plan) if first and one_width else None
+    compiling = compile_quietly(s, ids.shape, num_rewards, longest, plan) if first and one_width else None
     sampled = s.programs.sample(s.state, ids, mask, key)
     if not one_width:
         longest = s.programs.longest(sampled)  # waits for the sampler
     width = completion_width(longest, cfg.max_completion_length, cfg.completion_bucket)
     if first and compiling is None:
-        compiling = compile_quietly(s.programs, ids.shape, num_rewards, width, plan)
+        compiling = compile_quietly(s, ids.shape, num_rewards, width, plan)
     rollout = s.programs.finish(s.state, sampled, width)  # cut to `width`, reference log-probs (dispatched)
     reference = ReadyTime(rollout.ref_logps)  # when the reference pass ends, seen from a watcher thread
     # the sampler's own completion ids: on the host as soon as sampling ends, while the reference pass runs
@@ -557,7 +561,7 @@ def conversation_rollout(s: Session, rows: dict[str, list[Any]], key: jax.Array,
     conv = run_conversations(s.programs, s.state, rows, key, s.prepared.tool_use, s.prepared.encoder)
     batch = conv.batch
     width = completion_width(max(conv.width, 1), cfg.max_completion_length, cfg.completion_bucket)
-    compiling = compile_quietly(s.programs, batch.prompt_ids.shape, num_rewards, width, plan) if first else None
+    compiling = compile_quietly(s, batch.prompt_ids.shape, num_rewards, width, plan) if first else None
     rollout = s.programs.finish(s.state, conv.rollout, width)
     reference = ReadyTime(rollout.ref_logps)
     t_sampled = time.perf_counter()
@@ -574,7 +578,7 @@ def external_rollout(s: Session, rows: dict[str, list[Any]], first: bool, plan: 
     ext = external_batch(s.prepared, s.place, s.programs, rows, cfg.num_generations)
     batch = ext.batch
     width = completion_width(ext.width, cfg.max_completion_length, cfg.completion_bucket)
-    compiling = compile_quietly(s.programs, batch.prompt_ids.shape, num_rewards, width, plan) if first else None
+    compiling = compile_quietly(s, batch.prompt_ids.shape, num_rewards, width, plan) if first else None
     rollout = s.programs.finish(s.state, ext.rollout, width)
     reference = ReadyTime(rollout.ref_logps)
     t_sampled = time.perf_counter()
@@ -721,6 +725,8 @@ def train(cfg: TrainConfig, given: Given | None = None) -> TrainResult:
                 s.callbacks.call("on_log", s.cfg, s.trainer_state, logs=dict(summary))
             s.callbacks.call("on_train_end", s.cfg, s.trainer_state)
         finally:
+            for thread in s.compiling:  # a failed step's compile ends here, not at the interpreter's exit
+                thread.join()
             if s.ckpt is not None:
                 s.ckpt.close()  # waits for an in-flight save; a failed step never starts a new one
             if s.sinks is not None:

@@ -4,6 +4,8 @@ the trainer's attributes (models, tokenizers, reward functions, state, args)."""
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import datasets
@@ -258,3 +260,49 @@ def test_epoch_strategies_need_epochs():
     with pytest.raises(ConfigError, match="args.save_strategy='epoch' needs the length of an epoch, and the "
                                           "environment owns the data"):
         rloo_jax.GRPOTrainer("demo", first_letter, args=args, environment_factory=Environment)
+
+
+@pytest.mark.slow  # one Python process: three trainers, each stopped by its reward at the first step (~40 s)
+def test_a_caught_reward_error_leaves_the_script_running(tmp_path):
+    """Issue 39 item 2: a RewardError raised inside .train() (a reward returning text, raising, returning the wrong
+    count) is an ordinary exception: a script that catches it goes on and exits 0. It used to end in `FATAL:
+    exception not rethrown` and SIGABRT: the first step's update compiles in a thread beside the sampler, and a
+    step that failed before joining it left it in XLA, where the interpreter's exit killed it. So: no thread of the
+    trainer is left once train() has raised, and the process exits 0 (a fresh compilation cache: no compile hit)."""
+    script = tmp_path / "script.py"
+    script.write_text(f'''
+import threading
+
+import rloo_jax
+from rloo_jax import demo
+from rloo_jax.errors import RewardError
+
+def text(completions, **kwargs):
+    return ["bad"] * len(completions)
+
+def raising(completions, **kwargs):
+    raise RuntimeError("boom")
+
+def short(completions, **kwargs):
+    return [0.0]
+
+for reward in (text, raising, short):
+    args = rloo_jax.GRPOConfig(output_dir={str(tmp_path)!r} + "/" + reward.__name__, max_steps=2,
+                               compilation_cache=False, per_device_train_batch_size=8, num_generations=4,
+                               max_completion_length=6, report_to="none")
+    trainer = rloo_jax.GRPOTrainer("demo", reward, args=args, train_dataset=demo.make_rows(16, seed=0))
+    try:
+        trainer.train()
+    except RewardError as e:
+        print("caught:", e)
+        print("threads:", [t.name for t in threading.enumerate() if t is not threading.main_thread()])
+print("alive")
+''')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env={**env, "JAX_PLATFORMS": "cpu", "RLOO_JAX_CACHE": str(tmp_path / "cache")})
+    caught = [line for line in done.stdout.splitlines() if line.startswith("caught: ")]
+    assert [c.split(" ")[1:4] for c in caught] == [["reward", "function", "'text'"], ["reward", "function",
+                                                   "'raising'"], ["reward", "function", "'short'"]], done.stdout
+    assert [line for line in done.stdout.splitlines() if line.startswith("threads:")] == ["threads: []"] * 3
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("alive"), (done.returncode, done.stderr[-3000:])
