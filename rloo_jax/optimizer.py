@@ -109,7 +109,7 @@ class Scheduled:
     learning rate of optimizer step `count` (what the loop logs). The state does not depend on the horizon."""
 
     build: Callable[[Any], optax.GradientTransformation]
-    horizon: tuple[jax.Array, jax.Array]
+    horizon: tuple[np.int32, np.int32]  # (warmup steps, total steps)
     rate: Callable[[Any, Any], float]
 
     def at(self, horizon: Any) -> optax.GradientTransformation:
@@ -142,7 +142,7 @@ def make_optimizer(cfg: Any, total_steps: int, platform: str | None = None, upda
     `updates_per_step` optimizer updates share one step's rate (TRL 1.12's PPO steps its scheduler once per PPO
     update, whatever the optimizer steps in it)."""
     floor = min_lr_rate(cfg)
-    horizon = (jnp.asarray(warmup_steps(cfg, total_steps), jnp.int32), jnp.asarray(total_steps, jnp.int32))
+    horizon = (np.int32(warmup_steps(cfg, total_steps)), np.int32(total_steps))  # host values: no device here
     lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, 0, 1)  # an unknown kind fails here, not in a program
 
     def rate(count: Any, horizon: Any) -> float:

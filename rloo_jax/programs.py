@@ -122,14 +122,21 @@ class Programs:
     ) -> None:
         self.step = Step(graphdef, optimizer, cfg, mesh, ref_graphdef, rollout_mesh, value_graphdef, reward_graphdef)
         self.graphdef, self.optimizer, self.cfg, self.mesh = graphdef, optimizer, cfg, mesh
-        # the learning-rate schedule's horizon, an argument of the update program (`optimizer.Scheduled`)
-        self.horizon = horizon_of(optimizer) if mesh is None else jax.tree.map(
-            lambda h: replicate(np.asarray(h), mesh), horizon_of(optimizer))
+        self._horizon: Any = None  # placed by `horizon` when a program first runs (never for compile-only)
         self.rules = LOGICAL_RULES if rules is None else rules
         self.state_shardings: TrainState | None = None  # fixed by init_state / abstract_state on a mesh
         self.state_abstract: TrainState | None = None  # the state as ShapeDtypeStructs (with its shardings)
         self._jits: dict[tuple, Callable] = {}
         self._programs: dict[tuple, Program] = {}
+
+    @property
+    def horizon(self) -> Any:
+        """The learning-rate schedule's horizon (`optimizer.Scheduled`), an argument of the update program:
+        replicated on the mesh (host values without one)."""
+        if self._horizon is None:
+            held = horizon_of(self.optimizer)
+            self._horizon = held if self.mesh is None else jax.tree.map(lambda h: replicate(h, self.mesh), held)
+        return self._horizon
 
     @property
     def rollout_mesh(self) -> jax.sharding.Mesh | None:
