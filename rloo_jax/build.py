@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import fractions
 import logging
+import math
 import os
 from typing import Any
 
@@ -152,6 +153,12 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     if total is not None:  # logging / save / eval ratios become steps, once: what the loop and config.yaml read
         cfg = cfg.with_intervals(total)
     per_epoch = None if train_ds is None else cfg.steps_per_epoch(len(train_ds))
+    if cfg.max_steps <= 0 and per_epoch is not None and per_epoch.denominator != 1:  # where TRL's count differs
+        gas = cfg.gradient_accumulation_steps
+        description += (f"\nnote: an epoch is {per_epoch * gas} micro-batches, not a multiple of "
+                        f"gradient_accumulation_steps {gas}: TRL's Trainer ends each epoch with a short optimizer "
+                        f"step ({math.ceil(cfg.num_train_epochs * math.ceil(per_epoch))} steps in all); here a step "
+                        f"spans two epochs ({total} steps)")
     # on a mesh the weights wait in host memory until the train state shards them (a whole 8B model in bf16 does
     # not fit one 16 GB chip); on one device they load there directly
     with host_memory() if cfg.device_count > 1 and not abstract else contextlib.nullcontext():

@@ -220,11 +220,12 @@ def test_epoch_strategies_and_ratio_steps_land_where_transformers_puts_them(tmp_
     assert (saved["logging_steps"], saved["save_strategy"], saved["eval_strategy"]) == (3, "epoch", "epoch")
 
 
-def test_an_epoch_a_step_spans_from_the_command_line(tmp_path):
+def test_an_epoch_a_step_spans_from_the_command_line(tmp_path, capsys):
     """The command line (YAML alike): 3 prompts, 1 a generation batch of 1 micro-batch, gradient_accumulation_steps
     2 -> 3/2 steps an epoch (a step spans two epochs), 3 epochs = 9 micro-batches = 4 steps: epoch e ends in step
     ceil(3e/2) = 2, 3 (and 5, past the end), where save_strategy epoch writes its checkpoints, and at the end (4);
-    logging_steps 0.5 -> every ceil(4 x 0.5) = 2 steps."""
+    logging_steps 0.5 -> every ceil(4 x 0.5) = 2 steps. The run says where TRL's count differs (issue 39 item 11:
+    its Trainer ends each epoch with a short step, 3 x ceil(3/2) = 6 steps)."""
     from rloo_jax.cli import main
 
     data = tmp_path / "train.jsonl"
@@ -236,6 +237,9 @@ def test_an_epoch_a_step_spans_from_the_command_line(tmp_path):
             "--gradient_accumulation_steps", "2", "--max_completion_length", "4", "--save_strategy", "epoch",
             "--logging_steps", "0.5", "--compilation_cache", "false"]
     assert main(argv) == 0
+    assert ("note: an epoch is 3 micro-batches, not a multiple of gradient_accumulation_steps 2: TRL's Trainer ends "
+            "each epoch with a short optimizer step (6 steps in all); here a step spans two epochs (4 steps)\n"
+            ) in capsys.readouterr().out
     assert sorted(os.listdir(out / "checkpoints"), key=int) == ["2", "3", "4"]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] == [2, 4]
     assert yaml.safe_load((out / "config.yaml").read_text())["logging_steps"] == 2
