@@ -462,3 +462,22 @@ def test_default_demo_learns_the_answers(tmp_path):
 def test_echo_reward_goldens():
     got = demo.echo_reward(["ace", "acex", "ac", "a", "xce", "", [{"content": "ace"}]], letters=["ace"] * 7)
     assert got == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 1.0]
+
+
+def test_demo_figures_script(tmp_path):
+    """scripts/demo_figures.py (CI's line after `make run`): the README's figures from a run's records, exit 1 below
+    the 0.7 evaluation floor. Records made by hand: rewards 0.1 -> 0.9 over 2 steps, evaluation 0.8 then 0.65, and
+    the last step's 3 completions of which 2 are their prompt's answer."""
+    metrics = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.9}, {"step": 2, "eval_reward": 0.8}]
+    rollouts = [{"step": 1, "prompt": "ab:", "completion": "ab"}, {"step": 2, "prompt": "ab:", "completion": "ab"},
+                {"step": 2, "prompt": "cd:", "completion": "cd"}, {"step": 2, "prompt": "ef:", "completion": "e"}]
+    for name, records in (("metrics.jsonl", metrics), ("rollouts.jsonl", rollouts)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    script = [sys.executable, os.path.join(ROOT, "scripts", "demo_figures.py"), str(tmp_path)]
+    done = subprocess.run(script, capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "demo: reward 0.100 -> 0.900 over 2 steps, evaluation 0.800, 2 of "
+                                                 "the last step's 3 completions are their prompt's answer\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics[:2] + [
+        {"step": 2, "eval_reward": 0.65}]))
+    done = subprocess.run(script, capture_output=True, text=True)
+    assert done.returncode == 1 and "below 0.7: the demo did not learn its task" in done.stdout, done.stdout
