@@ -497,8 +497,8 @@ class MoE(nnx.Module):
             gate_w = moe.gate_weights(logits, experts, self.norm_topk)
         # HF rounds the gate weights to the hidden states' dtype before weighting the experts' outputs
         gate_w = gate_w.astype(self.dtype)
-        y = moe.experts_apply(flat, experts, gate_w, self.experts_gate[...], self.experts_up[...],
-                              self.experts_down[...], self.dtype)
+        y = moe.experts_apply_sharded(x, experts.reshape(b, t, -1), gate_w.reshape(b, t, -1), self.experts_gate[...],
+                                      self.experts_up[...], self.experts_down[...], self.dtype)
         routing = Routing(experts=experts.reshape(b, t, -1))
         if weights is not None:
             counts, probs = moe.load_balancing_stats(logits, weights.reshape(-1), self.k)
