@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from rloo_jax.mesh import fit_spec
 
 __all__ = ["experts_apply", "experts_apply_sharded", "gate_weights", "load_balancing_loss", "load_balancing_stats",
-           "route", "sort_by_expert"]
+           "route", "route_mismatch", "sort_by_expert"]
 
 
 def route(logits: jax.Array, k: int, norm_topk: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -125,6 +125,18 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, experts_spec, experts_spec, experts_spec),
                        out_specs=spec)
     return fn(x, experts, weights, gate, up, down)
+
+
+def route_mismatch(recorded: jax.Array, chosen: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """How many recorded routing decisions the router would not make itself: recorded [..., K] experts (e.g. the
+    sampler's; -1: no record, a dense layer or a token never fed), chosen [..., K] the router's own top-K, mask
+    [...] (which tokens count) -> (mismatched, decisions) float32 scalars over the (token, slot) pairs with a
+    record and the mask: decisions counts them, mismatched those whose recorded expert is not among the chosen
+    (as sets: the same experts in another order match).
+    Example: recorded [[0, 2], [1, 3], [-1, -1]], chosen [[2, 0], [1, 2], [0, 1]], mask [1, 1, 1] -> (1, 4)."""
+    counted = (recorded >= 0) & (mask[..., None] > 0)  # [..., K]
+    found = jnp.any(recorded[..., :, None] == chosen[..., None, :], axis=-1)  # [..., K]
+    return jnp.sum(counted & ~found, dtype=jnp.float32), jnp.sum(counted, dtype=jnp.float32)
 
 
 def load_balancing_stats(logits: jax.Array, token_weights: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
