@@ -26,6 +26,8 @@ from rloo_jax.cli import config_from_dict
 from rloo_jax.errors import ConfigError
 from rloo_jax.models import config_from_hf, moe
 from tests.checkpoints import build_qwen3_moe
+from tests.fixtures_models import tiny_checkpoint  # noqa: F401
+from tests.test_compile_only import common, config_only_model, run_main
 from tests.xla_flags import forced_devices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,3 +286,29 @@ def test_greedy_on_the_expert_parallel_mesh_equals_one_device(compare):
     one, ep = compare["greedy"]
     assert ep == one and len({tuple(row) for row in one}) == 4  # 4 prompts, G = 2 identical greedy rows each
     assert compare["greedy_logps_max_diff"] <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------- compile-only, a TPU slice
+TINY_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=160, hidden_size=64,
+                      intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def test_compile_only_with_expert_parallelism(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
+    """The run's programs compile for a v5e-4 with --expert_parallel 4 (the TPU compiler takes the experts'
+    shard_map): the report's meshes carry the expert axis (the sampler on the training mesh), each chip holds 2 of the
+    8 experts. An expert count the option does not divide stops before anything compiles (exit 2, naming it)."""
+    model = config_only_model(tmp_path, TINY_QWEN3_MOE, tiny_checkpoint("tokenizer"))
+    code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", "--expert_parallel", "4"])
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
+    settings = report["settings"]
+    assert settings["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 4}
+    assert settings["rollout_mesh"] == {"data": 1, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert report["fits"] and set(report["programs"]) >= {"rollout", "update"}
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    model = config_only_model(bad, dict(TINY_QWEN3_MOE, num_experts=6), tiny_checkpoint("tokenizer"))
+    code, _, err = run_main(capsys, common(bad, model) + ["--topology", "v5e-4", "--expert_parallel", "4"])
+    assert code == 2 and "expert_parallel 4 does not divide the policy's 6 experts (num_experts)" in err
