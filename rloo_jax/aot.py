@@ -541,13 +541,15 @@ def run_settings(assembly: Any, shapes: Any) -> dict[str, Any]:
     cfg, state = assembly.cfg, assembly.abstract_state()
     axes = ("data", "fsdp", "tensor")
     settings = {
-        "model": cfg.model_name_or_path, "mesh": dict(zip(axes, cfg.mesh_shape, strict=True)),
+        "model": cfg.model_name_or_path,
+        "mesh": dict(zip(axes, cfg.mesh_shape, strict=True), **({"expert": cfg.expert_parallel}
+                                                                   if cfg.expert_parallel > 1 else {})),
         "prompts_per_generation": shapes.prompts,
         "completions_per_generation": shapes.prompts * cfg.num_generations,
         "prompt_length": shapes.prompt_length, "max_completion_length": cfg.max_completion_length,
         **assembly.options, "mu_dtype": cfg.mu_dtype, "matmul_precision": cfg.matmul_precision,
         "recompute_old_logps": assembly.programs.cfg.recompute,
-        "rollout_mesh": dict(zip(axes, (assembly.rollout_mesh or assembly.mesh).devices.shape, strict=True)),
+        "rollout_mesh": dict((assembly.rollout_mesh or assembly.mesh).shape),
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "steps_per_generation": cfg.resolved_steps_per_generation,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,

@@ -265,6 +265,20 @@ class Assembly:
         return programs
 
 
+def check_expert_parallel(size: int, config: Any) -> None:
+    """`expert_parallel` > 1 needs a policy with experts (`config`: its `ModelConfig`) whose count it divides (each
+    device holds E / size whole experts): else a ConfigError naming the option."""
+    if size == 1:
+        return
+    if not config.is_moe:
+        raise ConfigError(f"expert_parallel {size}: the policy has no experts (not a mixture of experts); leave "
+                          "expert_parallel at 1")
+    if config.num_experts % size:
+        raise ConfigError(f"expert_parallel {size} does not divide the policy's {config.num_experts} experts "
+                          f"(num_experts): each device must hold whole experts; choose a divisor of "
+                          f"{config.num_experts}")
+
+
 def assemble(
     cfg: TrainConfig, devices: Any = None, abstract: bool = False, given: Given | None = None,
     device_bytes: int | None = None, platform: str | None = None,
@@ -278,7 +292,9 @@ def assemble(
     (`rloo_jax.aot.compile_run`) both call this."""
     prepared = prepare(cfg, abstract, given, platform)
     cfg, platform = prepared.cfg, prepared.platform
-    mesh = None if devices is None and cfg.device_count == 1 else make_mesh(*cfg.mesh_shape, devices=devices)
+    check_expert_parallel(cfg.expert_parallel, prepared.model.config)
+    mesh = None if devices is None and cfg.device_count == 1 else make_mesh(*cfg.mesh_shape, devices=devices,
+                                                                            expert_parallel=cfg.expert_parallel)
     rollout_mesh = None if mesh is None else reshaped(mesh, rollout_mesh_shape(cfg, prepared.model, device_bytes))
     total = prepared.total_steps
     # the updates of one step share its learning rate (PPO: the scheduler steps once per PPO update, as TRL)

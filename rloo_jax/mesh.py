@@ -8,6 +8,10 @@ Model code names logical axes on every parameter (``embed``, ``mlp``, ``heads``,
               dimension ``embed``; XLA gathers one layer's weights at a time where they are used.
 - ``tensor``: Megatron-style model parallelism: the wide dimensions (MLP hidden, attention heads, KV heads,
               vocabulary) are split, so activations of one row are split too.
+- ``expert``: expert parallelism (a mixture of experts): the experts ``[E, ...]`` are split, E / n whole experts
+              per device (fsdp still splits each on ``embed``); every other weight and the batch are replicated
+              along it. Only in a mesh made with ``expert`` > 1 (``make_mesh``): the default mesh has the three
+              axes above, and the rule ``expert -> expert`` then maps to nothing.
 
 A batch ``[B, ...]`` is split over ``data x fsdp``. A mesh axis that does not divide a dimension is dropped for
 that dimension (the dimension is replicated along it), so tiny test models and odd batch sizes still run.
@@ -36,6 +40,7 @@ __all__ = [
     "BATCH_AXES",
     "KV_CACHE_AXES",
     "LOGICAL_RULES",
+    "EXPERT_MESH_AXES",
     "MESH_AXES",
     "batch_sharding",
     "constrain",
@@ -48,6 +53,7 @@ __all__ = [
     "local_rows",
     "logical_to_spec",
     "make_mesh",
+    "mesh_sizes",
     "param_shardings",
     "pin_layout",
     "process_slice",
@@ -62,6 +68,7 @@ __all__ = [
 ]
 
 MESH_AXES = ("data", "fsdp", "tensor")
+EXPERT_MESH_AXES = ("data", "fsdp", "expert", "tensor")  # a mesh with expert parallelism (`make_mesh` expert > 1)
 BATCH_AXES = ("data", "fsdp")
 
 Rules = Mapping[str, str | tuple[str, ...] | None]
@@ -80,6 +87,7 @@ LOGICAL_RULES: Rules = {
     "kv": "tensor",
     "vocab": "tensor",
     "lora_rank": "fsdp",  # LoRA's rank axis: over fsdp where the adapter's other axis is not (`fit_spec`)
+    "expert": "expert",  # a mixture of experts' expert axis [E, ...]: over `expert` where the mesh has one
 }
 
 
@@ -91,29 +99,45 @@ def make_mesh(
     fsdp: int = -1,
     tensor_parallel: int = 1,
     devices: Sequence[jax.Device] | None = None,
+    expert_parallel: int = 1,
 ) -> Mesh:
-    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices of all processes).
+    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all devices of all processes); with
+    ``expert_parallel`` > 1 a ``(data, fsdp, expert, tensor)`` one (`EXPERT_MESH_AXES`).
 
-    One of the three sizes may be ``-1``: it takes the remaining devices. E.g. 8 devices, ``(2, -1, 2)`` ->
-    shape ``(2, 2, 2)``. Axis types are Auto, so the compiler propagates shardings and
-    ``with_sharding_constraint`` works (``jax.make_mesh`` defaults to Explicit axes).
+    One of the data / fsdp / tensor sizes may be ``-1``: it takes the remaining devices. E.g. 8 devices,
+    ``(2, -1, 2)`` -> shape ``(2, 2, 2)``; ``(1, -1, 1)``, expert 4 -> ``(1, 2, 4, 1)``. Axis types are Auto, so
+    the compiler propagates shardings and ``with_sharding_constraint`` works (``jax.make_mesh`` defaults to
+    Explicit axes).
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data_parallel": data_parallel, "fsdp": fsdp, "tensor_parallel": tensor_parallel}
+    if expert_parallel != 1:
+        if expert_parallel < 1:
+            raise ValueError(f"expert_parallel must be a positive size, got {expert_parallel}")
+        sizes["expert_parallel"] = expert_parallel
     shape = _resolve_mesh_shape(sizes, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axes = MESH_AXES
+    if expert_parallel != 1:  # data, fsdp, expert, tensor: the expert axis between fsdp and tensor
+        axes, shape = EXPERT_MESH_AXES, (shape[0], shape[1], expert_parallel, shape[2])
+    return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+
+
+def mesh_sizes(mesh: Mesh) -> tuple[int, int, int]:
+    """A mesh's (data, fsdp, tensor) sizes, whether or not it has an expert axis."""
+    return mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]
 
 
 def reshaped(mesh: Mesh, shape: Sequence[int]) -> Mesh:
     """A ``(data, fsdp, tensor)`` mesh of ``shape`` over the very devices of ``mesh``, in the same order: e.g. the
     sampler's own layout of a training mesh (``rollout_shape``). The same rule table lays arrays out on it, and
     one jitted program may use both (a constraint onto the other mesh is a resharding between their layouts).
-    ``shape`` of ``mesh`` itself gives ``mesh``. E.g. a (1, 8, 1) mesh reshaped (1, 1, 8): the fsdp axis's
-    devices become the tensor axis's, in order."""
+    ``shape`` (data, fsdp, tensor) of ``mesh`` itself gives ``mesh``; an expert axis is kept (its size, between
+    fsdp and tensor). E.g. a (1, 8, 1) mesh reshaped (1, 1, 8): the fsdp axis's devices become the tensor axis's,
+    in order."""
     shape = tuple(shape)
-    if shape == tuple(mesh.devices.shape):
+    if shape == mesh_sizes(mesh):
         return mesh
-    return make_mesh(*shape, devices=list(mesh.devices.flat))
+    return make_mesh(*shape, devices=list(mesh.devices.flat), expert_parallel=mesh.shape.get("expert", 1))
 
 
 def rollout_shape(
@@ -205,6 +229,8 @@ def fit_spec(
     for name, dim in zip(logical, shape, strict=True):
         kept: list[str] = []
         for axis in _mesh_axes_for(name, rules):
+            if axis not in mesh.shape:  # e.g. `expert` on a mesh without expert parallelism
+                continue
             if axis in used or dim % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[axis]):
                 break
             kept.append(axis)
@@ -538,8 +564,10 @@ def rollout_mesh_shape(cfg: Any, model: Any, device_bytes: int | None = None) ->
     """The run config's `rollout_mesh` resolved to (data, fsdp, tensor) sizes for the policy `model`. None:
     `rloo_jax.mesh.rollout_shape` (whole weights on every device where one compute-dtype copy of the policy takes at
     most ROLLOUT_COPY_FRACTION of `device_bytes`, this process's device by default, the compile-only slice's chip; else
-    tensor-parallel as far as the heads allow where that share fits; else the training mesh). Every process decides
-    alike (same devices)."""
+    tensor-parallel as far as the heads allow where that share fits; else the training mesh). With expert_parallel:
+    the training mesh. Every process decides alike (same devices)."""
+    if cfg.expert_parallel > 1:  # the sampler runs the experts as training does, on its mesh
+        return cfg.mesh_shape
     if cfg.rollout_mesh is not None:
         sizes = dict(zip(("data", "fsdp", "tensor"), cfg.rollout_mesh, strict=True))
         return _resolve_mesh_shape(sizes, cfg.device_count)

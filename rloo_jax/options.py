@@ -800,7 +800,17 @@ class DistributedOptions:
         1,
         "distributed",
         "Size of the mesh axis `tensor`: MLP, attention heads and vocabulary split over devices (Megatron "
-        "style). data_parallel * fsdp * tensor_parallel must equal the number of devices of all processes.",
+        "style). data_parallel * fsdp * tensor_parallel (* expert_parallel) must equal the number of devices of "
+        "all processes.",
+    )
+    expert_parallel: int = _opt(
+        1,
+        "distributed",
+        "Size of the mesh axis `expert` (a mixture-of-experts policy): its experts split over that many devices, "
+        "each computing the (token, expert) pairs of its own experts (fsdp still splits each expert on the hidden "
+        "dimension). The axis carries no batch rows: attention and the dense parts run replicated along it, as "
+        "along tensor. Must divide the policy's expert count; 1 (the default): no expert axis. Not with "
+        "rollout_mesh (the sampler runs on the training mesh).",
     )
     rollout_mesh: tuple[int, int, int] | None = _opt(
         None,
@@ -836,10 +846,12 @@ class DistributedOptions:
     def mesh_shape(self) -> tuple[int, int, int]:
         """(data, fsdp, tensor) sizes on `device_count` devices, the -1 resolved: 8 devices, fsdp -1 -> (1, 8, 1)."""
         sizes = {"data_parallel": self.data_parallel, "fsdp": self.fsdp, "tensor_parallel": self.tensor_parallel}
+        if self.expert_parallel != 1:  # its own axis (`rloo_jax.mesh.make_mesh`), among the devices
+            sizes["expert_parallel"] = self.expert_parallel
         try:
-            data, fsdp, tensor = _resolve_mesh_shape(sizes, self.device_count)
+            data, fsdp, tensor, *_ = _resolve_mesh_shape(sizes, self.device_count)
         except ValueError as e:
-            raise ConfigError(f"{e}; fix --data_parallel / --fsdp / --tensor_parallel") from None
+            raise ConfigError(f"{e}; fix --{' / --'.join(sizes)}") from None
         return data, fsdp, tensor
 
     @property
@@ -850,7 +862,13 @@ class DistributedOptions:
 
     def _check(self) -> None:
         """Mesh sizes fit the devices (raises through `mesh_shape`); explicit process options are consistent."""
+        if self.expert_parallel < 1:
+            raise ConfigError(f"expert_parallel must be a positive mesh size (1: no expert axis), got "
+                              f"{self.expert_parallel}")
         self.mesh_shape  # noqa: B018 - resolving the mesh is the check
+        if self.expert_parallel > 1 and self.rollout_mesh is not None:
+            raise ConfigError(f"rollout_mesh {self.rollout_mesh} with expert_parallel {self.expert_parallel}: the "
+                              "sampler runs on the training mesh with expert parallelism; leave rollout_mesh unset")
         if self.rollout_mesh is not None:
             sizes = dict(zip(("data", "fsdp", "tensor"), self.rollout_mesh, strict=True))
             try:

@@ -38,6 +38,7 @@ from rloo_jax.algorithms.common import (
 from rloo_jax.errors import ConfigError
 from rloo_jax.logprobs import completion_mask, masked_mean, per_token_logps_from_hidden
 from rloo_jax.mesh import BATCH_AXES, constrain_batch
+from rloo_jax.models import moe
 from rloo_jax.models.transformer import Routes
 from rloo_jax.optimizer import transformation_at
 from rloo_jax.sampling import SamplingConfig, generate_fn
@@ -215,9 +216,12 @@ class StepConfig:
     """The update takes each micro-batch's rows as an input (``order [updates x gradient_accumulation_steps, rows]``
     int32, drawn on the host: PPO's per-epoch shuffles) instead of cutting the generation batch in order."""
     routes: tuple[int, int] | None = None
-    """Routing replay: (L, K) of a mixture-of-experts policy's routes, which the sampler records (``Rollout.routes``)
-    and the old-log-prob, reference and update forwards replay (each token to the sampler's experts, the gate weights
-    from the current router); None: off, the router of each forward chooses."""
+    """(L, K) of a mixture-of-experts policy's routes, which the sampler records (``Rollout.routes``); with
+    ``routing_replay`` the old-log-prob, reference and update forwards replay them (each token to the sampler's
+    experts, the gate weights from the current router), and either way the update measures its router's own choices
+    against them (``sampling/routing_mismatch``); None: no routes, the router of each forward chooses."""
+    routing_replay: bool = True
+    """Whether the forwards replay ``routes`` (off: they are recorded for the metric only)."""
     router_aux_loss_coef: float = 0.0
     """A mixture of experts' load-balancing loss (transformers' ``aux_loss`` of the training forward), added to each
     micro-batch's loss with this weight and logged as ``aux_loss`` (TRL 1.16's GRPO / RLOO); 0: off."""
@@ -302,11 +306,13 @@ def completion_logps(
     entropy_grad: bool = False,
     with_aux_loss: bool = False,
     routes: Routes | None = None,
+    with_routing: bool = False,
 ) -> Array | tuple[Array, ...]:
     """Per-token log-probs of the completions under ``params``: ``[N, C]`` float32 (and entropy ``[N, C]``; and with
     ``with_aux_loss`` a mixture of experts' load-balancing loss ``[]``, transformers' ``aux_loss`` of the N
-    ``[prompt; completion]`` rows, last). ``routes``: recorded experts to replay (``transformer.Routes``, rows as
-    the prompts and completions).
+    ``[prompt; completion]`` rows; and with ``with_routing`` the routers' own choices for the completion tokens
+    ``[N, C, L, K]``, as ``Routes.completion``; in that order, last). ``routes``: recorded experts to replay
+    (``transformer.Routes``, rows as the prompts and completions).
 
     prompt_ids/mask ``[N, P]`` (one prompt per completion) or ``[B, P]`` with ``N = B*G`` (prompt ``r // G`` for
     completion ``r``); completion ids/mask ``[N, C]``. Each distinct prompt row runs through the model once and its
@@ -320,17 +326,19 @@ def completion_logps(
     model = nnx.merge(graphdef, params)
     if completion_ids.shape[0] % prompt_ids.shape[0]:
         raise ValueError(f"{completion_ids.shape[0]} completions do not split into {prompt_ids.shape[0]} prompts")
-    hidden, aux = model.completion_states(prompt_ids, prompt_mask, model_inputs(completion_ids, completion_mask),
-                                          completion_mask, dropout_key, routes)
+    hidden, aux, chosen = model.completion_states(prompt_ids, prompt_mask,
+                                                  model_inputs(completion_ids, completion_mask), completion_mask,
+                                                  dropout_key, routes, with_routing=True)
     out = per_token_logps_from_hidden(
         hidden, model.unembed, completion_ids, temperature, chunk_size=chunk, with_entropy=with_entropy,
         frozen_unembed=frozen_unembed, entropy_grad=entropy_grad,
     )
-    if not with_aux_loss:
+    if (with_aux_loss or with_routing) and aux is None:
+        raise ValueError("with_aux_loss / with_routing: the model has no routed layers")
+    extra = (aux,) * with_aux_loss + (chosen,) * with_routing
+    if not extra:
         return out
-    if aux is None:
-        raise ValueError("with_aux_loss: the model has no routed layers (no load-balancing loss)")
-    return (*out, aux) if with_entropy else (out, aux)
+    return (*out, *extra) if with_entropy else (out, *extra)
 
 
 def model_inputs(completion_ids: Array, completion_mask: Array) -> Array:
@@ -421,6 +429,18 @@ def route_inputs(rollout: Rollout) -> dict[str, Array]:
 def batch_routes(mb: dict[str, Array]) -> Routes | None:
     """A micro-batch's routes to replay (``route_inputs``), None without them."""
     return Routes(prompt=mb["prompt_routes"], completion=mb["routes"]) if "routes" in mb else None
+
+
+def routing_mismatch(recorded: Array, chosen: Array, mask: Array) -> dict[str, Array]:
+    """``sampling/routing_mismatch``: the fraction of the sampler's routing decisions (completion token x routed
+    layer x slot, over the tokens of ``mask`` it recorded) whose expert the training forward's router would not
+    choose itself (``moe.route_mismatch``; with routing replay what replay overrides, without it where the two
+    routed differently). recorded ``[N, C, L, K]`` (-1: none: a dense layer, the never-fed last token), chosen
+    ``[N, C, L, K]``, mask ``[N, C]`` -> a scalar, 0 without decisions. Example: one token, 1 layer, K 2, recorded
+    [1, 3], chosen [1, 2] -> 0.5."""
+    per_layer = jnp.broadcast_to(mask[..., None], recorded.shape[:-1])  # [N, C, L]
+    mismatched, decisions = moe.route_mismatch(recorded.astype(jnp.int32), chosen, per_layer)
+    return {"sampling/routing_mismatch": mismatched / jnp.maximum(decisions, 1.0)}
 
 
 def policy_params(state: TrainState) -> nnx.State:
@@ -613,7 +633,7 @@ class Step:
             mb = jax.tree.map(lambda x: self._rows(x[i]), micro)
             inputs = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"])
             out = {name: completion_logps(graphdef, params, *inputs, cfg.temperature, cfg.logprob_chunk,
-                                          routes=batch_routes(mb))
+                                          routes=self._replayed(mb))
                    for name, (graphdef, params) in passes.items()}
             if with_values:  # the value before each completion token
                 out["values"] = head_scores(self.value_graphdef, state.value_params, *inputs)[:, :-1]
@@ -680,6 +700,10 @@ class Step:
         return importance_sampling_weights(trained, sampled, mask, s.mode, s.clip_min, s.clip_max)
 
     # -- update -------------------------------------------------------------------------------------------------
+    def _replayed(self, mb: dict[str, Array]) -> Routes | None:
+        """The routes a micro-batch's forwards replay: its recorded ones with ``routing_replay``, else none."""
+        return batch_routes(mb) if self.cfg.routing_replay else None
+
     def loss(
         self, params: nnx.State, frozen: nnx.State | None, mb: dict[str, Array], key: Array | None,
         algo_state: Any, num_items: Array, value_params: nnx.State | None = None,
@@ -689,12 +713,15 @@ class Step:
         cfg, algo = self.cfg, self.algorithm
         whole = params if frozen is None else nnx.merge_state(frozen, params)  # gradients reach `params` only
         with_aux = cfg.router_aux_loss_coef != 0.0
-        logps, entropy, *aux = completion_logps(
+        with_routing = "routes" in mb  # the sampler's routes: its routers' choices against the update's own
+        logps, entropy, *extra = completion_logps(
             self.graphdef, whole, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["mask"],
             cfg.temperature, cfg.logprob_chunk, with_entropy=True, dropout_key=key,
             frozen_unembed=frozen is not None,  # LoRA: the head is part of the frozen base
-            entropy_grad=algo.entropy_grad, with_aux_loss=with_aux, routes=batch_routes(mb),
+            entropy_grad=algo.entropy_grad, with_aux_loss=with_aux, routes=self._replayed(mb),
+            with_routing=with_routing,
         )
+        aux, chosen = extra[:with_aux], extra[with_aux:]
         values = None
         if value_params is not None:
             values = head_scores(self.value_graphdef, value_params, mb["prompt_ids"], mb["prompt_mask"],
@@ -705,6 +732,8 @@ class Step:
         fixed_old = not cfg.on_policy or (cfg.recompute and cfg.importance_sampling is not None)
         old = mb["old_logps"] if fixed_old else jax.lax.stop_gradient(logps)
         metrics: dict[str, Array] = {}
+        if with_routing:
+            metrics.update(routing_mismatch(mb["routes"], chosen[0], mask))
         is_weights = mb.get("is_weights")
         if not cfg.recompute:  # on policy, no dropout: this forward is the trainer's side of the sampler gap
             trained, sampled = jax.lax.stop_gradient(logps), mb["old_logps"]
@@ -1002,13 +1031,18 @@ def router_aux_loss_coef(option: float | None, model: Any) -> float:
     return float(option) if moe else 0.0
 
 
-def replayed_routes(replay: bool, model: Any, multi_turn: bool) -> tuple[int, int] | None:
-    """``StepConfig.routes``: (L, K) of a mixture-of-experts policy (`model`: its ``ModelConfig``) when routing
-    replay is on; None for a dense policy, with replay off, or for multi-turn rollouts (whose sampler does not
-    return routes)."""
-    if not replay or multi_turn or model is None or not model.is_moe:
+def recorded_routes(model: Any, multi_turn: bool) -> tuple[int, int] | None:
+    """``StepConfig.routes``: (L, K) of a mixture-of-experts policy (`model`: its ``ModelConfig``), whose sampler
+    records them (replayed with routing replay, measured against without); None for a dense policy or for
+    multi-turn rollouts (whose sampler does not return routes)."""
+    if multi_turn or model is None or not model.is_moe:
         return None
     return model.num_layers, model.num_experts_per_tok
+
+
+def replayed_routes(replay: bool, model: Any, multi_turn: bool) -> tuple[int, int] | None:
+    """The (L, K) routes the forwards replay: `recorded_routes` with routing replay on, else None."""
+    return recorded_routes(model, multi_turn) if replay else None
 
 
 def step_config(cfg: Any, sampling: SamplingConfig, tokenizer: Any = None, model: Any = None) -> StepConfig:
@@ -1020,8 +1054,9 @@ def step_config(cfg: Any, sampling: SamplingConfig, tokenizer: Any = None, model
     options = cfg.step_options()
     if "router_aux_loss_coef" in options:
         options["router_aux_loss_coef"] = router_aux_loss_coef(options["router_aux_loss_coef"], model)
-    if "routing_replay" in options:
-        options["routes"] = replayed_routes(options.pop("routing_replay"), model, options.get("multi_turn", False))
+    if "routing_replay" in options:  # the routes are recorded either way: without replay the update measures its
+        # router against them (sampling/routing_mismatch)
+        options["routes"] = recorded_routes(model, options.get("multi_turn", False))
     return StepConfig(
         sampling=sampling,
         algorithm=cfg.make_algorithm(tokenizer),

@@ -37,7 +37,7 @@ from rloo_jax.models import (
 from rloo_jax.models.loaded import convert
 from rloo_jax.models.lora import init_adapters, split_adapters, with_adapters
 from rloo_jax.models.transformer import Routes
-from rloo_jax.programs import Programs
+from rloo_jax.programs import Programs, flat_metrics
 from rloo_jax.step import Step, StepConfig, replayed_routes, router_aux_loss_coef
 from tests.checkpoints import PAD_ID, build_qwen3_moe
 
@@ -394,3 +394,61 @@ def test_lora_on_a_mixture_of_experts(checkpoint, tmp_path):
     again = load_adapter(out)
     for a, b in zip(jax.tree.leaves(drawn), jax.tree.leaves(split_adapters(again)[1]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------------------------------ routing metrics
+def test_route_mismatch_golden():
+    recorded = jnp.asarray([[0, 2], [1, 3], [-1, -1], [2, 1]])
+    chosen = jnp.asarray([[2, 0], [1, 2], [0, 1], [0, 3]])
+    got = moe.route_mismatch(recorded, chosen, jnp.asarray([1, 1, 1, 0]))  # the last token is not counted
+    assert [float(x) for x in got] == [1.0, 4.0]  # expert 3 of token 1; the same set in another order matches
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_routing_metrics_sampler_vs_trainer(replay):
+    """The update's `sampling/routing_mismatch` and the sampler/trainer gap (`sampling/sampling_logp_difference`,
+    TRL's) on a constructed case: a policy with one routed layer (layer 0 dense, so the routed layer's input does
+    not depend on routing) and top-1 renormalised routing (the gate weight is exactly 1, so replayed experts give the
+    sampler's output whatever the router), sampled at parameters A and updated at B = A with another router, on
+    policy. The trainer's own top-1 differs from the recorded one for the hand-counted share of the completion tokens
+    the sampler fed, with or without replay; with replay the update's log-probs are the sampler's (1e-5, float32),
+    without it they are not."""
+    config = dict(qwen3_moe_dict(), num_experts_per_tok=1, norm_topk_prob=True, mlp_only_layers=[0])
+    graphdef, params = nnx.split(init_causal_lm(config, seed=0))
+    g, c = 2, 6
+    prompt_ids = jnp.asarray([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], jnp.int32)
+    prompt_mask = (prompt_ids != 0).astype(jnp.int32)
+    sampling_cfg = sampling.SamplingConfig(max_new_tokens=c, num_generations=g, temperature=1.0, eos_token_ids=(3,),
+                                           pad_token_id=0)
+    cfg = StepConfig(sampling=sampling_cfg, algorithm=rj.RLOO(beta=0.0), routes=(2, 1), routing_replay=replay)
+    assert cfg.on_policy and not cfg.recompute  # the gap is measured in the update's forward
+    programs = Programs(graphdef, optax.sgd(0.1), cfg)
+    state = programs.init_state(jax.tree.map(jnp.copy, params))
+    rollout = programs.finish(state, programs.sample(state, prompt_ids, prompt_mask, jax.random.key(4)), c)
+    moved = jax.tree.map(jnp.copy, params)
+    (path, router), = [(p, v) for p, v in nnx.to_flat_state(moved) if "router" in p]
+    router.value = router.value + 0.3 * jax.random.normal(jax.random.key(9), router.value.shape)
+    rewards = jnp.asarray([[1.0], [0.0], [0.5], [0.2]])
+    _, metrics = programs.update(state.replace(params=jax.tree.map(jnp.copy, moved)), rollout, rewards,
+                                 jnp.ones((1,)))  # the update donates its state: `moved` stays for the hand count
+    metrics = {k: float(v) for k, v in flat_metrics(metrics).items()}
+
+    # by hand: B's own top-1 of each completion token at the routed layer (a forward without routes to replay)
+    model = nnx.merge(graphdef, moved)
+    order = jnp.argsort(prompt_mask, axis=1, stable=True)  # left-aligned, as the training forward takes them
+    p_ids, p_mask = jnp.take_along_axis(prompt_ids, order, 1), jnp.take_along_axis(prompt_mask, order, 1)
+    *_, routing = model.model.forward_shared_prompt(p_ids, p_mask, rollout.completion_ids, rollout.completion_mask)
+    own = np.asarray(routing.experts[1, :, p_ids.shape[1]:, 0]).reshape(g * 2, c)  # [N, C]
+    recorded = np.asarray(rollout.routes.completion[:, :, 1, 0])  # [N, C]: the sampler's, -1 where never fed
+    counted = (np.asarray(rollout.completion_mask) > 0) & (recorded >= 0)
+    assert (np.asarray(rollout.routes.completion[:, :, 0]) == -1).all()  # the dense layer records none
+    want = float((recorded != own)[counted].sum()) / counted.sum()
+    print(f"replay {replay}: {int((recorded != own)[counted].sum())} of {counted.sum()} decisions differ; gap "
+          f"mean {metrics['sampling/sampling_logp_difference/mean']:.2e} max "
+          f"{metrics['sampling/sampling_logp_difference/max']:.2e}")
+    assert 0 < want < 1
+    assert metrics["sampling/routing_mismatch"] == pytest.approx(want, rel=1e-6)
+    if replay:
+        assert metrics["sampling/sampling_logp_difference/max"] <= 1e-5
+    else:
+        assert metrics["sampling/sampling_logp_difference/mean"] > 1e-3

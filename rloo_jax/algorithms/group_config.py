@@ -110,7 +110,9 @@ class GroupConfig(TrainConfig):
         "algorithm",
         "Mixture-of-experts policies: the old-log-prob, reference and update forwards route each completion and "
         "prompt token to the experts the sampler chose (gate weights from the current router), so their log-probs "
-        "of the sampled tokens equal the sampler's. Not in TRL. No effect on dense policies or multi-turn rollouts.",
+        "of the sampled tokens equal the sampler's. Not in TRL. No effect on dense policies or multi-turn rollouts. "
+        "On or off, the routes are recorded and sampling/routing_mismatch logs the share of them the update's "
+        "router would choose otherwise.",
     )
     epsilon: float = _opt(
         0.2,

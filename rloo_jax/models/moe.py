@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["experts_apply", "gate_weights", "load_balancing_loss", "load_balancing_stats", "route",
-           "sort_by_expert"]
+from rloo_jax.mesh import fit_spec
+
+__all__ = ["experts_apply", "experts_apply_sharded", "gate_weights", "load_balancing_loss", "load_balancing_stats",
+           "route", "route_mismatch", "sort_by_expert"]
 
 
 def route(logits: jax.Array, k: int, norm_topk: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -54,16 +57,24 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
 
 
 def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """sum_k weights[t, k] * expert_{experts[t, k]}(x_t), dropless: x [T, D], experts / weights [T, K], gate / up
-    [E, D, F], down [E, F, D] -> [T, D] float32.
+                  down: jax.Array, dtype: jnp.dtype = jnp.float32, first: jax.Array | int = 0) -> jax.Array:
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x_t) over the pairs whose expert is one of gate's, dropless:
+    x [T, D], experts / weights [T, K], gate / up [E', D, F], down [E', F, D] -> [T, D] float32.
 
-    The pairs are sorted by expert (`sort_by_expert`) and each projection is one `jax.lax.ragged_dot` over the
-    groups, in `dtype` with float32 accumulation; silu(gate) * up in float32, rounded once to `dtype` (as
-    `transformer.MLP`). The weighted sum over the K slots is in float32.
+    gate / up / down hold the experts first .. first + E' - 1 (all E with `first` 0, E' = E: the whole sum); a
+    pair routed to another expert adds 0 (one expert shard's share, `experts_apply_sharded`). The pairs are sorted
+    by expert (`sort_by_expert`, the others last, outside every group) and each projection is one
+    `jax.lax.ragged_dot` over the E' groups, in `dtype` with float32 accumulation; silu(gate) * up in float32,
+    rounded once to `dtype` (as `transformer.MLP`). The weighted sum over the K slots is in float32.
+    Example: E 4 on 2 shards, experts [[0, 3]]: shard 0 (first 0) adds w_00 * expert_0(x_0), shard 1 (first 2)
+    w_01 * expert_3(x_0).
     """
     t, k = experts.shape
-    order, sizes = sort_by_expert(experts, gate.shape[0])
+    e = gate.shape[0]
+    local = experts - first
+    own = (local >= 0) & (local < e)
+    order, sizes = sort_by_expert(jnp.where(own, local, e), e + 1)  # group e: the other shards' pairs
+    sizes = sizes[:e]  # rows past the groups' sum come out of ragged_dot as 0
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [T*K, D]
 
     def project(h: jax.Array, w: jax.Array) -> jax.Array:
@@ -72,7 +83,60 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     h = (jax.nn.silu(project(rows, gate)) * project(rows, up)).astype(dtype)
     y = project(h, down)  # [T*K, D], sorted
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, slot) order
-    return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), y)
+    return jnp.einsum("tk,tkd->td", jnp.where(own, weights.astype(jnp.float32), 0.0), y)
+
+
+def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
+                          down: jax.Array, dtype: jnp.dtype = jnp.float32, axis: str = "expert") -> jax.Array:
+    """`experts_apply` with the E experts split over the mesh axis `axis` of the context mesh (n shards of E / n,
+    in order): x [B, T, D], experts / weights [B, T, K], gate / up [E, D, F], down [E, F, D] -> [B, T, D] float32.
+
+    Expert parallelism in a `jax.shard_map` over the whole mesh: rows split as the batch is (data x fsdp, where
+    they divide; the expert axis carries no rows, so every shard of it holds the same tokens and no token is
+    gathered), each device holds E / n whole experts (their fsdp / tensor splits are gathered on entry, as FSDP
+    gathers a layer where it is used) and computes only its experts' (token, expert) pairs, first = index * E / n;
+    one psum over `axis` adds the n partial sums: y = sum_shards sum_{k: e_tk on the shard} w_tk expert(x_t).
+    A mesh without `axis` (or of size 1): `experts_apply` itself.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    b, t, d = x.shape
+    if mesh.empty or mesh.shape.get(axis, 1) == 1:
+        flat = lambda a: a.reshape(b * t, -1)  # noqa: E731
+        return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype).reshape(b, t, d)
+    n = mesh.shape[axis]
+    if gate.shape[0] % n:
+        raise ValueError(f"{gate.shape[0]} experts do not split over the {n} devices of the mesh axis {axis!r}")
+    rows = fit_spec(("batch",), (b,), mesh)
+    rows = rows[0] if len(rows) else None
+    spec, experts_spec = P(rows, None, None), P(axis, None, None)
+
+    def local(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
+              down: jax.Array) -> jax.Array:
+        bl = x.shape[0]
+        # the tokens as varying along `axis` (each shard uses them for its own pairs): the transpose then adds the
+        # shards' cotangents (a psum). Without it the row gather by the shard's (varying) order is typed invariant
+        # (the gather takes its operand's type) and its cotangent is summed over the shards before the scatter
+        # back by each shard's own order: x's gradient came out wrong (measured: off by its own size)
+        flat = lambda a: jax.lax.pcast(a, axis, to="varying").reshape(bl * t, -1)  # noqa: E731
+        first = jax.lax.axis_index(axis) * gate.shape[0]
+        y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, first)
+        return jax.lax.psum(y, axis).reshape(bl, t, d)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, experts_spec, experts_spec, experts_spec),
+                       out_specs=spec)
+    return fn(x, experts, weights, gate, up, down)
+
+
+def route_mismatch(recorded: jax.Array, chosen: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """How many recorded routing decisions the router would not make itself: recorded [..., K] experts (e.g. the
+    sampler's; -1: no record, a dense layer or a token never fed), chosen [..., K] the router's own top-K, mask
+    [...] (which tokens count) -> (mismatched, decisions) float32 scalars over the (token, slot) pairs with a
+    record and the mask: decisions counts them, mismatched those whose recorded expert is not among the chosen
+    (as sets: the same experts in another order match).
+    Example: recorded [[0, 2], [1, 3], [-1, -1]], chosen [[2, 0], [1, 2], [0, 1]], mask [1, 1, 1] -> (1, 4)."""
+    counted = (recorded >= 0) & (mask[..., None] > 0)  # [..., K]
+    found = jnp.any(recorded[..., :, None] == chosen[..., None, :], axis=-1)  # [..., K]
+    return jnp.sum(counted & ~found, dtype=jnp.float32), jnp.sum(counted, dtype=jnp.float32)
 
 
 def load_balancing_stats(logits: jax.Array, token_weights: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

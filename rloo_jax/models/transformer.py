@@ -199,11 +199,13 @@ class Routes:
 class Routing:
     """What the routers of one forward did, per layer (stacked [L, ...]): `experts` [L, B, T, K] the experts each
     token was routed to (-1 in a dense layer); with token weights (training forwards) the load-balancing statistics
-    `counts`, `probs` [L, E] (`moe.load_balancing_stats`; zeros in a dense layer), else None."""
+    `counts`, `probs` [L, E] (`moe.load_balancing_stats`; zeros in a dense layer) and `chosen` [L, B, T, K] the
+    router's own top-K (what it routes without replay; -1 in a dense layer), else None."""
 
     experts: jax.Array
     counts: jax.Array | None = None
     probs: jax.Array | None = None
+    chosen: jax.Array | None = None
 
 
 # ----------------------------------------------------------------------------------------------- modules
@@ -491,18 +493,19 @@ class MoE(nnx.Module):
         logits = jnp.dot(flat.astype(self.dtype), self.router[...].astype(self.dtype),
                          preferred_element_type=jnp.float32).astype(self.dtype)
         experts, gate_w = moe.route(logits, self.k, self.norm_topk)
+        chosen = experts
         if route is not None and self.replay:
             recorded = route.reshape(b * t, -1).astype(jnp.int32)
             experts = jnp.where(recorded[:, :1] >= 0, recorded, experts)
             gate_w = moe.gate_weights(logits, experts, self.norm_topk)
         # HF rounds the gate weights to the hidden states' dtype before weighting the experts' outputs
         gate_w = gate_w.astype(self.dtype)
-        y = moe.experts_apply(flat, experts, gate_w, self.experts_gate[...], self.experts_up[...],
-                              self.experts_down[...], self.dtype)
+        y = moe.experts_apply_sharded(x, experts.reshape(b, t, -1), gate_w.reshape(b, t, -1), self.experts_gate[...],
+                                      self.experts_up[...], self.experts_down[...], self.dtype)
         routing = Routing(experts=experts.reshape(b, t, -1))
         if weights is not None:
             counts, probs = moe.load_balancing_stats(logits, weights.reshape(-1), self.k)
-            routing = routing.replace(counts=counts, probs=probs)
+            routing = routing.replace(counts=counts, probs=probs, chosen=chosen.reshape(b, t, -1))
         return checkpoint_name(y.astype(self.dtype).reshape(b, t, d), "mlpwo"), routing
 
 
@@ -513,7 +516,7 @@ def dense_routing(x: jax.Array, cfg: ModelConfig, with_stats: bool) -> Routing:
     if not with_stats:
         return Routing(experts=experts)
     zeros = jnp.zeros((cfg.num_experts,), jnp.float32)
-    return Routing(experts=experts, counts=zeros, probs=zeros)
+    return Routing(experts=experts, counts=zeros, probs=zeros, chosen=experts)
 
 
 class Block(nnx.Module):
@@ -921,11 +924,12 @@ def prompt_and_completion_states(
     completion_mask: jax.Array,
     dropout_key: jax.Array | None = None,
     routes: Routes | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """Final-norm hidden states at each prompt's last real token, then at every completion token: [B*G, C + 1, D]
     (prompts [B, P] run once for their G completions [B*G, C], `Transformer.forward_shared_prompt`), and with
-    experts transformers' load-balancing loss of the forward (`router_aux_loss`; else None). `routes`: recorded
-    experts to replay (`Routes`)."""
+    experts transformers' load-balancing loss of the forward (`router_aux_loss`) and the routers' own choices for
+    the completion tokens [B*G, C, L, K] (`Routing.chosen`, as `Routes.completion` lays recorded ones out; -1 in
+    a dense layer), else None and None. `routes`: recorded experts to replay (`Routes`)."""
     # left-aligned prompts (what the sampler feeds): then each [prompt; completion] row's real tokens are one
     # contiguous run, as the fused attention implementations take them; nothing else depends on the padding
     prompt_ids, prompt_mask = left_align(prompt_ids, prompt_mask)
@@ -933,11 +937,13 @@ def prompt_and_completion_states(
                                                   dropout_key, routes)
     g = completion_ids.shape[0] // prompt_ids.shape[0]
     last = hp[jnp.arange(hp.shape[0]), last_token_index(prompt_mask)]  # [B, D]
-    aux = None
+    aux, chosen = None, None
     if routing is not None:
         tokens = jnp.sum(prompt_mask.astype(jnp.float32)) * g + jnp.sum(completion_mask.astype(jnp.float32))
         aux = router_aux_loss(routing, tokens, model.num_routed_layers)
-    return jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc], axis=1), aux
+        own = routing.chosen[:, :, prompt_ids.shape[1]:]  # [L, B, G*C, K]: the packed rows' completion part
+        chosen = jnp.moveaxis(own.reshape(own.shape[0], *completion_ids.shape, -1), 0, 2)
+    return jnp.concatenate([jnp.repeat(last, g, axis=0)[:, None], hc], axis=1), aux, chosen
 
 
 def router_aux_loss(routing: Routing, tokens: jax.Array, layers: int) -> jax.Array:
@@ -992,13 +998,15 @@ class CausalLM(nnx.Module):
         completion_mask: jax.Array,
         dropout_key: jax.Array | None = None,
         routes: Routes | None = None,
-    ) -> tuple[jax.Array, jax.Array | None]:
+        with_routing: bool = False,
+    ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array | None]:
         """`completion_hidden_states` [B*G, C, D] and, with experts, the forward's load-balancing loss (transformers'
         `aux_loss` of the G [prompt; completion] rows; else None). `routes`: the sampler's experts, replayed
-        (`Routes`; with `routing_replay` False the router chooses anyway)."""
-        h, aux = prompt_and_completion_states(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                              dropout_key, routes)
-        return h[:, :-1], aux
+        (`Routes`; with `routing_replay` False the router chooses anyway). `with_routing`: also the routers' own
+        choices for the completion tokens [B*G, C, L, K] (`prompt_and_completion_states`; None without experts)."""
+        h, aux, chosen = prompt_and_completion_states(self.model, prompt_ids, prompt_mask, completion_ids,
+                                                      completion_mask, dropout_key, routes)
+        return (h[:, :-1], aux, chosen) if with_routing else (h[:, :-1], aux)
 
     def unembed(self, h: jax.Array) -> jax.Array:
         """h [..., D] -> logits [..., V] float32 (lm head, or the tied embedding transposed), soft-capped with
