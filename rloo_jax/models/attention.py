@@ -25,6 +25,11 @@ layer its own sliding window (`window`; Gemma's alternating local/global layers 
 `dot_product_attention` has no soft-cap), so a soft-capped model's layers fall back to eager under `cudnn`
 (`effective`; one note in the log).
 
+Attention sinks (GPT-OSS): a learned logit per query head joins each softmax's denominator and nothing else,
+p_s = exp(s_s) / (sum_s' exp(s_s') + exp(sink_h)). The eager forms take them (`sinks` [H]); splash and cudnn do not
+here, so a model with sinks runs eager when the implementation is left to the platform and refuses splash / cudnn
+when asked for them (`_resolved`; `ModelConfig` refuses them at load).
+
 Two forms, built once per forward (masks, segment ids, rotations; outside the layer loop) and called per layer:
 
 - `causal(mask, positions)`: rows of T tokens with any padding, causal self-attention (prefill, reward models).
@@ -128,9 +133,15 @@ def effective(implementation: str, softcap: float | None) -> str:
     return implementation
 
 
-def _resolved(implementation: str | None, dtype: jnp.dtype, softcap: float | None = None) -> str:
+def _resolved(implementation: str | None, dtype: jnp.dtype, softcap: float | None = None, sinks: bool = False) -> str:
     """At trace time, for the platform compiled for (no availability check: the run config did it); then
-    `effective` for the model's soft-capping."""
+    `effective` for the model's soft-capping. `sinks` (attention sinks): eager, the one form that computes them;
+    ValueError for splash / cudnn asked for by name."""
+    if sinks:
+        if implementation not in (None, "eager"):
+            raise ValueError(f"attn_implementation={implementation!r} cannot compute attention sinks (GPT-OSS); "
+                             "use attn_implementation='eager'")
+        return "eager"
     if implementation is None:
         implementation = resolve(None, target_platform(), jnp.dtype(dtype).name)
     return effective(implementation, softcap)
@@ -150,12 +161,26 @@ def _scores(s: jax.Array, scale: float, softcap: float | None) -> jax.Array:
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
+def sink_softmax(s: jax.Array, sink: jax.Array | None) -> jax.Array:
+    """softmax over the last axis with an extra logit `sink` in the denominator only (GPT-OSS's attention sinks:
+    transformers concatenates it, softmaxes, drops it): exp(s - m) / (sum exp(s - m) + exp(sink - m)),
+    m = max(max s, sink), float32. s [..., S], sink broadcastable to s[..., :1] (None: the plain softmax).
+    Example: s [0, 0], sink 0 -> [1/3, 1/3]."""
+    if sink is None:
+        return jax.nn.softmax(s, axis=-1)
+    sink = jnp.broadcast_to(sink.astype(jnp.float32), s[..., :1].shape)
+    m = jnp.maximum(s.max(-1, keepdims=True), sink)
+    e = jnp.exp(s - m)
+    return e / (e.sum(-1, keepdims=True) + jnp.exp(sink - m))
+
+
 def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, scale: float | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention: softmax(cap(scale q k^T) masked) v, softmax in float32; scale defaults to
-    Dh ** -0.5, cap(s) = softcap * tanh(s / softcap) (identity for softcap None).
+    Dh ** -0.5, cap(s) = softcap * tanh(s / softcap) (identity for softcap None); `sinks` [H]: each head's sink
+    logit in its softmax's denominator (`sink_softmax`).
 
     q [B, T, H, Dh], k/v [B, S, K, Dh], allowed [B, T, S] bool -> [B, T, H, Dh]. Query head h uses kv head
     h // (H / K) (HF `repeat_kv` order), done by a reshape instead of repeating k/v.
@@ -166,7 +191,8 @@ def attend(
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     s = _scores(s, dh**-0.5 if scale is None else scale, softcap)
     s = jnp.where(allowed[:, None, None], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    sink = None if sinks is None else sinks.reshape(kh, h // kh)[None, :, :, None, None]
+    p = sink_softmax(s, sink).astype(v.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v)
     return o.reshape(b, t, h, dh)
 
@@ -182,9 +208,10 @@ def attend_shared_prompt(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """T queries per row over its prompt's shared keys plus its own keys, one joint softmax (f32) of the scaled,
-    soft-capped scores (as `attend`).
+    soft-capped scores (as `attend`; `sinks` [H] in its denominator, `sink_softmax`).
 
     q [B, G, T, H, Dh]; prompt pk/pv [B, K, P, Dh] (NOT repeated G times), p_allowed [B, G, T, P];
     own keys gk/gv [N, K, S, Dh] with N = B*G rows (row n continues prompt n // G), g_allowed [B, G, T, S]
@@ -205,8 +232,11 @@ def attend_shared_prompt(
     sp = jnp.where(p_allowed[:, :, None, None], sp, _NEG)
     sc = jnp.where(g_allowed[:, :, None, None], sc, _NEG)
     m = jnp.maximum(sp.max(-1, keepdims=True), sc.max(-1, keepdims=True))
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kh, h // kh)[:, :, None, None]
+    m = m if sink is None else jnp.maximum(m, sink)
     ep, ec = jnp.exp(sp - m), jnp.exp(sc - m)
     z = ep.sum(-1, keepdims=True) + ec.sum(-1, keepdims=True)
+    z = z if sink is None else z + jnp.exp(sink - m)
     o = jnp.einsum("bgkhtp,bkpd->bgtkhd", (ep / z).astype(pv.dtype), pv)
     pc = (ec / z).reshape(b * g, *ec.shape[2:]).astype(gv.dtype)
     o = o + jnp.einsum("nkhts,nksd->ntkhd", pc, gv).reshape(o.shape)
@@ -400,15 +430,16 @@ SharedFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 def causal(
     mask: jax.Array, positions: jax.Array, *, implementation: str | None, window: int | None, dtype: jnp.dtype,
-    scale: float | None = None, softcap: float | None = None,
+    scale: float | None = None, softcap: float | None = None, sinks: bool = False,
 ) -> AttendFn:
     """Causal self-attention over B padded rows (real tokens: `mask` [B, T]; their positions [B, T]), built once
     per forward: -> fn(q [B, T, H, Dh], k, v [B, T, K, Dh]) -> [B, T, H, Dh]. Exact for any padding with eager and
-    splash; cudnn needs each row's real tokens contiguous (as left- or right-padded rows are)."""
-    impl = _resolved(implementation, dtype, softcap)
+    splash; cudnn needs each row's real tokens contiguous (as left- or right-padded rows are). `sinks`: the model
+    has attention sinks, passed per layer as fn(q, k, v, sinks [H]) (eager only: `_resolved`)."""
+    impl = _resolved(implementation, dtype, softcap, sinks)
     if impl == "eager":
         allowed = causal_allowed(mask, positions, window)
-        return lambda q, k, v: attend(q, k, v, allowed, scale=scale, softcap=softcap)
+        return lambda q, k, v, sinks=None: attend(q, k, v, allowed, scale=scale, softcap=softcap, sinks=sinks)
     if impl == "splash":
         seg = (mask > 0).astype(jnp.int32)
         return lambda q, k, v: splash_attention(q, k, v, seg, seg, window=window, scale=scale, softcap=softcap)
@@ -427,14 +458,16 @@ def shared_prompt(
     dtype: jnp.dtype,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: bool = False,
 ) -> SharedFn:
     """B left-padded prompts, each continued by G right-padded completions (row n continues prompt n // G; its
     mask a prefix of ones), built once per forward: prompt_mask, prompt_positions [B, P]; completion_mask,
     completion_positions [N, C] (positions continue each prompt's) ->
     fn(qp [B, P, H, Dh], qc [N, C, H, Dh], pk, pv [B, P, K, Dh], gk, gv [N, C, K, Dh]) -> (prompt out [B, P, H, Dh],
     completion out [N, C, H, Dh]): the prompts' causal self-attention and each completion token's one softmax over
-    its prompt's real tokens and its own real tokens up to itself (within the window)."""
-    impl = _resolved(implementation, dtype, softcap)
+    its prompt's real tokens and its own real tokens up to itself (within the window). `sinks`: as `causal`'s
+    (fn(..., sinks [H]))."""
+    impl = _resolved(implementation, dtype, softcap, sinks)
     opts = {"scale": scale, "softcap": softcap}
     b, p = prompt_mask.shape
     n, c = completion_mask.shape
@@ -448,10 +481,11 @@ def shared_prompt(
         cc_allowed = (jdx[:, None] >= jdx[None, :])[None] & (completion_mask[:, None, :] > 0)
         cc_allowed = cc_allowed.reshape(b, g, c, c) & visible(cq[..., None], cq[:, :, None, :], window)
 
-        def eager(qp, qc, pk, pv, gk, gv):  # noqa: ANN001, ANN202
-            o_prompt = attend(qp, pk, pv, pp_allowed, **opts)
+        def eager(qp, qc, pk, pv, gk, gv, sinks=None):  # noqa: ANN001, ANN202
+            o_prompt = attend(qp, pk, pv, pp_allowed, sinks=sinks, **opts)
             o_comp = attend_shared_prompt(qc.reshape(b, g, c, *qc.shape[2:]), pk.swapaxes(1, 2), pv.swapaxes(1, 2),
-                                          cp_allowed, gk.swapaxes(1, 2), gv.swapaxes(1, 2), cc_allowed, **opts)
+                                          cp_allowed, gk.swapaxes(1, 2), gv.swapaxes(1, 2), cc_allowed, sinks=sinks,
+                                          **opts)
             return o_prompt, o_comp.reshape(qc.shape)
 
         return eager

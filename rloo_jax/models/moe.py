@@ -6,6 +6,10 @@ none dropped) and sums the experts' outputs weighted by the gate weights:
 
     y_t = sum_k w_tk * expert_{e_tk}(x_t)          expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
 
+GPT-OSS's experts carry biases and a clamped SwiGLU (`clamped_swiglu`): expert_e(x) = down_e(swiglu(gate_e(x) + bg_e,
+up_e(x) + bu_e)) + bd_e; its router (`route` with `topk_softmax`) softmaxes the K largest logits (its router's bias
+is in the logits).
+
 The T*K pairs are sorted by expert, so each expert's rows are one contiguous group, and each projection is ONE
 `jax.lax.ragged_dot` over all experts (`experts_apply`). The same function runs in the sampler (prefill, one-token
 decode steps) and in the training forwards.
@@ -17,30 +21,51 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["experts_apply", "gate_weights", "load_balancing_loss", "load_balancing_stats", "route",
-           "sort_by_expert"]
+__all__ = ["clamped_swiglu", "experts_apply", "gate_weights", "load_balancing_loss", "load_balancing_stats",
+           "mxfp4_dequantize", "route", "sort_by_expert"]
 
 
-def route(logits: jax.Array, k: int, norm_topk: bool = False) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, k: int, norm_topk: bool = False, topk_softmax: bool = False
+          ) -> tuple[jax.Array, jax.Array]:
     """Qwen3-MoE's routing (transformers' Qwen3MoeTopKRouter): p = softmax(logits) in float32, each token's K largest
-    p (largest first; ties: the lower expert id), with `norm_topk` divided by their sum.
+    p (largest first; ties: the lower expert id), with `norm_topk` divided by their sum. `topk_softmax` (GPT-OSS's
+    GptOssTopKRouter): the K largest logits, weights softmax over those K alone (`norm_topk` then changes nothing).
 
     logits [T, E] -> (experts [T, K] int32, weights [T, K] float32).
-    Example: logits [[0, ln 2, ln 3]], k 2 -> experts [[2, 1]], weights [[1/2, 1/3]] (norm_topk: [[0.6, 0.4]]).
+    Example: logits [[0, ln 2, ln 3]], k 2 -> experts [[2, 1]], weights [[1/2, 1/3]] (norm_topk or topk_softmax:
+    [[0.6, 0.4]]).
     """
+    if topk_softmax:
+        top, experts = jax.lax.top_k(logits.astype(jnp.float32), k)
+        return experts.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
     top, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), k)
     return experts.astype(jnp.int32), top / jnp.sum(top, -1, keepdims=True) if norm_topk else top
 
 
-def gate_weights(logits: jax.Array, experts: jax.Array, norm_topk: bool = False) -> jax.Array:
+def gate_weights(logits: jax.Array, experts: jax.Array, norm_topk: bool = False, topk_softmax: bool = False
+                 ) -> jax.Array:
     """The weights `route` gives the experts `experts` [T, K] (e.g. the sampler's, replayed) under the current
-    logits [T, E]: softmax(logits) at those experts, renormalised with `norm_topk` -> [T, K] float32.
+    logits [T, E]: softmax(logits) at those experts, renormalised with `norm_topk` (`topk_softmax`: the softmax of
+    those experts' logits) -> [T, K] float32.
     Differentiable in the logits, so the router trains under routing replay. Where `experts` is what `route` chose,
-    the same numbers. Example: logits [[0, ln 2, ln 3]], experts [[0, 2]] -> [[1/6, 1/2]] (norm_topk: [[0.25, 0.75]]).
+    the same numbers. Example: logits [[0, ln 2, ln 3]], experts [[0, 2]] -> [[1/6, 1/2]] (norm_topk or
+    topk_softmax: [[0.25, 0.75]]).
     """
+    if topk_softmax:
+        return jax.nn.softmax(jnp.take_along_axis(logits.astype(jnp.float32), experts, axis=-1), axis=-1)
     picked = jnp.take_along_axis(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), experts, axis=-1)
     return picked / jnp.sum(picked, -1, keepdims=True) if norm_topk else picked
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """GPT-OSS's expert activation (transformers' GptOssExperts._apply_gate): g = min(gate, limit),
+    u = clip(up, -limit, limit) -> (u + 1) * g * sigmoid(alpha * g), elementwise, any shape.
+    Example: alpha 1, limit 7: gate 0, up 5 -> 0; gate 9, up 9 -> 8 * 7 * sigmoid(7) = 55.95."""
+    g = jnp.minimum(gate, limit)
+    u = jnp.clip(up, -limit, limit)
+    return (u + 1) * (g * jax.nn.sigmoid(g * alpha))
 
 
 def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -54,23 +79,28 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
 
 
 def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+                  down: jax.Array, dtype: jnp.dtype = jnp.float32, biases: tuple[jax.Array, ...] | None = None,
+                  swiglu: tuple[float, float] | None = None) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x_t), dropless: x [T, D], experts / weights [T, K], gate / up
-    [E, D, F], down [E, F, D] -> [T, D] float32.
+    [E, D, F], down [E, F, D] -> [T, D] float32. `biases` (GPT-OSS): (gate [E, F], up [E, F], down [E, D]) added
+    to each expert's projections; `swiglu` (alpha, limit): the activation is `clamped_swiglu`, else silu(gate) * up.
 
     The pairs are sorted by expert (`sort_by_expert`) and each projection is one `jax.lax.ragged_dot` over the
-    groups, in `dtype` with float32 accumulation; silu(gate) * up in float32, rounded once to `dtype` (as
-    `transformer.MLP`). The weighted sum over the K slots is in float32.
+    groups, in `dtype` with float32 accumulation (biases added in float32); the activation in float32, rounded once
+    to `dtype` (as `transformer.MLP`). The weighted sum over the K slots is in float32.
     """
     t, k = experts.shape
     order, sizes = sort_by_expert(experts, gate.shape[0])
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [T*K, D]
+    owner = jnp.take(experts.reshape(-1), order)  # [T*K] the expert of each sorted row
 
-    def project(h: jax.Array, w: jax.Array) -> jax.Array:
-        return jax.lax.ragged_dot(h, w.astype(dtype), sizes, preferred_element_type=jnp.float32)
+    def project(h: jax.Array, w: jax.Array, i: int) -> jax.Array:
+        y = jax.lax.ragged_dot(h, w.astype(dtype), sizes, preferred_element_type=jnp.float32)
+        return y if biases is None else y + jnp.take(biases[i].astype(jnp.float32), owner, axis=0)
 
-    h = (jax.nn.silu(project(rows, gate)) * project(rows, up)).astype(dtype)
-    y = project(h, down)  # [T*K, D], sorted
+    g, u = project(rows, gate, 0), project(rows, up, 1)
+    h = (jax.nn.silu(g) * u if swiglu is None else clamped_swiglu(g, u, *swiglu)).astype(dtype)
+    y = project(h, down, 2)  # [T*K, D], sorted
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, slot) order
     return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), y)
 
@@ -94,3 +124,23 @@ def load_balancing_loss(counts: jax.Array, probs: jax.Array, rows: jax.Array) ->
     Balanced routing gives K. Example: counts [2, 0], probs [1.2, 0.8], rows 2 -> 2 * (1 * 0.6) = 1.2."""
     rows = jnp.maximum(rows, 1.0)
     return counts.shape[-1] * jnp.sum((counts / rows) * (probs / rows))
+
+
+# the 16 values of a 4-bit FP4 (E2M1) code, as transformers' `FP4_VALUES`: bit 3 the sign
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """An MXFP4 tensor as GPT-OSS checkpoints store experts (transformers' `convert_moe_packed_tensors`): blocks
+    [E, R, G, 16] uint8 (two FP4 codes a byte, the low nibble first), scales [E, R, G] uint8 (a power of two per 32
+    values, biased by 127) -> float32 [E, G * 32, R] (the last two axes swapped: the in-memory layout):
+    out[e, 32 g + j, r] = FP4_VALUES[code_j] * 2 ** (scales[e, r, g] - 127). Exact in float32 (host numpy).
+    Example: one byte 0x21 with scale 128 -> [0.5 * 2, 1.0 * 2] = [1.0, 2.0]."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.ndim != 4:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape}: expected [E, R, G, B], [E, R, G]")
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [E, R, G, B, 2]: low nibble first
+    values = FP4_VALUES[codes].reshape(*blocks.shape[:-1], -1)  # [E, R, G, 2B]
+    out = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None]).astype(np.float32)
+    return np.ascontiguousarray(out.reshape(*blocks.shape[:2], -1).transpose(0, 2, 1))
