@@ -179,6 +179,24 @@ def test_extend_and_training_forward_equal_transformers(hf, model):
     assert d_ext <= TOL and d_train <= TOL
 
 
+def test_forward_aux_loss_equals_transformers(hf, model):
+    """The training forward's load-balancing loss (the router's logits with its bias) = transformers' `aux_loss`
+    over the G [prompt; completion] rows."""
+    g = 2
+    comp = np.random.RandomState(3).randint(3, 280, size=(3 * g, 5)).astype(np.int32)
+    cmask = np.ones_like(comp)
+    cmask[1, 3:] = 0
+    _, ours = jax.jit(lambda m: m.completion_states(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK),
+                                                    jnp.asarray(comp), jnp.asarray(cmask)))(model)
+    ids = np.concatenate([np.repeat(PROMPT_IDS, g, 0), comp], axis=1)
+    mask = np.concatenate([np.repeat(PROMPT_MASK, g, 0), cmask], axis=1)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(),
+                 output_router_logits=True).aux_loss.item()
+    print(f"aux loss {float(ours):.6f} vs transformers {ref:.6f}")
+    assert abs(float(ours) - ref) <= 1e-5 * abs(ref)
+
+
 @jax.jit
 def _training(model, ids, mask, routes):
     h, _ = model.completion_states(jnp.asarray(PROMPT_IDS), jnp.asarray(PROMPT_MASK), ids, mask, routes=routes)
