@@ -196,14 +196,16 @@ def gpt_oss_config(**overrides: Any) -> Any:
     return transformers.GptOssConfig(**kw)
 
 
-def build_gpt_oss(out_dir: str | Path, seed: int = 9, **overrides: Any) -> Path:
-    """A GptOssForCausalLM checkpoint (float32, not quantized) from `gpt_oss_config(**overrides)`; the sinks and the
-    expert biases (which transformers initialises to zeros) drawn too: a dropped one changes the logits."""
+def build_gpt_oss(out_dir: str | Path, seed: int = 9, reward: bool = False, **overrides: Any) -> Path:
+    """A GptOssForCausalLM checkpoint (float32, not quantized; `reward`: a GptOssForSequenceClassification with one
+    label) from `gpt_oss_config(**overrides)`; the sinks and the expert biases (which transformers initialises to
+    zeros) drawn too: a dropped one changes the logits."""
     out = Path(out_dir)
     torch.manual_seed(seed)
-    config = gpt_oss_config(**overrides)
+    config = gpt_oss_config(**overrides, **({"num_labels": 1} if reward else {}))
     config._attn_implementation = "eager"
-    model = transformers.GptOssForCausalLM(config).float().eval()
+    cls = transformers.GptOssForSequenceClassification if reward else transformers.GptOssForCausalLM
+    model = cls(config).float().eval()
     _randomise(model, seed)
     g = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():

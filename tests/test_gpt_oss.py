@@ -23,6 +23,7 @@ from rloo_jax.models import (
     ModelLoadError,
     config_from_hf,
     load_causal_lm,
+    load_reward_model,
     lora_spec,
     moe,
     save_pretrained,
@@ -81,6 +82,19 @@ def test_logits_equal_transformers(path, hf, model):
         diff = _diff(load_causal_lm(path, scan_layers=scan), ref)
         print(f"scan={scan}: logits vs transformers max abs diff {diff:.2e}")
         assert diff <= TOL
+
+
+def test_reward_model_scores_equal_transformers(tmp_path):
+    """GptOssForSequenceClassification (num_labels 1) loads as a reward model: scores at the last real token =
+    transformers' (left padding, float32)."""
+    path = build_gpt_oss(tmp_path / "rm", seed=8, reward=True)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(PROMPT_IDS).long(), attention_mask=torch.tensor(PROMPT_MASK).long()
+                 ).logits[:, 0].numpy()
+    ours = np.asarray(jax.jit(lambda m, i, k: m(i, k))(load_reward_model(path), PROMPT_IDS, PROMPT_MASK))
+    print(f"reward scores vs transformers max abs diff {np.abs(ours - ref).max():.2e}")
+    assert np.abs(ours - ref).max() <= TOL
 
 
 @pytest.mark.parametrize("ablation", [
