@@ -196,6 +196,50 @@ def test_shared_prompt_matches_eager_values_and_grads(impl, window, scale, softc
     assert float(jnp.max(jnp.abs(ref_grads[2]))) > 0.5  # the shared prompt keys get gradient from the completions
 
 
+# ----------------------------------------------------------------------------------------------- attention sinks
+def test_splash_sinks_match_eager_values_and_grads():
+    """GPT-OSS's attention sinks (a logit per head in each softmax's denominator) in splash's kernel = the einsum's,
+    values and the gradients of q, k, v and the sinks, for the causal form (left padding, a window) and the shared
+    prompt form; the sinks change the output (the test could fail); cudnn with sinks is refused by name."""
+    rng = np.random.RandomState(2)
+    b, g, p, c = 2, 2, 6, 5
+    pmask = jnp.asarray(_left_mask(p, [6, 3]))
+    cmask = np.ones((b * g, c), np.int32)
+    cmask[3, 2:] = 0
+    cmask = jnp.asarray(cmask)
+    p_pos = positions_from_mask(pmask)
+    c_pos = jnp.repeat(pmask.sum(-1), g)[:, None] + jnp.cumsum(cmask, axis=-1) - 1
+    args = (_qkv(rng, b, p, H), _qkv(rng, b * g, c, H), _qkv(rng, b, p, K), _qkv(rng, b, p, K),
+            _qkv(rng, b * g, c, K), _qkv(rng, b * g, c, K), jnp.asarray(rng.normal(size=(H,)), jnp.float32))
+    wp = jnp.asarray(rng.normal(size=args[0].shape), jnp.float32) * pmask[:, :, None, None]
+    wc = jnp.asarray(rng.normal(size=args[1].shape), jnp.float32) * cmask[:, :, None, None]
+
+    def run(name, window):  # noqa: ANN001, ANN202
+        causal = attention.causal(pmask, p_pos, implementation=name, window=window, dtype=jnp.float32, sinks=True)
+        shared = attention.shared_prompt(pmask, p_pos, cmask, c_pos, implementation=name, window=window,
+                                         dtype=jnp.float32, sinks=True)
+
+        def loss(qp, qc, pk, pv, gk, gv, sinks):  # noqa: ANN001, ANN202
+            op, oc = shared(qp, qc, pk, pv, gk, gv, sinks)
+            return jnp.sum(causal(qp, pk, pv, sinks) * wp) + jnp.sum(op * wp) + jnp.sum(oc * wc)
+
+        outs = jax.jit(lambda *a: (causal(a[0], a[2], a[3], a[6]), *shared(*a)))(*args)
+        return outs, jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*args)
+
+    for window in (None, 3):
+        (ours, g_ours), (ref, g_ref) = run("splash", window), run("eager", window)
+        for o, r, m in zip(ours, ref, (pmask, pmask, cmask), strict=True):
+            _assert_close(o, r, m)
+        for a, r in zip(g_ours, g_ref, strict=True):
+            np.testing.assert_allclose(a, r, atol=TOL, rtol=TOL)
+        assert float(jnp.max(jnp.abs(g_ref[6]))) > 0.1  # the sinks get gradient
+    plain = attention.causal(pmask, p_pos, implementation="eager", window=None, dtype=jnp.float32)
+    moved = np.abs(np.asarray(plain(args[0], args[2], args[3]) - ref[0]))[np.asarray(pmask, bool)].max()
+    assert moved > 0.05, moved
+    with pytest.raises(ValueError, match="attn_implementation='cudnn' cannot compute attention sinks"):
+        attention.causal(pmask, p_pos, implementation="cudnn", window=None, dtype=jnp.float32, sinks=True)
+
+
 # ----------------------------------------------------------------------------------------------- refusals
 def test_cudnn_call_needs_a_gpu_here():
     """The `cudnn` path's call is jax's cuDNN kernel: off a GPU the program cannot be built (the same call through

@@ -26,9 +26,9 @@ layer its own sliding window (`window`; Gemma's alternating local/global layers 
 (`effective`; one note in the log).
 
 Attention sinks (GPT-OSS): a learned logit per query head joins each softmax's denominator and nothing else,
-p_s = exp(s_s) / (sum_s' exp(s_s') + exp(sink_h)). The eager forms take them (`sinks` [H]); splash and cudnn do not
-here, so a model with sinks runs eager when the implementation is left to the platform and refuses splash / cudnn
-when asked for them (`_resolved`; `ModelConfig` refuses them at load).
+p_s = exp(s_s) / (sum_s' exp(s_s') + exp(sink_h)). The eager forms and splash (its kernel's `sinks`) take them
+(`sinks` [H]); cuDNN's (jax's `dot_product_attention`) cannot, so a model with sinks runs eager where the platform's
+choice would be cudnn and refuses cudnn asked for by name (`_resolved`; `ModelConfig` refuses it at load).
 
 Two forms, built once per forward (masks, segment ids, rotations; outside the layer loop) and called per layer:
 
@@ -135,15 +135,14 @@ def effective(implementation: str, softcap: float | None) -> str:
 
 def _resolved(implementation: str | None, dtype: jnp.dtype, softcap: float | None = None, sinks: bool = False) -> str:
     """At trace time, for the platform compiled for (no availability check: the run config did it); then
-    `effective` for the model's soft-capping. `sinks` (attention sinks): eager, the one form that computes them;
-    ValueError for splash / cudnn asked for by name."""
-    if sinks:
-        if implementation not in (None, "eager"):
-            raise ValueError(f"attn_implementation={implementation!r} cannot compute attention sinks (GPT-OSS); "
-                             "use attn_implementation='eager'")
-        return "eager"
+    `effective` for the model's soft-capping. `sinks` (attention sinks): eager or splash, which compute them;
+    ValueError for cudnn asked for by name, eager where the platform's choice is cudnn."""
+    if sinks and implementation == "cudnn":
+        raise ValueError("attn_implementation='cudnn' cannot compute attention sinks (GPT-OSS); use "
+                         "attn_implementation='eager'")
     if implementation is None:
         implementation = resolve(None, target_platform(), jnp.dtype(dtype).name)
+        implementation = "eager" if sinks and implementation == "cudnn" else implementation
     return effective(implementation, softcap)
 
 
@@ -286,11 +285,13 @@ def splash_attention(
     interpret: bool | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA over segment-masked rows with splash attention: query t sees key s iff s <= t + offset,
     q_segments[t] == kv_segments[s] (and t + offset - s < window). Every query must see at least its own key
     (s = t + offset, same segment): then no softmax row is empty. Scores scale * q k^T (default Dh ** -0.5),
-    soft-capped in the kernel with `softcap`.
+    soft-capped in the kernel with `softcap`; `sinks` [H] float32: each head's sink logit in its softmax's
+    denominator (the kernel's own, with its gradient).
 
     q [B, T, H, Dh], k/v [B, S, K, Dh], q_segments [B, T], kv_segments [B, S] int32 -> [B, T, H, Dh] in q's dtype.
     Rows and heads are split over the context mesh (`shard_map`); on each shard the kernel runs per row (vmap).
@@ -301,15 +302,19 @@ def splash_attention(
     run = functools.partial(_splash_local, offset=offset, window=window, interpret=interpret, scale=scale,
                             softcap=softcap)
     if mesh.empty:
-        return run(q, k, v, q_segments, kv_segments)
+        return run(q, k, v, q_segments, kv_segments, sinks)
     rows = _axis(fit_spec(("batch",), q.shape[:1], mesh), 0)
     heads = _axis(fit_spec((None, None, "heads"), q.shape[:3], mesh), 2)
     if heads != _axis(fit_spec((None, None, "kv"), k.shape[:3], mesh), 2):
         heads = None  # query head h reads kv head h // (H / K): split both alike or neither
     spec = jax.sharding.PartitionSpec(rows, None, heads, None)
     seg = jax.sharding.PartitionSpec(rows, None)
-    fn = jax.shard_map(run, mesh=mesh, in_specs=(spec, spec, spec, seg, seg), out_specs=spec, check_vma=False)
-    return fn(q, k, v, q_segments, kv_segments)
+    if sinks is None:
+        fn = jax.shard_map(run, mesh=mesh, in_specs=(spec, spec, spec, seg, seg), out_specs=spec, check_vma=False)
+        return fn(q, k, v, q_segments, kv_segments)
+    fn = jax.shard_map(run, mesh=mesh, in_specs=(spec, spec, spec, seg, seg, jax.sharding.PartitionSpec(heads)),
+                       out_specs=spec, check_vma=False)
+    return fn(q, k, v, q_segments, kv_segments, sinks)
 
 
 def _axis(spec: jax.sharding.PartitionSpec, i: int) -> str | tuple[str, ...] | None:
@@ -318,8 +323,8 @@ def _axis(spec: jax.sharding.PartitionSpec, i: int) -> str | tuple[str, ...] | N
 
 
 def _splash_local(
-    q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, *, offset: int,
-    window: int | None, interpret: bool, scale: float | None = None, softcap: float | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, sinks: jax.Array | None = None,
+    *, offset: int, window: int | None, interpret: bool, scale: float | None = None, softcap: float | None = None,
 ) -> jax.Array:
     """`splash_attention` on one device's shard (no mesh)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -345,18 +350,20 @@ def _splash_local(
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
 
-    def run(q: jax.Array, k: jax.Array, v: jax.Array, qs: jax.Array, ks: jax.Array) -> jax.Array:
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, qs: jax.Array, ks: jax.Array, *sink: jax.Array) -> jax.Array:
         # built where it runs: the kernel holds its mask's block tables as arrays of the trace that makes it
         kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                     interpret=interpret, attn_logits_soft_cap=softcap)
-        return jax.vmap(kernel)(q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks))
+        call = lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks),  # noqa: E731
+                                              sinks=sink[0] if sink else None)
+        return jax.vmap(call)(q, k, v, qs, ks)
 
     # the compiler counts no FLOPs inside a Pallas kernel: the forward kernel's, by the blocks it visits, travel
     # in the name scope to `rloo_jax.hlo` (which scales them for the backward kernels)
     flops = attention_kernel_flops(b, h, dh, block_sparse_pairs(tp, sp, bq, bkv, offset, window))
     call = _at_precision(run, "highest" if q.dtype == jnp.float32 else "default")
     with jax.named_scope(kernel_flops_scope(flops)):
-        o = call(qs, kp, vp, q_seg, kv_seg)
+        o = call(qs, kp, vp, q_seg, kv_seg, *(() if sinks is None else (sinks.astype(jnp.float32),)))
     return o.transpose(0, 2, 1, 3)[:, :t]
 
 
@@ -442,7 +449,8 @@ def causal(
         return lambda q, k, v, sinks=None: attend(q, k, v, allowed, scale=scale, softcap=softcap, sinks=sinks)
     if impl == "splash":
         seg = (mask > 0).astype(jnp.int32)
-        return lambda q, k, v: splash_attention(q, k, v, seg, seg, window=window, scale=scale, softcap=softcap)
+        return lambda q, k, v, sinks=None: splash_attention(q, k, v, seg, seg, window=window, scale=scale,
+                                                            softcap=softcap, sinks=sinks)
     call = _cudnn_call(target_platform())
     return lambda q, k, v: cudnn_attention(q, k, v, mask, window=window, implementation=call, scale=scale)
 
@@ -496,11 +504,12 @@ def shared_prompt(
         # queries its C tokens at key index P + t: causal with the offset P; padding by segment ids
         kv_seg = jnp.concatenate([jnp.repeat(pseg, g, axis=0), cseg], axis=1)  # [N, P + C]
 
-        def splash(qp, qc, pk, pv, gk, gv):  # noqa: ANN001, ANN202
-            o_prompt = splash_attention(qp, pk, pv, pseg, pseg, window=window, **opts)
+        def splash(qp, qc, pk, pv, gk, gv, sinks=None):  # noqa: ANN001, ANN202
+            o_prompt = splash_attention(qp, pk, pv, pseg, pseg, window=window, sinks=sinks, **opts)
             keys = jnp.concatenate([jnp.repeat(pk, g, axis=0), gk], axis=1)
             values = jnp.concatenate([jnp.repeat(pv, g, axis=0), gv], axis=1)
-            return o_prompt, splash_attention(qc, keys, values, cseg, kv_seg, offset=p, window=window, **opts)
+            return o_prompt, splash_attention(qc, keys, values, cseg, kv_seg, offset=p, window=window, sinks=sinks,
+                                              **opts)
 
         return splash
     # cudnn: per completion row the whole [prompt; completion] row (one contiguous run of real tokens), causal;

@@ -268,7 +268,7 @@ class ModelConfig:
                                      f"{self.num_experts}] and moe_intermediate_size={self.moe_intermediate_size} >= 1")
             if self.moe_layers and len(self.moe_layers) != self.num_layers:
                 raise ModelLoadError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
-        if self.attention_sinks and self.attn_implementation in ("splash", "cudnn"):
+        if self.attention_sinks and self.attn_implementation == "cudnn":
             raise ModelLoadError(f"attn_implementation={self.attn_implementation!r} cannot compute attention sinks "
                                  f"({self.model_type}); use attn_implementation='eager'")
         if self.scan_layers and len(set(self.sparse_layers)) > 1:
