@@ -29,6 +29,7 @@ from rloo_jax.models import (
     save_pretrained,
 )
 from rloo_jax.models.attention import _NEG, sink_softmax
+from rloo_jax.models.loaded import convert
 from rloo_jax.models.lora import with_adapters
 from tests.checkpoints import PAD_ID, build_gpt_oss
 
@@ -269,6 +270,15 @@ def test_lora_zero_adapters_equal_the_base(model):
     b.value = b.value + 0.1
     assert np.abs(np.asarray(_logits(nnx.merge(graphdef, state), ids, mask))
                   - np.asarray(_logits(model, ids, mask))).max() > 1e-3
+
+
+def test_loaded_model_converts_as_its_folder(hf, model):
+    """A transformers GptOssForCausalLM object (TRL's `model=`) converts in memory to the folder's parameters and
+    config (`rloo_jax.models.loaded.convert`)."""
+    converted = convert(hf)
+    assert converted.config == model.config
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(converted)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _mxfp4_checkpoint(src, out):
