@@ -352,6 +352,23 @@ def test_both_spellings(path):
     assert dict(bare.rope_factors)["attention_factor"] == pytest.approx(0.1 * np.log(32) + 1)
 
 
+def test_gpt_oss_config_defaults():
+    """A config.json with only the sizes reads as GptOssConfig's defaults (head_dim 64, 8 kv heads, attention biases,
+    alternating layers with a window of 128, 128 experts top 4, the clamped SwiGLU's 7.0 and 1.702, YaRN x32)."""
+    sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, intermediate_size=16)
+    ours = config_from_hf({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **sizes})
+    theirs = transformers.GptOssConfig(**sizes)
+    assert (ours.head_dim, ours.num_kv_heads, ours.qkv_bias, ours.o_bias) == (theirs.head_dim,
+                                                                             theirs.num_key_value_heads, True, True)
+    assert ours.layer_types == tuple(theirs.layer_types) and ours.sliding_window == theirs.sliding_window == 128
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.swiglu_limit, ours.swiglu_alpha, ours.norm_eps) == (
+        theirs.num_local_experts, theirs.num_experts_per_tok, theirs.swiglu_limit, theirs.swiglu_alpha,
+        theirs.rms_norm_eps)
+    rope = theirs.rope_parameters
+    assert ours.rope_type == rope["rope_type"] and ours.rope_theta == rope["rope_theta"]
+    assert dict(ours.rope_factors)["factor"] == rope["factor"] and dict(ours.rope_factors)["truncate"] is False
+
+
 @pytest.mark.parametrize("change, option", [
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"router_jitter_noise": 0.1}, "router_jitter_noise"),

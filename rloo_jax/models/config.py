@@ -438,7 +438,9 @@ def _model_type(hf: dict[str, Any], family: str) -> str:
 
 
 # HF config classes' defaults where config.json may omit a key and the class default is not hidden // heads
-_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 64}
+_KV_HEADS = {"gpt_oss": 8}  # where the class default is not num_attention_heads
+_ATTENTION_BIAS = {"gpt_oss"}  # attention_bias defaults to True
 _THETA = {"smollm3": 2_000_000.0, "gemma3_text": 1_000_000.0, "gpt_oss": 150_000.0}
 _EPS = {"olmo2": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5}
 # GptOssConfig's rope when config.json has none
@@ -702,13 +704,13 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32", param_dtype: str 
         flags: dict[str, Any] = {"sliding_window": None if window is None else int(window)}
     else:
         flags = _llama_flags(hf, model_type, layers)
-    bias = bool(hf.get("attention_bias", False))
+    bias = bool(hf.get("attention_bias", model_type in _ATTENTION_BIAS))
     qkv_bias = model_type == "qwen2" or (family == "llama" and bias)
     act = hf.get("hidden_activation") or hf.get("hidden_act") or \
         ("gelu_pytorch_tanh" if model_type in ("gemma2", "gemma3_text") else "silu")
     return ModelConfig(
         **common,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        num_kv_heads=int(hf.get("num_key_value_heads") or _KV_HEADS.get(model_type, heads)),
         norm_eps=float(hf.get("rms_norm_eps", _EPS.get(model_type, 1e-6))),
         hidden_act=act,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in _TIED)),
