@@ -134,7 +134,7 @@ def switch(layer: Any, table: tuple[int, ...], fns: list[Callable], *args: Any) 
 
 def _sink_args(sinks: jax.Array | None) -> tuple[jax.Array, ...]:
     """A layer's attention sinks as the trailing argument of an attention function (`attention.causal`), none
-    without them (the fused forms take q, k, v only)."""
+    without them (a model without sinks builds functions of q, k, v only)."""
     return () if sinks is None else (sinks,)
 
 
