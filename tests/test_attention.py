@@ -284,22 +284,28 @@ for i, n in enumerate([12, 5, 9, 1]):
 mask = jnp.asarray(mask)
 q, kk, v = (jnp.asarray(rng.normal(size=(b, t, n, dh)), jnp.float32) for n in (h, k, k))
 w = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * mask[:, :, None, None]
+sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
 out = {}
 for shape in [(2, 2, 2), (1, 2, 4)]:  # heads over tensor (4 query, 2 kv heads over 2); over 4: not split
     mesh = make_mesh(*shape)
     for name in ("splash", "eager"):
-        fn = attention.causal(mask, positions_from_mask(mask), implementation=name, window=None, dtype=jnp.float32)
-        with jax.set_mesh(mesh):
-            o = jax.jit(fn)(q, kk, v)
-            g = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2)))(q, kk, v)
-        out[f"{shape}/{name}"] = [np.asarray(o)[np.asarray(mask) > 0].tolist(), [np.asarray(x).tolist() for x in g]]
+        for with_sinks in (False, True):  # GPT-OSS's attention sinks: split over heads with them
+            fn = attention.causal(mask, positions_from_mask(mask), implementation=name, window=None,
+                                  dtype=jnp.float32, sinks=with_sinks)
+            args = (q, kk, v, sinks) if with_sinks else (q, kk, v)
+            with jax.set_mesh(mesh):
+                o = jax.jit(fn)(*args)
+                g = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=tuple(range(len(args)))))(*args)
+            out[f"{shape}/{name}/{with_sinks}"] = [np.asarray(o)[np.asarray(mask) > 0].tolist(),
+                                                   [np.asarray(x).tolist() for x in g]]
 print("RESULT " + json.dumps(out))
 '''
 
 
 def test_splash_inside_shard_map_on_a_mesh():
     """8 forced CPU devices, rows over data x fsdp and heads over tensor (and a tensor size that does not divide the
-    kv heads: heads then stay whole): the kernel inside `shard_map` gives the einsum's values and gradients."""
+    kv heads: heads then stay whole): the kernel inside `shard_map` gives the einsum's values and gradients, with and
+    without attention sinks (theirs included)."""
     env = dict(os.environ, XLA_FLAGS=forced_devices(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", MESH_WORKER], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -308,7 +314,8 @@ def test_splash_inside_shard_map_on_a_mesh():
     assert lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
     for shape in ["(2, 2, 2)", "(1, 2, 4)"]:
-        (o, g), (ro, rg) = out[f"{shape}/splash"], out[f"{shape}/eager"]
-        np.testing.assert_allclose(o, ro, atol=TOL, rtol=TOL)
-        for a, r in zip(g, rg, strict=True):
-            np.testing.assert_allclose(a, r, atol=TOL, rtol=TOL)
+        for with_sinks in (False, True):
+            (o, g), (ro, rg) = out[f"{shape}/splash/{with_sinks}"], out[f"{shape}/eager/{with_sinks}"]
+            np.testing.assert_allclose(o, ro, atol=TOL, rtol=TOL)
+            for a, r in zip(g, rg, strict=True):
+                np.testing.assert_allclose(a, r, atol=TOL, rtol=TOL)
