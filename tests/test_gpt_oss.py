@@ -130,6 +130,32 @@ def test_sink_softmax():
                                np.asarray(jax.nn.softmax(s, -1)), rtol=1e-6)
 
 
+@pytest.mark.parametrize("rope", [
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    {"factor": 4.0, "truncate": True, "original_max_position_embeddings": 64},  # the betas' defaults, truncated
+    {"factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0, "original_max_position_embeddings": 512, "mscale": 0.7,
+     "mscale_all_dim": 1.3},
+    {"factor": 2.0, "original_max_position_embeddings": 256, "attention_factor": 1.25},
+])
+def test_yarn_equals_transformers(rope):
+    """YaRN's inverse frequencies and attention factor = transformers' `_compute_yarn_parameters` (to an ulp),
+    truncated or not, the betas' defaults, mscale / mscale_all_dim, an explicit attention_factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, **rope}
+    sizes = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                 head_dim=64, intermediate_size=32, max_position_embeddings=8192)
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.GptOssConfig(**sizes, rope_parameters=dict(rope)))
+    ours = config_from_hf({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **sizes,
+                           "rope_parameters": rope})
+    from rloo_jax.models.config import rope_attention_factor, rope_inv_freq
+
+    # theta ** (2i / d) in float32 by numpy's and torch's pow: they differ by one ulp at some i (measured)
+    np.testing.assert_allclose(rope_inv_freq(64, ours.rope_theta, "yarn", ours.rope_factors), inv.numpy(),
+                               rtol=3e-7, atol=0)
+    assert rope_attention_factor("yarn", ours.rope_factors) == pytest.approx(factor, rel=1e-12)
+
+
 def test_moe_pieces():
     """The router (top-k logits, softmax over them: the docstring examples) and the clamped SwiGLU."""
     logits = jnp.log(jnp.asarray([[1.0, 2.0, 3.0]]))
