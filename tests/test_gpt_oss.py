@@ -244,12 +244,17 @@ def _training(model, ids, mask, routes):
     return per_token_logps_from_hidden(h, model.unembed, ids, 1.0)
 
 
-def test_routing_replay(model):
+@pytest.fixture(scope="module")
+def gen(model):
+    """A sampled rollout (2 completions of 6 tokens per prompt, temperature 1) with the sampler's routes."""
+    return sampling.generate(model, PROMPT_IDS, PROMPT_MASK, key=jax.random.key(2), max_new_tokens=6,
+                             num_generations=2, temperature=1.0, pad_token_id=PAD_ID, prompt_bucket=16)
+
+
+def test_routing_replay(model, gen):
     """The sampler's recorded experts, replayed by the training forward, give the sampler's log-probs; with a
     perturbed router (as after an update) replay keeps the sampler's experts, the gate weights the softmax of the
     new router's logits at them (so the log-probs move, but less than the router's own choice moves them)."""
-    gen = sampling.generate(model, PROMPT_IDS, PROMPT_MASK, key=jax.random.key(2), max_new_tokens=6,
-                            num_generations=2, temperature=1.0, pad_token_id=PAD_ID, prompt_bucket=16)
     mask = np.asarray(gen.completion_mask) > 0
     replayed = np.asarray(_training(model, gen.completion_ids, gen.completion_mask, gen.routes))
     diff = np.abs(replayed - np.asarray(gen.logps))[mask].max()
@@ -265,12 +270,10 @@ def test_routing_replay(model):
     assert np.abs(own - kept)[mask].max() > 1e-4  # and the experts are the sampler's, not the new choice
 
 
-def test_gradients_reach_every_gpt_oss_parameter(model):
+def test_gradients_reach_every_gpt_oss_parameter(model, gen):
     """The training forward under routing replay is differentiable in every parameter GPT-OSS adds: the sinks, the
     router's weight and bias (through the replayed experts' gate weights), the experts' weights and biases; all
     finite."""
-    gen = sampling.generate(model, PROMPT_IDS, PROMPT_MASK, key=jax.random.key(4), max_new_tokens=4,
-                            num_generations=2, temperature=1.0, pad_token_id=PAD_ID, prompt_bucket=16)
     graphdef, params = nnx.split(model, nnx.Param)
 
     @jax.jit
