@@ -441,3 +441,4 @@ def test_attention_implementations(path, hf):
     assert diff <= TOL
     with pytest.raises(ModelLoadError, match="attn_implementation='cudnn' cannot compute attention sinks"):
         load_causal_lm(path, attn_implementation="cudnn")
+
