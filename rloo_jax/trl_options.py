@@ -282,7 +282,8 @@ SHARED: list[tuple[str, str, Decision]] = [
      accepted("no DeepSpeed; on a mesh the sampler gets its own layout, see rollout_mesh")),
     ("disable_dropout", "disable_dropout",
      accepted("the models here have no dropout (LoRA's lora_dropout aside): as TRL with disable_dropout true")),
-    ("router_aux_loss_coef", "router_aux_loss_coef", supported("Qwen3-MoE policies; added to each micro-batch's loss")),
+    ("router_aux_loss_coef", "router_aux_loss_coef",
+     supported("mixture-of-experts policies (Qwen3-MoE, GPT-OSS); added to each micro-batch's loss")),
     ("model_init_kwargs", "model_init_kwargs", accepted(
         "dtype (or torch_dtype) as the dtype option (bfloat16: param_dtype bfloat16), attn_implementation as that "
         "option; weights are read from safetensors, other from_pretrained arguments are refused",

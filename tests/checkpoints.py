@@ -182,6 +182,40 @@ def build_qwen3_moe(out_dir: str | Path, seed: int = 7, reward: bool = False, **
     return _build(transformers.Qwen3MoeForCausalLM, qwen3_moe_config(**overrides), out_dir, seed)
 
 
+def gpt_oss_config(**overrides: Any) -> Any:
+    """GPT-OSS: 4 layers alternating sliding (window 4, shorter than the tests' rows) / full attention, GQA 4 / 2 with
+    head_dim 8, q/k/v/o biases, attention sinks, 8 experts of 16 (top 2) with router and expert biases, the clamped
+    SwiGLU with a limit of 1.0 (the tiny model's activations reach it: the clamp is exercised), YaRN RoPE (factor 4
+    over 32 original positions, truncate False as GPT-OSS's)."""
+    kw = dict(**{**TINY_SIZE, "intermediate_size": 16, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=8,
+              num_local_experts=8, num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.0,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
+              **_SPECIAL)
+    kw.update(overrides)
+    return transformers.GptOssConfig(**kw)
+
+
+def build_gpt_oss(out_dir: str | Path, seed: int = 9, reward: bool = False, **overrides: Any) -> Path:
+    """A GptOssForCausalLM checkpoint (float32, not quantized; `reward`: a GptOssForSequenceClassification with one
+    label) from `gpt_oss_config(**overrides)`; the sinks and the expert biases (which transformers initialises to
+    zeros) drawn too: a dropped one changes the logits."""
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    config = gpt_oss_config(**overrides, **({"num_labels": 1} if reward else {}))
+    config._attn_implementation = "eager"
+    cls = transformers.GptOssForSequenceClassification if reward else transformers.GptOssForCausalLM
+    model = cls(config).float().eval()
+    _randomise(model, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "_bias")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return out
+
+
 def gemma2_config(**overrides: Any) -> Any:
     """Gemma 2: (1 + w) norms around attention and MLP, sqrt(D) embeddings, query_pre_attn_scalar 12 (not
     head_dim 8), attention / final soft-caps 5 / 3 (small, so they bite), layer 0 sliding (window 4), layer 1

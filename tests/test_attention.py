@@ -196,6 +196,50 @@ def test_shared_prompt_matches_eager_values_and_grads(impl, window, scale, softc
     assert float(jnp.max(jnp.abs(ref_grads[2]))) > 0.5  # the shared prompt keys get gradient from the completions
 
 
+# ----------------------------------------------------------------------------------------------- attention sinks
+def test_splash_sinks_match_eager_values_and_grads():
+    """GPT-OSS's attention sinks (a logit per head in each softmax's denominator) in splash's kernel = the einsum's,
+    values and the gradients of q, k, v and the sinks, for the causal form (left padding, a window) and the shared
+    prompt form; the sinks change the output (the test could fail); cudnn with sinks is refused by name."""
+    rng = np.random.RandomState(2)
+    b, g, p, c = 2, 2, 6, 5
+    pmask = jnp.asarray(_left_mask(p, [6, 3]))
+    cmask = np.ones((b * g, c), np.int32)
+    cmask[3, 2:] = 0
+    cmask = jnp.asarray(cmask)
+    p_pos = positions_from_mask(pmask)
+    c_pos = jnp.repeat(pmask.sum(-1), g)[:, None] + jnp.cumsum(cmask, axis=-1) - 1
+    args = (_qkv(rng, b, p, H), _qkv(rng, b * g, c, H), _qkv(rng, b, p, K), _qkv(rng, b, p, K),
+            _qkv(rng, b * g, c, K), _qkv(rng, b * g, c, K), jnp.asarray(rng.normal(size=(H,)), jnp.float32))
+    wp = jnp.asarray(rng.normal(size=args[0].shape), jnp.float32) * pmask[:, :, None, None]
+    wc = jnp.asarray(rng.normal(size=args[1].shape), jnp.float32) * cmask[:, :, None, None]
+
+    def run(name, window):  # noqa: ANN001, ANN202
+        causal = attention.causal(pmask, p_pos, implementation=name, window=window, dtype=jnp.float32, sinks=True)
+        shared = attention.shared_prompt(pmask, p_pos, cmask, c_pos, implementation=name, window=window,
+                                         dtype=jnp.float32, sinks=True)
+
+        def loss(qp, qc, pk, pv, gk, gv, sinks):  # noqa: ANN001, ANN202
+            op, oc = shared(qp, qc, pk, pv, gk, gv, sinks)
+            return jnp.sum(causal(qp, pk, pv, sinks) * wp) + jnp.sum(op * wp) + jnp.sum(oc * wc)
+
+        outs = jax.jit(lambda *a: (causal(a[0], a[2], a[3], a[6]), *shared(*a)))(*args)
+        return outs, jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*args)
+
+    for window in (None, 3):
+        (ours, g_ours), (ref, g_ref) = run("splash", window), run("eager", window)
+        for o, r, m in zip(ours, ref, (pmask, pmask, cmask), strict=True):
+            _assert_close(o, r, m)
+        for a, r in zip(g_ours, g_ref, strict=True):
+            np.testing.assert_allclose(a, r, atol=TOL, rtol=TOL)
+        assert float(jnp.max(jnp.abs(g_ref[6]))) > 0.1  # the sinks get gradient
+    plain = attention.causal(pmask, p_pos, implementation="eager", window=None, dtype=jnp.float32)
+    moved = np.abs(np.asarray(plain(args[0], args[2], args[3]) - ref[0]))[np.asarray(pmask, bool)].max()
+    assert moved > 0.05, moved
+    with pytest.raises(ValueError, match="attn_implementation='cudnn' cannot compute attention sinks"):
+        attention.causal(pmask, p_pos, implementation="cudnn", window=None, dtype=jnp.float32, sinks=True)
+
+
 # ----------------------------------------------------------------------------------------------- refusals
 def test_cudnn_call_needs_a_gpu_here():
     """The `cudnn` path's call is jax's cuDNN kernel: off a GPU the program cannot be built (the same call through
@@ -240,22 +284,28 @@ for i, n in enumerate([12, 5, 9, 1]):
 mask = jnp.asarray(mask)
 q, kk, v = (jnp.asarray(rng.normal(size=(b, t, n, dh)), jnp.float32) for n in (h, k, k))
 w = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * mask[:, :, None, None]
+sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
 out = {}
 for shape in [(2, 2, 2), (1, 2, 4)]:  # heads over tensor (4 query, 2 kv heads over 2); over 4: not split
     mesh = make_mesh(*shape)
     for name in ("splash", "eager"):
-        fn = attention.causal(mask, positions_from_mask(mask), implementation=name, window=None, dtype=jnp.float32)
-        with jax.set_mesh(mesh):
-            o = jax.jit(fn)(q, kk, v)
-            g = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2)))(q, kk, v)
-        out[f"{shape}/{name}"] = [np.asarray(o)[np.asarray(mask) > 0].tolist(), [np.asarray(x).tolist() for x in g]]
+        for with_sinks in (False, True):  # GPT-OSS's attention sinks: split over heads with them
+            fn = attention.causal(mask, positions_from_mask(mask), implementation=name, window=None,
+                                  dtype=jnp.float32, sinks=with_sinks)
+            args = (q, kk, v, sinks) if with_sinks else (q, kk, v)
+            with jax.set_mesh(mesh):
+                o = jax.jit(fn)(*args)
+                g = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=tuple(range(len(args)))))(*args)
+            out[f"{shape}/{name}/{with_sinks}"] = [np.asarray(o)[np.asarray(mask) > 0].tolist(),
+                                                   [np.asarray(x).tolist() for x in g]]
 print("RESULT " + json.dumps(out))
 '''
 
 
 def test_splash_inside_shard_map_on_a_mesh():
     """8 forced CPU devices, rows over data x fsdp and heads over tensor (and a tensor size that does not divide the
-    kv heads: heads then stay whole): the kernel inside `shard_map` gives the einsum's values and gradients."""
+    kv heads: heads then stay whole): the kernel inside `shard_map` gives the einsum's values and gradients, with and
+    without attention sinks (theirs included)."""
     env = dict(os.environ, XLA_FLAGS=forced_devices(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", MESH_WORKER], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -264,7 +314,8 @@ def test_splash_inside_shard_map_on_a_mesh():
     assert lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
     for shape in ["(2, 2, 2)", "(1, 2, 4)"]:
-        (o, g), (ro, rg) = out[f"{shape}/splash"], out[f"{shape}/eager"]
-        np.testing.assert_allclose(o, ro, atol=TOL, rtol=TOL)
-        for a, r in zip(g, rg, strict=True):
-            np.testing.assert_allclose(a, r, atol=TOL, rtol=TOL)
+        for with_sinks in (False, True):
+            (o, g), (ro, rg) = out[f"{shape}/splash/{with_sinks}"], out[f"{shape}/eager/{with_sinks}"]
+            np.testing.assert_allclose(o, ro, atol=TOL, rtol=TOL)
+            for a, r in zip(g, rg, strict=True):
+                np.testing.assert_allclose(a, r, atol=TOL, rtol=TOL)

@@ -384,3 +384,29 @@ def test_cli_training_with_expert_parallelism_equals_one_device(cli_runs):
     moved = max(float(np.abs(a[k] - start[k]).max()) for k in a)
     print(f"final weights: moved {moved:.2e} from the start; one device vs expert-parallel: max abs diff {diff:.2e}")
     assert moved > 1e-3 and diff <= 1e-5
+
+
+def test_a_shard_of_biased_experts_is_its_share():
+    """GPT-OSS's experts (biases, the clamped SwiGLU) split over shards as Qwen3-MoE's: the shards' sums are the
+    whole sum, and a shard adds nothing (no bias) for the pairs of the experts it does not hold."""
+    rs = np.random.RandomState(1)
+    t, d, e, f, k = 5, 4, 4, 3, 2
+    x = jnp.asarray(rs.randn(t, d), jnp.float32)
+    experts = jnp.asarray([[0, 3], [1, 2], [3, 2], [0, 1], [2, 0]], jnp.int32)
+    w = jnp.asarray(rs.rand(t, k), jnp.float32)
+    gate, up, down = (jnp.asarray(rs.randn(*s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d)))
+    biases = tuple(jnp.asarray(rs.randn(*s), jnp.float32) for s in ((e, f), (e, f), (e, d)))
+    swiglu = (1.702, 1.0)
+    whole = moe.experts_apply(x, experts, w, gate, up, down, biases=biases, swiglu=swiglu)
+    halves = [moe.experts_apply(x, experts, w, gate[i:i + 2], up[i:i + 2], down[i:i + 2],
+                                biases=tuple(b[i:i + 2] for b in biases), swiglu=swiglu, first=i) for i in (0, 2)]
+    np.testing.assert_allclose(halves[0] + halves[1], whole, atol=1e-6)
+    assert np.abs(np.asarray(whole - moe.experts_apply(x, experts, w, gate, up, down, swiglu=swiglu))).max() > 0.1
+
+    def one(tk: int) -> np.ndarray:  # one pair by hand
+        ex, row = int(experts.reshape(-1)[tk]), x[tk // k]
+        h = moe.clamped_swiglu(row @ gate[ex] + biases[0][ex], row @ up[ex] + biases[1][ex], *swiglu)
+        return np.asarray(w.reshape(-1)[tk] * (h @ down[ex] + biases[2][ex]))
+
+    np.testing.assert_allclose(halves[1][0], one(1), atol=1e-6)  # token 0: expert 3 only on shard 1
+    np.testing.assert_allclose(halves[0][1], one(2), atol=1e-6)  # token 1: expert 1 only on shard 0

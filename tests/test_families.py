@@ -29,7 +29,7 @@ from rloo_jax.models import (
     save_pretrained,
 )
 from rloo_jax.step import completion_logps
-from tests.checkpoints import FAMILIES, PAD_ID, build_family
+from tests.checkpoints import FAMILIES, PAD_ID, build_family, build_gpt_oss
 
 # Left-padded prompts of lengths 4, 7 and 5 (P = 7); ids avoid the pad id. Row 1 is unpadded, so the longest
 # position any forward or decode step sees is the same for transformers (arange over the padded row) and us (real
@@ -287,4 +287,34 @@ def test_rloo_trainer_trains_a_tiny_qwen3(tmp_path, tiny_checkpoint):
     changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(before, nnx.Param)),
                                                          jax.tree.leaves(nnx.state(after, nnx.Param)), strict=True)]
     assert all(changed)  # every parameter moved, the q/k norms included
+    _hf(transformers.AutoModelForCausalLM, final)
+
+
+@pytest.mark.slow  # compiles the rollout and the update
+def test_rloo_trainer_trains_a_tiny_gpt_oss(tmp_path, tiny_checkpoint):
+    """RLOOTrainer (TRL's recipe: a prompt dataset, a reward callable) trains the tiny GPT-OSS for 2 steps with
+    routing replay and writes a GptOssForCausalLM final/ that transformers loads; the sinks, the router's bias and
+    the attention moved."""
+    model_dir = tmp_path / "tiny-GptOssForCausalLM"
+    path = build_gpt_oss(model_dir)
+    before = load_file(str(path / "model.safetensors"))
+    for f in tiny_checkpoint("tokenizer").iterdir():
+        shutil.copy(f, model_dir / f.name)
+    dataset = datasets.Dataset.from_dict({"prompt": ["The sky is", "The sea is", "One plus one is", "Hello"] * 4})
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(c)) / 20 for c in completions]
+
+    args = rloo_jax.RLOOConfig(output_dir=str(tmp_path / "out"), learning_rate=0.05, per_device_train_batch_size=8,
+                               num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1,
+                               report_to="none", compilation_cache=False)
+    trainer = rloo_jax.RLOOTrainer(model=str(model_dir), reward_funcs=reward_len, args=args, train_dataset=dataset)
+    out = trainer.train()
+    assert out.global_step == 2 and np.isfinite(out.training_loss)
+    final = tmp_path / "out" / "final"
+    assert json.loads((final / "config.json").read_text())["architectures"] == ["GptOssForCausalLM"]
+    after = load_file(str(final / "model.safetensors"))
+    for name in ("model.layers.0.self_attn.sinks", "model.layers.1.mlp.router.bias",
+                 "model.layers.2.self_attn.q_proj.weight"):
+        assert not np.array_equal(before[name], after[name]), name
     _hf(transformers.AutoModelForCausalLM, final)

@@ -25,6 +25,11 @@ layer its own sliding window (`window`; Gemma's alternating local/global layers 
 `dot_product_attention` has no soft-cap), so a soft-capped model's layers fall back to eager under `cudnn`
 (`effective`; one note in the log).
 
+Attention sinks (GPT-OSS): a learned logit per query head joins each softmax's denominator and nothing else,
+p_s = exp(s_s) / (sum_s' exp(s_s') + exp(sink_h)). The eager forms and splash (its kernel's `sinks`) take them
+(`sinks` [H]); cuDNN's (jax's `dot_product_attention`) cannot, so a model with sinks runs eager where the platform's
+choice would be cudnn and refuses cudnn asked for by name (`_resolved`; `ModelConfig` refuses it at load).
+
 Two forms, built once per forward (masks, segment ids, rotations; outside the layer loop) and called per layer:
 
 - `causal(mask, positions)`: rows of T tokens with any padding, causal self-attention (prefill, reward models).
@@ -128,11 +133,16 @@ def effective(implementation: str, softcap: float | None) -> str:
     return implementation
 
 
-def _resolved(implementation: str | None, dtype: jnp.dtype, softcap: float | None = None) -> str:
+def _resolved(implementation: str | None, dtype: jnp.dtype, softcap: float | None = None, sinks: bool = False) -> str:
     """At trace time, for the platform compiled for (no availability check: the run config did it); then
-    `effective` for the model's soft-capping."""
+    `effective` for the model's soft-capping. `sinks` (attention sinks): eager or splash, which compute them;
+    ValueError for cudnn asked for by name, eager where the platform's choice is cudnn."""
+    if sinks and implementation == "cudnn":
+        raise ValueError("attn_implementation='cudnn' cannot compute attention sinks (GPT-OSS); use "
+                         "attn_implementation='eager'")
     if implementation is None:
         implementation = resolve(None, target_platform(), jnp.dtype(dtype).name)
+        implementation = "eager" if sinks and implementation == "cudnn" else implementation
     return effective(implementation, softcap)
 
 
@@ -150,12 +160,26 @@ def _scores(s: jax.Array, scale: float, softcap: float | None) -> jax.Array:
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
+def sink_softmax(s: jax.Array, sink: jax.Array | None) -> jax.Array:
+    """softmax over the last axis with an extra logit `sink` in the denominator only (GPT-OSS's attention sinks:
+    transformers concatenates it, softmaxes, drops it): exp(s - m) / (sum exp(s - m) + exp(sink - m)),
+    m = max(max s, sink), float32. s [..., S], sink broadcastable to s[..., :1] (None: the plain softmax).
+    Example: s [0, 0], sink 0 -> [1/3, 1/3]."""
+    if sink is None:
+        return jax.nn.softmax(s, axis=-1)
+    sink = jnp.broadcast_to(sink.astype(jnp.float32), s[..., :1].shape)
+    m = jnp.maximum(s.max(-1, keepdims=True), sink)
+    e = jnp.exp(s - m)
+    return e / (e.sum(-1, keepdims=True) + jnp.exp(sink - m))
+
+
 def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, scale: float | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention: softmax(cap(scale q k^T) masked) v, softmax in float32; scale defaults to
-    Dh ** -0.5, cap(s) = softcap * tanh(s / softcap) (identity for softcap None).
+    Dh ** -0.5, cap(s) = softcap * tanh(s / softcap) (identity for softcap None); `sinks` [H]: each head's sink
+    logit in its softmax's denominator (`sink_softmax`).
 
     q [B, T, H, Dh], k/v [B, S, K, Dh], allowed [B, T, S] bool -> [B, T, H, Dh]. Query head h uses kv head
     h // (H / K) (HF `repeat_kv` order), done by a reshape instead of repeating k/v.
@@ -166,7 +190,8 @@ def attend(
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     s = _scores(s, dh**-0.5 if scale is None else scale, softcap)
     s = jnp.where(allowed[:, None, None], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    sink = None if sinks is None else sinks.reshape(kh, h // kh)[None, :, :, None, None]
+    p = sink_softmax(s, sink).astype(v.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v)
     return o.reshape(b, t, h, dh)
 
@@ -182,9 +207,10 @@ def attend_shared_prompt(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """T queries per row over its prompt's shared keys plus its own keys, one joint softmax (f32) of the scaled,
-    soft-capped scores (as `attend`).
+    soft-capped scores (as `attend`; `sinks` [H] in its denominator, `sink_softmax`).
 
     q [B, G, T, H, Dh]; prompt pk/pv [B, K, P, Dh] (NOT repeated G times), p_allowed [B, G, T, P];
     own keys gk/gv [N, K, S, Dh] with N = B*G rows (row n continues prompt n // G), g_allowed [B, G, T, S]
@@ -205,8 +231,11 @@ def attend_shared_prompt(
     sp = jnp.where(p_allowed[:, :, None, None], sp, _NEG)
     sc = jnp.where(g_allowed[:, :, None, None], sc, _NEG)
     m = jnp.maximum(sp.max(-1, keepdims=True), sc.max(-1, keepdims=True))
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kh, h // kh)[:, :, None, None]
+    m = m if sink is None else jnp.maximum(m, sink)
     ep, ec = jnp.exp(sp - m), jnp.exp(sc - m)
     z = ep.sum(-1, keepdims=True) + ec.sum(-1, keepdims=True)
+    z = z if sink is None else z + jnp.exp(sink - m)
     o = jnp.einsum("bgkhtp,bkpd->bgtkhd", (ep / z).astype(pv.dtype), pv)
     pc = (ec / z).reshape(b * g, *ec.shape[2:]).astype(gv.dtype)
     o = o + jnp.einsum("nkhts,nksd->ntkhd", pc, gv).reshape(o.shape)
@@ -256,11 +285,13 @@ def splash_attention(
     interpret: bool | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA over segment-masked rows with splash attention: query t sees key s iff s <= t + offset,
     q_segments[t] == kv_segments[s] (and t + offset - s < window). Every query must see at least its own key
     (s = t + offset, same segment): then no softmax row is empty. Scores scale * q k^T (default Dh ** -0.5),
-    soft-capped in the kernel with `softcap`.
+    soft-capped in the kernel with `softcap`; `sinks` [H] float32: each head's sink logit in its softmax's
+    denominator (the kernel's own, with its gradient).
 
     q [B, T, H, Dh], k/v [B, S, K, Dh], q_segments [B, T], kv_segments [B, S] int32 -> [B, T, H, Dh] in q's dtype.
     Rows and heads are split over the context mesh (`shard_map`); on each shard the kernel runs per row (vmap).
@@ -271,15 +302,19 @@ def splash_attention(
     run = functools.partial(_splash_local, offset=offset, window=window, interpret=interpret, scale=scale,
                             softcap=softcap)
     if mesh.empty:
-        return run(q, k, v, q_segments, kv_segments)
+        return run(q, k, v, q_segments, kv_segments, sinks)
     rows = _axis(fit_spec(("batch",), q.shape[:1], mesh), 0)
     heads = _axis(fit_spec((None, None, "heads"), q.shape[:3], mesh), 2)
     if heads != _axis(fit_spec((None, None, "kv"), k.shape[:3], mesh), 2):
         heads = None  # query head h reads kv head h // (H / K): split both alike or neither
     spec = jax.sharding.PartitionSpec(rows, None, heads, None)
     seg = jax.sharding.PartitionSpec(rows, None)
-    fn = jax.shard_map(run, mesh=mesh, in_specs=(spec, spec, spec, seg, seg), out_specs=spec, check_vma=False)
-    return fn(q, k, v, q_segments, kv_segments)
+    if sinks is None:
+        fn = jax.shard_map(run, mesh=mesh, in_specs=(spec, spec, spec, seg, seg), out_specs=spec, check_vma=False)
+        return fn(q, k, v, q_segments, kv_segments)
+    fn = jax.shard_map(run, mesh=mesh, in_specs=(spec, spec, spec, seg, seg, jax.sharding.PartitionSpec(heads)),
+                       out_specs=spec, check_vma=False)
+    return fn(q, k, v, q_segments, kv_segments, sinks)
 
 
 def _axis(spec: jax.sharding.PartitionSpec, i: int) -> str | tuple[str, ...] | None:
@@ -288,8 +323,8 @@ def _axis(spec: jax.sharding.PartitionSpec, i: int) -> str | tuple[str, ...] | N
 
 
 def _splash_local(
-    q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, *, offset: int,
-    window: int | None, interpret: bool, scale: float | None = None, softcap: float | None = None,
+    q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, sinks: jax.Array | None = None,
+    *, offset: int, window: int | None, interpret: bool, scale: float | None = None, softcap: float | None = None,
 ) -> jax.Array:
     """`splash_attention` on one device's shard (no mesh)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -315,18 +350,20 @@ def _splash_local(
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
 
-    def run(q: jax.Array, k: jax.Array, v: jax.Array, qs: jax.Array, ks: jax.Array) -> jax.Array:
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, qs: jax.Array, ks: jax.Array, *sink: jax.Array) -> jax.Array:
         # built where it runs: the kernel holds its mask's block tables as arrays of the trace that makes it
         kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                     interpret=interpret, attn_logits_soft_cap=softcap)
-        return jax.vmap(kernel)(q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks))
+        call = lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=sk.SegmentIds(q=qs, kv=ks),  # noqa: E731
+                                              sinks=sink[0] if sink else None)
+        return jax.vmap(call)(q, k, v, qs, ks)
 
     # the compiler counts no FLOPs inside a Pallas kernel: the forward kernel's, by the blocks it visits, travel
     # in the name scope to `rloo_jax.hlo` (which scales them for the backward kernels)
     flops = attention_kernel_flops(b, h, dh, block_sparse_pairs(tp, sp, bq, bkv, offset, window))
     call = _at_precision(run, "highest" if q.dtype == jnp.float32 else "default")
     with jax.named_scope(kernel_flops_scope(flops)):
-        o = call(qs, kp, vp, q_seg, kv_seg)
+        o = call(qs, kp, vp, q_seg, kv_seg, *(() if sinks is None else (sinks.astype(jnp.float32),)))
     return o.transpose(0, 2, 1, 3)[:, :t]
 
 
@@ -400,18 +437,20 @@ SharedFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 def causal(
     mask: jax.Array, positions: jax.Array, *, implementation: str | None, window: int | None, dtype: jnp.dtype,
-    scale: float | None = None, softcap: float | None = None,
+    scale: float | None = None, softcap: float | None = None, sinks: bool = False,
 ) -> AttendFn:
     """Causal self-attention over B padded rows (real tokens: `mask` [B, T]; their positions [B, T]), built once
     per forward: -> fn(q [B, T, H, Dh], k, v [B, T, K, Dh]) -> [B, T, H, Dh]. Exact for any padding with eager and
-    splash; cudnn needs each row's real tokens contiguous (as left- or right-padded rows are)."""
-    impl = _resolved(implementation, dtype, softcap)
+    splash; cudnn needs each row's real tokens contiguous (as left- or right-padded rows are). `sinks`: the model
+    has attention sinks, passed per layer as fn(q, k, v, sinks [H]) (eager only: `_resolved`)."""
+    impl = _resolved(implementation, dtype, softcap, sinks)
     if impl == "eager":
         allowed = causal_allowed(mask, positions, window)
-        return lambda q, k, v: attend(q, k, v, allowed, scale=scale, softcap=softcap)
+        return lambda q, k, v, sinks=None: attend(q, k, v, allowed, scale=scale, softcap=softcap, sinks=sinks)
     if impl == "splash":
         seg = (mask > 0).astype(jnp.int32)
-        return lambda q, k, v: splash_attention(q, k, v, seg, seg, window=window, scale=scale, softcap=softcap)
+        return lambda q, k, v, sinks=None: splash_attention(q, k, v, seg, seg, window=window, scale=scale,
+                                                            softcap=softcap, sinks=sinks)
     call = _cudnn_call(target_platform())
     return lambda q, k, v: cudnn_attention(q, k, v, mask, window=window, implementation=call, scale=scale)
 
@@ -427,14 +466,16 @@ def shared_prompt(
     dtype: jnp.dtype,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: bool = False,
 ) -> SharedFn:
     """B left-padded prompts, each continued by G right-padded completions (row n continues prompt n // G; its
     mask a prefix of ones), built once per forward: prompt_mask, prompt_positions [B, P]; completion_mask,
     completion_positions [N, C] (positions continue each prompt's) ->
     fn(qp [B, P, H, Dh], qc [N, C, H, Dh], pk, pv [B, P, K, Dh], gk, gv [N, C, K, Dh]) -> (prompt out [B, P, H, Dh],
     completion out [N, C, H, Dh]): the prompts' causal self-attention and each completion token's one softmax over
-    its prompt's real tokens and its own real tokens up to itself (within the window)."""
-    impl = _resolved(implementation, dtype, softcap)
+    its prompt's real tokens and its own real tokens up to itself (within the window). `sinks`: as `causal`'s
+    (fn(..., sinks [H]))."""
+    impl = _resolved(implementation, dtype, softcap, sinks)
     opts = {"scale": scale, "softcap": softcap}
     b, p = prompt_mask.shape
     n, c = completion_mask.shape
@@ -448,10 +489,11 @@ def shared_prompt(
         cc_allowed = (jdx[:, None] >= jdx[None, :])[None] & (completion_mask[:, None, :] > 0)
         cc_allowed = cc_allowed.reshape(b, g, c, c) & visible(cq[..., None], cq[:, :, None, :], window)
 
-        def eager(qp, qc, pk, pv, gk, gv):  # noqa: ANN001, ANN202
-            o_prompt = attend(qp, pk, pv, pp_allowed, **opts)
+        def eager(qp, qc, pk, pv, gk, gv, sinks=None):  # noqa: ANN001, ANN202
+            o_prompt = attend(qp, pk, pv, pp_allowed, sinks=sinks, **opts)
             o_comp = attend_shared_prompt(qc.reshape(b, g, c, *qc.shape[2:]), pk.swapaxes(1, 2), pv.swapaxes(1, 2),
-                                          cp_allowed, gk.swapaxes(1, 2), gv.swapaxes(1, 2), cc_allowed, **opts)
+                                          cp_allowed, gk.swapaxes(1, 2), gv.swapaxes(1, 2), cc_allowed, sinks=sinks,
+                                          **opts)
             return o_prompt, o_comp.reshape(qc.shape)
 
         return eager
@@ -462,11 +504,12 @@ def shared_prompt(
         # queries its C tokens at key index P + t: causal with the offset P; padding by segment ids
         kv_seg = jnp.concatenate([jnp.repeat(pseg, g, axis=0), cseg], axis=1)  # [N, P + C]
 
-        def splash(qp, qc, pk, pv, gk, gv):  # noqa: ANN001, ANN202
-            o_prompt = splash_attention(qp, pk, pv, pseg, pseg, window=window, **opts)
+        def splash(qp, qc, pk, pv, gk, gv, sinks=None):  # noqa: ANN001, ANN202
+            o_prompt = splash_attention(qp, pk, pv, pseg, pseg, window=window, sinks=sinks, **opts)
             keys = jnp.concatenate([jnp.repeat(pk, g, axis=0), gk], axis=1)
             values = jnp.concatenate([jnp.repeat(pv, g, axis=0), gv], axis=1)
-            return o_prompt, splash_attention(qc, keys, values, cseg, kv_seg, offset=p, window=window, **opts)
+            return o_prompt, splash_attention(qc, keys, values, cseg, kv_seg, offset=p, window=window, sinks=sinks,
+                                              **opts)
 
         return splash
     # cudnn: per completion row the whole [prompt; completion] row (one contiguous run of real tokens), causal;

@@ -14,6 +14,10 @@ Three families share one module tree (see `transformer.py`); what differs within
 A mixture of experts is a llama-family model whose MLPs are routed (`num_experts` > 0; per layer `moe_layers`):
 Qwen3-MoE, each token to the top `num_experts_per_tok` of softmax(router logits) (renormalised with
 `norm_topk_prob`), some layers dense (`decoder_sparse_step`, `mlp_only_layers`). The math: `moe.py`.
+GPT-OSS is one too, every layer routed, with its own flags: attention sinks (`attention_sinks`), q/k/v/o biases,
+alternating sliding / full layers, YaRN RoPE, a router bias and the softmax of the top-k logits (`router_bias`,
+`router_topk_softmax`), expert biases and a clamped SwiGLU (`expert_bias`, `swiglu_limit`, `swiglu_alpha`); its
+MXFP4 checkpoints are dequantized on load (`hf.py`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "phi3": ("phi3", "Phi3"),
     "gpt_neox": ("gpt_neox", "GPTNeoX"),
     "qwen3_moe": ("llama", "Qwen3Moe"),
+    "gpt_oss": ("llama", "GptOss"),
 }
 
 
@@ -67,7 +72,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 ARCHITECTURE_MODEL_TYPES: dict[str, str] = {
     name: model_type for model_type in MODEL_TYPES for name in architecture_names(model_type)
 }
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+# rope types only some model types are read with (the ones tested against transformers): rope_type -> model types
+ROPE_TYPES_OF = {"longrope": ("phi3",), "yarn": ("gpt_oss",)}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 NORM_LAYOUTS = ("pre", "sandwich", "post")
 DTYPES = ("float32", "bfloat16")
@@ -169,7 +176,7 @@ class ModelConfig:
     hidden_act: str  # "silu" (llama) | "gelu" | "gelu_new" | "gelu_pytorch_tanh" | "relu"
     rope_theta: float
     rotary_dim: int  # leading head dims that are rotated (= head_dim * partial_rotary_factor)
-    rope_type: str = "default"  # "default" | "linear" | "llama3" | "longrope"
+    rope_type: str = "default"  # "default" | "linear" | "llama3" | "longrope" | "yarn"
     # e.g. (("factor", 8.0), ("low_freq_factor", 1.0), ...); longrope: short_factor / long_factor are tuples
     rope_factors: tuple[tuple[str, Any], ...] = ()
     tie_word_embeddings: bool = False
@@ -202,6 +209,12 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = ()  # per layer, True where routed; (): every layer when num_experts > 0
     norm_topk_prob: bool = False  # the k chosen probabilities renormalised to sum to 1
     router_aux_loss_coef: float = 0.0  # the checkpoint's load-balancing loss weight (TRL's default for the option)
+    router_bias: bool = False  # GPT-OSS: the router's logits have a bias [E]
+    router_topk_softmax: bool = False  # GPT-OSS: weights = softmax of the top-k logits (else top-k of the softmax)
+    expert_bias: bool = False  # GPT-OSS: each expert's gate / up / down projections have biases
+    swiglu_limit: float | None = None  # GPT-OSS: the experts' clamped SwiGLU (`moe.clamped_swiglu`); None: silu
+    swiglu_alpha: float = 1.702  # its sigmoid gain (with swiglu_limit)
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head in each attention softmax's denominator
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     # execution choices (never exported to config.json): how the L blocks run and what their backward keeps
@@ -255,6 +268,9 @@ class ModelConfig:
                                      f"{self.num_experts}] and moe_intermediate_size={self.moe_intermediate_size} >= 1")
             if self.moe_layers and len(self.moe_layers) != self.num_layers:
                 raise ModelLoadError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+        if self.attention_sinks and self.attn_implementation == "cudnn":
+            raise ModelLoadError(f"attn_implementation={self.attn_implementation!r} cannot compute attention sinks "
+                                 f"({self.model_type}); use attn_implementation='eager'")
         if self.scan_layers and len(set(self.sparse_layers)) > 1:
             # a scan runs one block structure; layers mixing dense and routed MLPs (`mlp_only_layers`) run
             # unrolled, and every reader of `scan_layers` (the checkpoint tables, the resume layout) sees it
@@ -313,10 +329,14 @@ def rope_inv_freq(
     -> unchanged; in between s = (old_len / wavelen - low_ff) / (high_ff - low_ff), (1 - s) inv / factor + s inv.
     longrope (Phi-3): inv_freq_i / ext_i with ext = short_factor, or long_factor when `long` (a forward that reaches
     past original_max_position_embeddings; `Transformer.rope_tables` picks).
+    yarn: `yarn_inv_freq`.
     Example: rope_inv_freq(4, 10000.0) -> [1.0, 0.01].
     """
     inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)))
     f = dict(factors)
+    if rope_type == "yarn":
+        return yarn_inv_freq(rotary_dim, theta, f["factor"], f["beta_fast"], f["beta_slow"],
+                             f["original_max_position_embeddings"], f["truncate"])
     if rope_type == "linear":
         return (inv / np.float32(f["factor"])).astype(np.float32)
     if rope_type == "longrope":
@@ -335,10 +355,46 @@ def rope_inv_freq(
     return inv.astype(np.float32)
 
 
+def yarn_inv_freq(rotary_dim: int, theta: float, factor: float, beta_fast: float, beta_slow: float, old_len: float,
+                  truncate: bool) -> np.ndarray:
+    """YaRN's inverse frequencies (HF `_compute_yarn_parameters`), float32 [rotary_dim // 2]: a blend per dim i of
+    the extrapolated theta ** (-2i / d) and the interpolated theta ** (-2i / d) / factor,
+    inv_i = interp_i (1 - w_i) + extrap_i w_i with w_i = 1 - clip((i - low) / (high - low), 0, 1), where
+    low / high = d ln(old_len / (2 pi beta_fast / beta_slow)) / (2 ln theta) (floored / ceiled with `truncate`),
+    clipped to [0, d - 1]. Example: factor 1 -> theta ** (-2i / d) whatever the betas."""
+    d = rotary_dim
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # HF: prevents the singularity
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_w = (np.float32(1) - ramp).astype(np.float32)
+    pos_freqs = np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
+    extrap = np.float32(1) / pos_freqs
+    interp = np.float32(1) / (np.float32(factor) * pos_freqs)
+    return (interp * (np.float32(1) - extrapolation_w) + extrap * extrapolation_w).astype(np.float32)
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """YaRN's default factor on cos and sin (HF): g(factor, mscale) / g(factor, mscale_all_dim) when both are set,
+    else g(factor, 1), g(s, m) = 0.1 m ln(s) + 1 (1 for s <= 1). Example: factor 32 -> 1.3466."""
+    def g(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    return g(factor, mscale) / g(factor, mscale_all_dim) if mscale and mscale_all_dim else g(factor)
+
+
 def rope_attention_factor(rope_type: str, factors: tuple[tuple[str, Any], ...]) -> float:
-    """The factor HF multiplies cos and sin by: longrope's `attention_factor` (default sqrt(1 + ln(factor) /
-    ln(original_max_position_embeddings)), 1 for factor <= 1); 1.0 for the other types."""
-    return float(dict(factors).get("attention_factor", 1.0)) if rope_type == "longrope" else 1.0
+    """The factor HF multiplies cos and sin by: longrope's and yarn's `attention_factor` (longrope's default
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)), 1 for factor <= 1; yarn's `yarn_attention_factor`,
+    resolved at load); 1.0 for the other types."""
+    return float(dict(factors).get("attention_factor", 1.0)) if rope_type in ("longrope", "yarn") else 1.0
 
 
 def _require(hf: dict[str, Any], *keys: str) -> Any:
@@ -382,9 +438,14 @@ def _model_type(hf: dict[str, Any], family: str) -> str:
 
 
 # HF config classes' defaults where config.json may omit a key and the class default is not hidden // heads
-_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
-_THETA = {"smollm3": 2_000_000.0, "gemma3_text": 1_000_000.0}
-_EPS = {"olmo2": 1e-5, "phi3": 1e-5}
+_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "gpt_oss": 64}
+_KV_HEADS = {"gpt_oss": 8}  # where the class default is not num_attention_heads
+_ATTENTION_BIAS = {"gpt_oss"}  # attention_bias defaults to True
+_THETA = {"smollm3": 2_000_000.0, "gemma3_text": 1_000_000.0, "gpt_oss": 150_000.0}
+_EPS = {"olmo2": 1e-5, "phi3": 1e-5, "gpt_oss": 1e-5}
+# GptOssConfig's rope when config.json has none
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 _TIED = {"qwen2", "gemma2", "gemma3_text", "smollm3"}
 
 
@@ -399,6 +460,8 @@ def _rope_dict(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
         rp = dict(rp.get("full_attention") or {})
     elif model_type == "gemma3_text" and hf.get("rope_parameters") is None and hf.get("rope_scaling"):
         rp = dict(hf["rope_scaling"])  # old Gemma 3 files: rope_scaling is the global layers' (e.g. linear x8)
+    if model_type == "gpt_oss" and not rp:
+        rp = dict(_GPT_OSS_ROPE)
     return rp
 
 
@@ -422,9 +485,9 @@ def _rope_settings(hf: dict[str, Any], head_dim: int, default_prf: float, model_
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if model_type == "phi3" and rope_type in ("su", "yarn"):
         rope_type = "longrope"  # as Phi3Config maps them
-    if rope_type not in ROPE_TYPES or (rope_type == "longrope" and model_type != "phi3"):
+    if rope_type not in ROPE_TYPES or model_type not in ROPE_TYPES_OF.get(rope_type, (model_type,)):
         raise ModelLoadError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES[:3])} "
-                             "(and longrope for Phi-3)")
+                             "(and longrope for Phi-3, yarn for GPT-OSS)")
     rotary_dim = int(head_dim * float(prf))
     factors: tuple[tuple[str, Any], ...] = ()
     if rope_type == "linear":
@@ -437,6 +500,17 @@ def _rope_settings(hf: dict[str, Any], head_dim: int, default_prf: float, model_
             ("high_freq_factor", float(rp["high_freq_factor"])),
             ("original_max_position_embeddings", float(old_len)),
         )
+    elif rope_type == "yarn":
+        # HF: factor defaults to max_position_embeddings / original_max_position_embeddings, the betas to 32 / 1,
+        # truncate to True; attention_factor (on cos and sin) to `yarn_attention_factor`
+        old_len = float(rp.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+        factor = float(rp.get("factor") or float(hf["max_position_embeddings"]) / old_len)
+        attention = rp.get("attention_factor")
+        if attention is None:
+            attention = yarn_attention_factor(factor, rp.get("mscale"), rp.get("mscale_all_dim"))
+        factors = (("factor", factor), ("beta_fast", float(rp.get("beta_fast") or 32)),
+                   ("beta_slow", float(rp.get("beta_slow") or 1)), ("original_max_position_embeddings", old_len),
+                   ("truncate", bool(rp.get("truncate", True))), ("attention_factor", float(attention)))
     elif rope_type == "longrope":
         # HF: the top-level original_max_position_embeddings wins over the rope dict's; factor defaults to
         # max_position_embeddings / it, attention_factor to sqrt(1 + ln(factor) / ln(old_len)) (1 if factor <= 1)
@@ -459,7 +533,7 @@ def _layer_types(hf: dict[str, Any], model_type: str, layers: int, window: int |
     """Per-layer attention kinds: config.json's `layer_types`, else what each HF config class derives."""
     if hf.get("layer_types"):
         return tuple(hf["layer_types"])
-    if model_type == "gemma2":
+    if model_type in ("gemma2", "gpt_oss"):
         return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers))
     if model_type == "gemma3_text":
         pattern = int(hf.get("sliding_window_pattern", 6))
@@ -480,7 +554,10 @@ def _llama_flags(hf: dict[str, Any], model_type: str, layers: int) -> dict[str, 
         if hf.get("use_sliding_window"):
             raise ModelLoadError("Qwen2 with use_sliding_window=True is not supported")
         return flags
-    if model_type == "qwen3_moe":  # q/k norms as Qwen3; with use_sliding_window every layer slides
+    if model_type == "gpt_oss":
+        flags = _gpt_oss_flags(hf)
+        window = hf.get("sliding_window", 128)
+    elif model_type == "qwen3_moe":  # q/k norms as Qwen3; with use_sliding_window every layer slides
         window = int(window) if hf.get("use_sliding_window") and window is not None else None
         return {"qk_norm": "head", "sliding_window": window, **_moe_flags(hf, model_type, layers)}
     if model_type in ("qwen3", "smollm3") and not hf.get("use_sliding_window"):
@@ -548,6 +625,26 @@ def _refuse_moe_options(hf: dict[str, Any], model_type: str) -> None:
                              "token to its top-k experts of softmax(router logits), all computed, none dropped)")
 
 
+def _gpt_oss_flags(hf: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS's expert and attention settings with GptOssConfig's defaults: every layer routed to the top
+    `num_experts_per_tok` (4) of `num_local_experts` (128; the hub's spelling `num_experts` read alike) experts of
+    `intermediate_size`, weights the softmax of their logits; router and expert biases, the clamped SwiGLU,
+    attention sinks. An MXFP4 `quantization_config` is read dequantized (`hf.py`); any other quantization, and the
+    other mixtures' options (`_MOE_REFUSED`), are refused."""
+    _refuse_moe_options(hf, "gpt_oss")
+    quant = hf.get("quantization_config") or {}
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise ModelLoadError(f"gpt_oss checkpoint: quantization_config with quant_method="
+                             f"{quant.get('quant_method')!r} not supported (MXFP4, dequantized on load, or none)")
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    return dict(num_experts=int(128 if experts is None else experts),
+                num_experts_per_tok=int(hf.get("num_experts_per_tok") or 4),
+                moe_intermediate_size=int(hf.get("intermediate_size") or 2880),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+                router_bias=True, router_topk_softmax=True, expert_bias=True, attention_sinks=True,
+                swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+
+
 def _moe_flags(hf: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
     """Qwen3-MoE's expert settings (see `ModelConfig`) with Qwen3MoeConfig's defaults, from either spelling of the
     expert count (`num_experts`, the hub's; `num_local_experts`, what transformers 5 writes). A layer is routed as
@@ -607,13 +704,13 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32", param_dtype: str 
         flags: dict[str, Any] = {"sliding_window": None if window is None else int(window)}
     else:
         flags = _llama_flags(hf, model_type, layers)
-    bias = bool(hf.get("attention_bias", False))
+    bias = bool(hf.get("attention_bias", model_type in _ATTENTION_BIAS))
     qkv_bias = model_type == "qwen2" or (family == "llama" and bias)
     act = hf.get("hidden_activation") or hf.get("hidden_act") or \
         ("gelu_pytorch_tanh" if model_type in ("gemma2", "gemma3_text") else "silu")
     return ModelConfig(
         **common,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        num_kv_heads=int(hf.get("num_key_value_heads") or _KV_HEADS.get(model_type, heads)),
         norm_eps=float(hf.get("rms_norm_eps", _EPS.get(model_type, 1e-6))),
         hidden_act=act,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in _TIED)),
@@ -688,7 +785,7 @@ def config_to_hf(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
         if cfg.rope_type != "default":
             hf["rope_scaling"] = dict(rope)
     if mt not in ("qwen2", "gemma2", "gemma3_text", "phi3"):
-        hf.update(attention_bias=cfg.qkv_bias, **({} if mt == "qwen3_moe" else {"mlp_bias": cfg.mlp_bias}))
+        hf.update(attention_bias=cfg.qkv_bias, **({} if mt in ("qwen3_moe", "gpt_oss") else {"mlp_bias": cfg.mlp_bias}))
     if mt in ("gemma2", "gemma3_text"):
         qpas = cfg.query_pre_attn_scalar
         qpas = int(qpas) if qpas is not None and float(qpas).is_integer() else qpas  # HF's field is an int
@@ -697,15 +794,28 @@ def config_to_hf(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
                   attention_bias=cfg.qkv_bias)
     if mt == "smollm3":
         hf["no_rope_layers"] = [int(x) for x in cfg.rope_layers] if cfg.rope_layers else [1] * cfg.num_layers
-    if cfg.layer_types or mt in ("qwen3", "smollm3", "gemma2", "gemma3_text"):  # these derive their own if absent
+    if cfg.layer_types or mt in ("qwen3", "smollm3", "gemma2", "gemma3_text", "gpt_oss"):  # these derive their own
         hf["layer_types"] = list(cfg.layer_types or ("full_attention",) * cfg.num_layers)
     if mt in ("qwen3", "smollm3", "qwen3_moe"):
         hf["use_sliding_window"] = cfg.sliding_window is not None
-    if mt in ("mistral", "phi3", "qwen3", "smollm3", "gemma2", "gemma3_text", "qwen3_moe"):
+    if mt in ("mistral", "phi3", "qwen3", "smollm3", "gemma2", "gemma3_text", "qwen3_moe", "gpt_oss"):
         hf["sliding_window"] = cfg.sliding_window
     if mt == "qwen3_moe":
         hf.update(_moe_out(cfg, hf))
+    if mt == "gpt_oss":
+        hf.update(_gpt_oss_out(cfg, hf))
     return hf
+
+
+def _gpt_oss_out(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS's expert keys for config.json (the expert count under the checkpoint's spelling, as `_moe_out`); the
+    weights are written dequantized (float32 / bf16), so an MXFP4 `quantization_config` is dropped."""
+    hf.pop("quantization_config", None)
+    spelling = "num_experts" if "num_experts" in hf and "num_local_experts" not in hf else "num_local_experts"
+    hf.pop("num_local_experts" if spelling == "num_experts" else "num_experts", None)
+    return {spelling: cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+            "intermediate_size": cfg.moe_intermediate_size, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+            "swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha}
 
 
 def _moe_out(cfg: ModelConfig, hf: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from rloo_jax.models.config import (
     config_to_hf,
     family_and_task,
 )
+from rloo_jax.models.moe import mxfp4_dequantize
 from rloo_jax.models.transformer import CausalLM, RewardModel
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -124,8 +125,27 @@ def _fused_experts(f: int) -> Transform:
                      lambda s: (s[0][0], 2 * s[0][2], s[0][1]))
 
 
+# GPT-OSS's `gate_up_proj` [E, D, 2F] (and its bias [E, 2F]): gate and up interleaved on the last axis (gate at even
+# columns, up at odd ones, as GptOssExperts._apply_gate slices them) <-> our gate and up [E, D, F] ([E, F])
+INTERLEAVED = Transform(lambda a: (a[..., ::2], a[..., 1::2]),
+                        lambda p: np.stack(p, axis=-1).reshape(*p[0].shape[:-1], 2 * p[0].shape[-1]),
+                        lambda s: (*s[0][:-1], 2 * s[0][-1]))
+
 EXPERTS_TRANSPOSE = Transform(lambda a: (a.transpose(0, 2, 1),), lambda p: p[0].transpose(0, 2, 1),
                               lambda s: (s[0][0], s[0][2], s[0][1]))
+
+
+def _gpt_oss_moe_rows(hf: str, us: str, layer: int | None) -> list[Row]:
+    """GPT-OSS's routed MLP as its files (dequantized) and transformers hold it: the router `mlp.router.weight`
+    [E, D] and bias [E]; `mlp.experts.gate_up_proj` [E, D, 2F] and its bias [E, 2F] (`INTERLEAVED`),
+    `mlp.experts.down_proj` [E, F, D] (our layout) and its bias [E, D]. MXFP4 files: `Mxfp4Tensors`."""
+    experts, ours = f"{hf}.mlp.experts", f"{us}.mlp.experts"
+    return [Row(f"{hf}.mlp.router.weight", (f"{us}.mlp.router",), TRANSPOSE, layer),
+            Row(f"{hf}.mlp.router.bias", (f"{us}.mlp.router_bias",), IDENTITY, layer),
+            Row(f"{experts}.gate_up_proj", (f"{ours}_gate", f"{ours}_up"), INTERLEAVED, layer),
+            Row(f"{experts}.gate_up_proj_bias", (f"{ours}_gate_bias", f"{ours}_up_bias"), INTERLEAVED, layer),
+            Row(f"{experts}.down_proj", (f"{ours}_down",), IDENTITY, layer),
+            Row(f"{experts}.down_proj_bias", (f"{ours}_down_bias",), IDENTITY, layer)]
 
 
 def _moe_rows(cfg: ModelConfig, hf: str, us: str, layer: int | None, fused: bool) -> list[Row]:
@@ -187,7 +207,11 @@ def _llama_rows(cfg: ModelConfig, fused_experts: bool = False) -> list[Row]:
         if cfg.qk_norm:
             rows += _norm(f"{hf}.self_attn.q_norm", f"{us}.attn.q_norm", False, layer)
             rows += _norm(f"{hf}.self_attn.k_norm", f"{us}.attn.k_norm", False, layer)
-        if cfg.sparse_layers[i]:
+        if cfg.attention_sinks:
+            rows.append(Row(f"{hf}.self_attn.sinks", (f"{us}.attn.sinks",), IDENTITY, layer))
+        if cfg.sparse_layers[i] and cfg.model_type == "gpt_oss":
+            rows += _gpt_oss_moe_rows(hf, us, layer)
+        elif cfg.sparse_layers[i]:
             rows += _moe_rows(cfg, hf, us, layer, fused_experts)
         elif cfg.family == "phi3":
             gate_up = (f"{us}.mlp.gate.kernel", f"{us}.mlp.up.kernel")
@@ -346,6 +370,34 @@ class TensorReader:
         return np.frombuffer(raw, dtype=ml_dtypes.bfloat16).reshape(info["shape"])
 
 
+class Mxfp4Tensors:
+    """A checkpoint's tensors with each MXFP4 pair `X_blocks` [E, R, G, 16] uint8 / `X_scales` [E, R, G] uint8 (GPT-OSS
+    experts, quant_method mxfp4) shown as the one float32 tensor `X` [E, G * 32, R] it encodes
+    (`moe.mxfp4_dequantize`, transformers' `convert_moe_packed_tensors`); the other tensors as `reader` gives them.
+    Loading then casts to the param dtype: the experts are held dequantized."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+        names = reader.names()
+        self.packed = {n.removesuffix("_blocks") for n in names
+                       if n.endswith("_blocks") and n.removesuffix("_blocks") + "_scales" in names}
+
+    def names(self) -> set[str]:
+        hidden = {f"{n}{suffix}" for n in self.packed for suffix in ("_blocks", "_scales")}
+        return (self.reader.names() - hidden) | self.packed
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.packed:
+            return self.reader.shape(name)
+        e, r, g, b = self.reader.shape(f"{name}_blocks")
+        return (e, g * b * 2, r)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.packed:
+            return self.reader.get(name)
+        return mxfp4_dequantize(self.reader.get(f"{name}_blocks"), self.reader.get(f"{name}_scales"))
+
+
 def _flat_paths(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(tree, dict):
         for k, v in tree.items():
@@ -367,6 +419,8 @@ def _fill(model_cls: type, cfg: ModelConfig, task: str, reader: TensorReader) ->
     graphdef, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
     ours = dict(_flat_paths(pure))
+    if any(n.endswith("_blocks") for n in reader.names()):  # MXFP4 experts (GPT-OSS): read dequantized
+        reader = Mxfp4Tensors(reader)
     names = reader.names()
     rows = weight_table(cfg, task, fused_experts=any(n.endswith(".mlp.experts.gate_up_proj") for n in names))
     expected = {r.hf for r in rows}

@@ -6,6 +6,10 @@ none dropped) and sums the experts' outputs weighted by the gate weights:
 
     y_t = sum_k w_tk * expert_{e_tk}(x_t)          expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
 
+GPT-OSS's experts carry biases and a clamped SwiGLU (`clamped_swiglu`): expert_e(x) = down_e(swiglu(gate_e(x) + bg_e,
+up_e(x) + bu_e)) + bd_e; its router (`route` with `topk_softmax`) softmaxes the K largest logits (its router's bias
+is in the logits).
+
 The T*K pairs are sorted by expert, so each expert's rows are one contiguous group, and each projection is ONE
 `jax.lax.ragged_dot` over all experts (`experts_apply`). The same function runs in the sampler (prefill, one-token
 decode steps) and in the training forwards.
@@ -17,33 +21,54 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from rloo_jax.mesh import fit_spec
 
-__all__ = ["experts_apply", "experts_apply_sharded", "gate_weights", "load_balancing_loss", "load_balancing_stats",
-           "route", "route_mismatch", "sort_by_expert"]
+__all__ = ["clamped_swiglu", "experts_apply", "experts_apply_sharded", "gate_weights", "load_balancing_loss",
+           "load_balancing_stats", "mxfp4_dequantize", "route", "route_mismatch", "sort_by_expert"]
 
 
-def route(logits: jax.Array, k: int, norm_topk: bool = False) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, k: int, norm_topk: bool = False, topk_softmax: bool = False
+          ) -> tuple[jax.Array, jax.Array]:
     """Qwen3-MoE's routing (transformers' Qwen3MoeTopKRouter): p = softmax(logits) in float32, each token's K largest
-    p (largest first; ties: the lower expert id), with `norm_topk` divided by their sum.
+    p (largest first; ties: the lower expert id), with `norm_topk` divided by their sum. `topk_softmax` (GPT-OSS's
+    GptOssTopKRouter): the K largest logits, weights softmax over those K alone (`norm_topk` then changes nothing).
 
     logits [T, E] -> (experts [T, K] int32, weights [T, K] float32).
-    Example: logits [[0, ln 2, ln 3]], k 2 -> experts [[2, 1]], weights [[1/2, 1/3]] (norm_topk: [[0.6, 0.4]]).
+    Example: logits [[0, ln 2, ln 3]], k 2 -> experts [[2, 1]], weights [[1/2, 1/3]] (norm_topk or topk_softmax:
+    [[0.6, 0.4]]).
     """
+    if topk_softmax:
+        top, experts = jax.lax.top_k(logits.astype(jnp.float32), k)
+        return experts.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
     top, experts = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), k)
     return experts.astype(jnp.int32), top / jnp.sum(top, -1, keepdims=True) if norm_topk else top
 
 
-def gate_weights(logits: jax.Array, experts: jax.Array, norm_topk: bool = False) -> jax.Array:
+def gate_weights(logits: jax.Array, experts: jax.Array, norm_topk: bool = False, topk_softmax: bool = False
+                 ) -> jax.Array:
     """The weights `route` gives the experts `experts` [T, K] (e.g. the sampler's, replayed) under the current
-    logits [T, E]: softmax(logits) at those experts, renormalised with `norm_topk` -> [T, K] float32.
+    logits [T, E]: softmax(logits) at those experts, renormalised with `norm_topk` (`topk_softmax`: the softmax of
+    those experts' logits) -> [T, K] float32.
     Differentiable in the logits, so the router trains under routing replay. Where `experts` is what `route` chose,
-    the same numbers. Example: logits [[0, ln 2, ln 3]], experts [[0, 2]] -> [[1/6, 1/2]] (norm_topk: [[0.25, 0.75]]).
+    the same numbers. Example: logits [[0, ln 2, ln 3]], experts [[0, 2]] -> [[1/6, 1/2]] (norm_topk or
+    topk_softmax: [[0.25, 0.75]]).
     """
+    if topk_softmax:
+        return jax.nn.softmax(jnp.take_along_axis(logits.astype(jnp.float32), experts, axis=-1), axis=-1)
     picked = jnp.take_along_axis(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), experts, axis=-1)
     return picked / jnp.sum(picked, -1, keepdims=True) if norm_topk else picked
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """GPT-OSS's expert activation (transformers' GptOssExperts._apply_gate): g = min(gate, limit),
+    u = clip(up, -limit, limit) -> (u + 1) * g * sigmoid(alpha * g), elementwise, any shape.
+    Example: alpha 1, limit 7: gate 0, up 5 -> 0; gate 9, up 9 -> 8 * 7 * sigmoid(7) = 55.95."""
+    g = jnp.minimum(gate, limit)
+    u = jnp.clip(up, -limit, limit)
+    return (u + 1) * (g * jax.nn.sigmoid(g * alpha))
 
 
 def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -57,17 +82,20 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
 
 
 def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array, dtype: jnp.dtype = jnp.float32, first: jax.Array | int = 0) -> jax.Array:
+                  down: jax.Array, dtype: jnp.dtype = jnp.float32, biases: tuple[jax.Array, ...] | None = None,
+                  swiglu: tuple[float, float] | None = None, first: jax.Array | int = 0) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x_t) over the pairs whose expert is one of gate's, dropless:
-    x [T, D], experts / weights [T, K], gate / up [E', D, F], down [E', F, D] -> [T, D] float32.
+    x [T, D], experts / weights [T, K], gate / up [E', D, F], down [E', F, D] -> [T, D] float32. `biases`
+    (GPT-OSS): (gate [E', F], up [E', F], down [E', D]) added to each expert's projections; `swiglu` (alpha,
+    limit): the activation is `clamped_swiglu`, else silu(gate) * up.
 
     gate / up / down hold the experts first .. first + E' - 1 (all E with `first` 0, E' = E: the whole sum); a
     pair routed to another expert adds 0 (one expert shard's share, `experts_apply_sharded`). The pairs are sorted
     by expert (`sort_by_expert`, the others last, outside every group) and each projection is one
-    `jax.lax.ragged_dot` over the E' groups, in `dtype` with float32 accumulation; silu(gate) * up in float32,
-    rounded once to `dtype` (as `transformer.MLP`). The weighted sum over the K slots is in float32.
-    Example: E 4 on 2 shards, experts [[0, 3]]: shard 0 (first 0) adds w_00 * expert_0(x_0), shard 1 (first 2)
-    w_01 * expert_3(x_0).
+    `jax.lax.ragged_dot` over the E' groups, in `dtype` with float32 accumulation (biases added in float32); the
+    activation in float32, rounded once to `dtype` (as `transformer.MLP`). The weighted sum over the K slots is in
+    float32. Example: E 4 on 2 shards, experts [[0, 3]]: shard 0 (first 0) adds w_00 * expert_0(x_0), shard 1
+    (first 2) w_01 * expert_3(x_0).
     """
     t, k = experts.shape
     e = gate.shape[0]
@@ -76,18 +104,26 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     order, sizes = sort_by_expert(jnp.where(own, local, e), e + 1)  # group e: the other shards' pairs
     sizes = sizes[:e]  # rows past the groups' sum come out of ragged_dot as 0
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [T*K, D]
+    owner = jnp.take(jnp.where(own, local, e).reshape(-1), order)  # [T*K] each sorted row's local expert (e: none)
 
-    def project(h: jax.Array, w: jax.Array) -> jax.Array:
-        return jax.lax.ragged_dot(h, w.astype(dtype), sizes, preferred_element_type=jnp.float32)
+    def project(h: jax.Array, w: jax.Array, i: int) -> jax.Array:
+        y = jax.lax.ragged_dot(h, w.astype(dtype), sizes, preferred_element_type=jnp.float32)
+        if biases is None:
+            return y
+        bias = jnp.take(biases[i].astype(jnp.float32), jnp.minimum(owner, e - 1), axis=0)
+        return y + jnp.where((owner < e)[:, None], bias, 0.0)  # another shard's rows stay 0 (their weight is 0)
 
-    h = (jax.nn.silu(project(rows, gate)) * project(rows, up)).astype(dtype)
-    y = project(h, down)  # [T*K, D], sorted
+    g, u = project(rows, gate, 0), project(rows, up, 1)
+    h = (jax.nn.silu(g) * u if swiglu is None else clamped_swiglu(g, u, *swiglu)).astype(dtype)
+    y = project(h, down, 2)  # [T*K, D], sorted
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, slot) order
     return jnp.einsum("tk,tkd->td", jnp.where(own, weights.astype(jnp.float32), 0.0), y)
 
 
 def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-                          down: jax.Array, dtype: jnp.dtype = jnp.float32, axis: str = "expert") -> jax.Array:
+                          down: jax.Array, dtype: jnp.dtype = jnp.float32, axis: str = "expert",
+                          biases: tuple[jax.Array, ...] | None = None,
+                          swiglu: tuple[float, float] | None = None) -> jax.Array:
     """`experts_apply` with the E experts split over the mesh axis `axis` of the context mesh (n shards of E / n,
     in order): x [B, T, D], experts / weights [B, T, K], gate / up [E, D, F], down [E, F, D] -> [B, T, D] float32.
 
@@ -96,13 +132,14 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     gathered), each device holds E / n whole experts (their fsdp / tensor splits are gathered on entry, as FSDP
     gathers a layer where it is used) and computes only its experts' (token, expert) pairs, first = index * E / n;
     one psum over `axis` adds the n partial sums: y = sum_shards sum_{k: e_tk on the shard} w_tk expert(x_t).
-    A mesh without `axis` (or of size 1): `experts_apply` itself.
+    A mesh without `axis` (or of size 1): `experts_apply` itself. `biases` [E, ...] split as the experts are.
     """
     mesh = jax.sharding.get_abstract_mesh()
     b, t, d = x.shape
     if mesh.empty or mesh.shape.get(axis, 1) == 1:
         flat = lambda a: a.reshape(b * t, -1)  # noqa: E731
-        return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype).reshape(b, t, d)
+        return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases,
+                             swiglu).reshape(b, t, d)
     n = mesh.shape[axis]
     if gate.shape[0] % n:
         raise ValueError(f"{gate.shape[0]} experts do not split over the {n} devices of the mesh axis {axis!r}")
@@ -111,7 +148,7 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     spec, experts_spec = P(rows, None, None), P(axis, None, None)
 
     def local(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-              down: jax.Array) -> jax.Array:
+              down: jax.Array, biases: tuple[jax.Array, ...] | None) -> jax.Array:
         bl = x.shape[0]
         # the tokens as varying along `axis` (each shard uses them for its own pairs): the transpose then adds the
         # shards' cotangents (a psum). Without it the row gather by the shard's (varying) order is typed invariant
@@ -119,12 +156,13 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
         # back by each shard's own order: x's gradient came out wrong (measured: off by its own size)
         flat = lambda a: jax.lax.pcast(a, axis, to="varying").reshape(bl * t, -1)  # noqa: E731
         first = jax.lax.axis_index(axis) * gate.shape[0]
-        y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, first)
+        y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu, first)
         return jax.lax.psum(y, axis).reshape(bl, t, d)
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, experts_spec, experts_spec, experts_spec),
-                       out_specs=spec)
-    return fn(x, experts, weights, gate, up, down)
+    bias_spec = None if biases is None else (P(axis, None),) * len(biases)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, experts_spec, experts_spec, experts_spec,
+                                                   bias_spec), out_specs=spec)
+    return fn(x, experts, weights, gate, up, down, biases)
 
 
 def route_mismatch(recorded: jax.Array, chosen: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -158,3 +196,23 @@ def load_balancing_loss(counts: jax.Array, probs: jax.Array, rows: jax.Array) ->
     Balanced routing gives K. Example: counts [2, 0], probs [1.2, 0.8], rows 2 -> 2 * (1 * 0.6) = 1.2."""
     rows = jnp.maximum(rows, 1.0)
     return counts.shape[-1] * jnp.sum((counts / rows) * (probs / rows))
+
+
+# the 16 values of a 4-bit FP4 (E2M1) code, as transformers' `FP4_VALUES`: bit 3 the sign
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """An MXFP4 tensor as GPT-OSS checkpoints store experts (transformers' `convert_moe_packed_tensors`): blocks
+    [E, R, G, 16] uint8 (two FP4 codes a byte, the low nibble first), scales [E, R, G] uint8 (a power of two per 32
+    values, biased by 127) -> float32 [E, G * 32, R] (the last two axes swapped: the in-memory layout):
+    out[e, 32 g + j, r] = FP4_VALUES[code_j] * 2 ** (scales[e, r, g] - 127). Exact in float32 (host numpy).
+    Example: one byte 0x21 with scale 128 -> [0.5 * 2, 1.0 * 2] = [1.0, 2.0]."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.ndim != 4:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape}: expected [E, R, G, B], [E, R, G]")
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [E, R, G, B, 2]: low nibble first
+    values = FP4_VALUES[codes].reshape(*blocks.shape[:-1], -1)  # [E, R, G, 2B]
+    out = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None]).astype(np.float32)
+    return np.ascontiguousarray(out.reshape(*blocks.shape[:2], -1).transpose(0, 2, 1))

@@ -11,13 +11,16 @@ Parameters are named (our path -> HF name in `hf.py`):
     model.layers.attn.{q,k,v,o}.kernel    q: ("layers", "embed", "heads"), k/v: (.., "embed", "kv"),
                                           o: ("layers", "heads", "embed")
     model.layers.attn.{q,k}_norm.scale    qk_norm "head": [Dh] (None); "full": [H*Dh] ("heads"), [K*Dh] ("kv")
+    model.layers.attn.sinks               [H] (None)   (attention_sinks, GPT-OSS: a logit per head in the softmax)
     model.layers.post_attn_norm.scale     ("layers", "embed")   (norm_layout sandwich / post: on attn's output)
     model.layers.mlp_norm.scale/bias      ("layers", "embed")   (absent with norm_layout post, as attn_norm)
     model.layers.mlp.{gate,up,down}       gate/up: ("layers", "embed", "mlp"), down: ("layers", "mlp", "embed")
     model.layers.post_mlp_norm.scale      ("layers", "embed")   (norm_layout sandwich / post)
     model.layers.mlp.router               [D, E] ("layers", "embed", None)   (a routed layer, `MoE`, in place of
-                                          the gate/up/down above)
+                                          the gate/up/down above); router_bias [E] (router_bias, GPT-OSS)
     model.layers.mlp.experts_{gate,up}    [E, D, F] ("layers", "expert", "embed", "mlp"); experts_down [E, F, D]
+    model.layers.mlp.experts_*_bias       gate/up [E, F] ("expert", "mlp"), down [E, D] ("expert", "embed")
+                                          (expert_bias, GPT-OSS)
     model.final_norm.scale/bias           ("embed",)
     lm_head.kernel [D, V]                 ("embed", "vocab")    (absent when embeddings are tied)
     score.kernel [D, 1]                   ("embed", None)       (RewardModel)
@@ -127,6 +130,12 @@ def switch(layer: Any, table: tuple[int, ...], fns: list[Callable], *args: Any) 
     if isinstance(layer, int):
         return fns[table[layer]](*args)
     return jax.lax.switch(jnp.asarray(table, jnp.int32)[layer], fns, *args)
+
+
+def _sink_args(sinks: jax.Array | None) -> tuple[jax.Array, ...]:
+    """A layer's attention sinks as the trailing argument of an attention function (`attention.causal`), none
+    without them (a model without sinks builds functions of q, k, v only)."""
+    return () if sinks is None else (sinks,)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -416,13 +425,17 @@ class Attention(nnx.Module):
         head = cfg.qk_norm == "head"
         self.q_norm = Norm(cfg, dh if head else h * dh, None if head else "heads") if cfg.qk_norm else None
         self.k_norm = Norm(cfg, dh if head else k * dh, None if head else "kv") if cfg.qk_norm else None
+        # GPT-OSS: each head's sink logit, normal(0, initializer_range) as transformers draws it
+        self.sinks = _param((jax.random.normal(rngs.params(), (h,), jnp.float32) * cfg.initializer_range).astype(
+            jnp.dtype(cfg.param_dtype)), (None,)) if cfg.attention_sinks else None
         self.shape = (h, k, dh)
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable, key: jax.Array | None = None
     ) -> tuple[jax.Array, Any]:
-        """x [B, T, D] -> (out [B, T, D], aux); fn(q [B,T,H,Dh], k, v [B,T,K,Dh]) -> (o [B,T,H,Dh], aux).
-        `key`: the adapters' dropout key (training forwards with LoRA dropout only)."""
+        """x [B, T, D] -> (out [B, T, D], aux); fn(q [B,T,H,Dh], k, v [B,T,K,Dh]) -> (o [B,T,H,Dh], aux), with
+        attention sinks fn(q, k, v, sinks [H] float32). `key`: the adapters' dropout key (training forwards with
+        LoRA dropout only)."""
         b, t, _ = x.shape
         h, kh, dh = self.shape
         kq, kk, kv, ko = _keys(key, 4)
@@ -435,7 +448,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v(x, kv, xa).reshape(b, t, kh, dh)
-        o, aux = fn(q, k, v)
+        o, aux = fn(q, k, v) if self.sinks is None else fn(q, k, v, self.sinks[...].astype(jnp.float32))
         return self.o(o.reshape(b, t, h * dh), ko), aux
 
 
@@ -465,7 +478,9 @@ class MLP(nnx.Module):
 class MoE(nnx.Module):
     """A routed MLP (Qwen3-MoE's sparse block): the router [D, E] and E gated expert MLPs, gate / up [E, D, F], down
     [E, F, D] (`moe.py` has the math). The experts carry no LoRA adapters and are not quantized (as peft's
-    all-linear leaves transformers' fused expert parameters alone)."""
+    all-linear leaves transformers' fused expert parameters alone). GPT-OSS's (`router_bias`, `expert_bias`,
+    `router_topk_softmax`, `swiglu_limit`): a router bias [E], expert biases gate / up [E, F] and down [E, D] (zero
+    at init, as transformers), the top-k logits' softmax, the clamped SwiGLU."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -476,6 +491,13 @@ class MoE(nnx.Module):
         self.experts_gate = _param(draw((e, d, f)), ("expert", "embed", "mlp"))
         self.experts_up = _param(draw((e, d, f)), ("expert", "embed", "mlp"))
         self.experts_down = _param(draw((e, f, d)), ("expert", "mlp", "embed"))
+        self.router_bias = _param(draw((e,)), (None,)) if cfg.router_bias else None
+        zeros = lambda shape, axes: _param(jnp.zeros(shape, pdt), axes)  # noqa: E731
+        self.experts_gate_bias = zeros((e, f), ("expert", "mlp")) if cfg.expert_bias else None
+        self.experts_up_bias = zeros((e, f), ("expert", "mlp")) if cfg.expert_bias else None
+        self.experts_down_bias = zeros((e, d), ("expert", "embed")) if cfg.expert_bias else None
+        self.swiglu = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
+        self.topk_softmax = cfg.router_topk_softmax
         self.k, self.norm_topk, self.replay = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routing_replay
         self.dtype = jnp.dtype(cfg.dtype)
 
@@ -491,17 +513,23 @@ class MoE(nnx.Module):
         flat = x.reshape(b * t, d)
         # router logits in the compute dtype with float32 accumulation (HF: F.linear in the hidden states' dtype)
         logits = jnp.dot(flat.astype(self.dtype), self.router[...].astype(self.dtype),
-                         preferred_element_type=jnp.float32).astype(self.dtype)
-        experts, gate_w = moe.route(logits, self.k, self.norm_topk)
+                         preferred_element_type=jnp.float32)
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...].astype(jnp.float32)
+        logits = logits.astype(self.dtype)
+        experts, gate_w = moe.route(logits, self.k, self.norm_topk, self.topk_softmax)
         chosen = experts
         if route is not None and self.replay:
             recorded = route.reshape(b * t, -1).astype(jnp.int32)
             experts = jnp.where(recorded[:, :1] >= 0, recorded, experts)
-            gate_w = moe.gate_weights(logits, experts, self.norm_topk)
+            gate_w = moe.gate_weights(logits, experts, self.norm_topk, self.topk_softmax)
         # HF rounds the gate weights to the hidden states' dtype before weighting the experts' outputs
         gate_w = gate_w.astype(self.dtype)
+        biases = None if self.experts_gate_bias is None else tuple(
+            v[...] for v in (self.experts_gate_bias, self.experts_up_bias, self.experts_down_bias))
         y = moe.experts_apply_sharded(x, experts.reshape(b, t, -1), gate_w.reshape(b, t, -1), self.experts_gate[...],
-                                      self.experts_up[...], self.experts_down[...], self.dtype)
+                                      self.experts_up[...], self.experts_down[...], self.dtype, biases=biases,
+                                      swiglu=self.swiglu)
         routing = Routing(experts=experts.reshape(b, t, -1))
         if weights is not None:
             counts, probs = moe.load_balancing_stats(logits, weights.reshape(-1), self.k)
@@ -623,6 +651,7 @@ class Transformer(nnx.Module):
         self.window_set = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
         self.window_index = tuple(self.window_set.index(w) for w in windows)
         self.attn_scale, self.attn_softcap = cfg.attn_scale, cfg.attn_softcap
+        self.attention_sinks = cfg.attention_sinks
         self.attn_implementation = cfg.attn_implementation  # None: the best for the platform compiled for
         self.dtype = jnp.dtype(cfg.dtype)
         self.num_layers = cfg.num_layers
@@ -659,7 +688,8 @@ class Transformer(nnx.Module):
         """`build(*args, window=w, ...)` (`attention.causal` / `attention.shared_prompt`) for each window the layers
         use, in `window_set` order (`switch` picks a layer's)."""
         return [build(*args, implementation=self.attn_implementation, window=w, dtype=self.dtype,
-                      scale=self.attn_scale, softcap=self.attn_softcap) for w in self.window_set]
+                      scale=self.attn_scale, softcap=self.attn_softcap, sinks=self.attention_sinks)
+                for w in self.window_set]
 
     def run_layers(
         self,
@@ -676,9 +706,10 @@ class Transformer(nnx.Module):
         """x [B, T, D] through the L blocks -> (x, carry, ys stacked on a leading [L] axis, the routers' `Routing`
         [L, ...] (None without experts)); cos, sin: `rope_tables`.
 
-        attention(q [B,T,H,Dh], k, v [B,T,K,Dh], layer, xs_l, carry) -> (o [B,T,H,Dh], carry, ys_l): the block's
-        attention, given the layer index (traced under scan), this layer's slice of `xs` (e.g. its prompt KV
-        cache) and the loop `carry` (e.g. the decode caches, updated in place). Each block runs under
+        attention(q [B,T,H,Dh], k, v [B,T,K,Dh], layer, xs_l, carry, sinks) -> (o [B,T,H,Dh], carry, ys_l): the
+        block's attention, given the layer index (traced under scan), this layer's slice of `xs` (e.g. its prompt KV
+        cache), the loop `carry` (e.g. the decode caches, updated in place) and the layer's attention sinks [H]
+        (None without them). Each block runs under
         `jax.checkpoint` with `remat_policy`; with `scan_layers` the blocks are one `lax.scan`, else unrolled.
         `dropout_key`: LoRA dropout in training forwards (layer l uses fold_in(key, l); remat redraws the same mask).
         `routes` [L, B, T, K]: recorded experts to replay (`MoE.__call__`); `token_weights` [B, T]: compute the
@@ -692,8 +723,8 @@ class Transformer(nnx.Module):
             h, c = state
             layer_params, layer, xs_l, route = inputs
 
-            def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
-                o, new_c, ys_l = attention(q, k, v, layer, xs_l, c)
+            def fn(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                o, new_c, ys_l = attention(q, k, v, layer, xs_l, c, sinks)
                 return o, (new_c, ys_l)
 
             h = checkpoint_name(constrain(h, ("batch", None, None)), "decoder_layer_input")
@@ -740,9 +771,10 @@ class Transformer(nnx.Module):
         fns = self.attention_fns(attention.causal, mask, pos)
         cos, sin = self.rope_tables(pos, ids.shape[1] if width is None else width)
 
-        def attention_fn(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
+        def attention_fn(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any,
+                         sinks: jax.Array | None) -> tuple:
             kv = (k.swapaxes(1, 2), v.swapaxes(1, 2)) if return_kv else None
-            return switch(layer, self.window_index, fns, q, k, v), carry, kv
+            return switch(layer, self.window_index, fns, q, k, v, *_sink_args(sinks)), carry, kv
 
         x, _, kvs, routing = self.run_layers(self.embed(ids), cos, sin, attention_fn, routes=routes,
                                              token_weights=token_weights)
@@ -788,11 +820,12 @@ class Transformer(nnx.Module):
         # of the wrong shape) when the table is sharded over vocab x embed
         x = jnp.concatenate([self.embed(prompt_ids), self.embed(completion_ids).reshape(b, g * c, -1)], axis=1)
 
-        def attention_fn(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
+        def attention_fn(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any,
+                         sinks: jax.Array | None) -> tuple:
             # q [B, P + G*C, H, Dh], k/v [B, P + G*C, K, Dh]: the prompt part, and the completions' [N, C, ...]
             own = lambda x: x[:, p:].reshape(n, c, *x.shape[2:])  # noqa: E731
             o_prompt, o_comp = switch(layer, self.window_index, fns, q[:, :p], own(q), k[:, :p], v[:, :p], own(k),
-                                      own(v))
+                                      own(v), *_sink_args(sinks))
             return jnp.concatenate([o_prompt, o_comp.reshape(b, g * c, *q.shape[2:])], axis=1), carry, None
 
         weights, packed = None, None
@@ -824,7 +857,8 @@ class Transformer(nnx.Module):
         g_allowed = jnp.stack([jnp.broadcast_to((c <= step) & visible(step, c, w), (b, g, 1, c.shape[0]))
                                for w in self.window_set])
 
-        def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
+        def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any,
+                      sinks: jax.Array | None) -> tuple:
             (pk, pv), (gk, gv) = xs_l, carry
             # k, v [B*G, 1, K, Dh] -> slot `step` of layer `layer` of the [L, B*G, K, C, Dh] caches, in place
             start = (layer, 0, 0, step, 0)
@@ -844,6 +878,7 @@ class Transformer(nnx.Module):
                 pick(g_allowed, self.window_index, layer),
                 scale=self.attn_scale,
                 softcap=self.attn_softcap,
+                sinks=sinks,
             )
             return o.reshape(bg, 1, *q.shape[2:]), (gk, gv), None
 
@@ -896,14 +931,15 @@ class Transformer(nnx.Module):
             layer_slice = jnp.where(takes[:, None, :, None], new, cache[layer])
             return jax.lax.dynamic_update_slice(cache, layer_slice[None], (layer, 0, 0, 0, 0))
 
-        def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any) -> tuple:
+        def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any, xs_l: Any, carry: Any,
+                      sinks: jax.Array | None) -> tuple:
             (pk, pv), (gk, gv) = xs_l, carry
             gk, gv = write(gk, k, layer), write(gv, v, layer)
             gk, gv = row_major(gk, KV_CACHE_AXES), row_major(gv, KV_CACHE_AXES)
             o = attend_shared_prompt(
                 q.reshape(b, g, t, *q.shape[2:]), pk, pv, pick(p_allowed, self.window_index, layer),
                 gk[layer], gv[layer], pick(g_allowed, self.window_index, layer),
-                scale=self.attn_scale, softcap=self.attn_softcap,
+                scale=self.attn_scale, softcap=self.attn_softcap, sinks=sinks,
             )
             return o.reshape(n, t, *q.shape[2:]), (gk, gv), None
 
