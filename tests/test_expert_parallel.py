@@ -186,15 +186,21 @@ def test_rule_table_splits_experts_over_the_expert_axis():
     assert rmesh.fit_spec(("batch", None), (8, 3), ep) == PartitionSpec(("data", "fsdp"))
 
 
-def test_experts_apply_of_a_shard_is_its_experts_share():
-    """`experts_apply` with `first`: the pairs of the experts a shard holds; the shards' sum is the whole sum, and
-    `first` 0 over all experts is `experts_apply` as before (bit for bit)."""
-    rs = np.random.RandomState(0)
+def _pairs(seed: int) -> tuple:
+    """5 tokens, each routed to 2 of 4 experts (D 4, F 3), random inputs, gate weights and expert weights."""
+    rs = np.random.RandomState(seed)
     t, d, e, f, k = 5, 4, 4, 3, 2
     x = jnp.asarray(rs.randn(t, d), jnp.float32)
     experts = jnp.asarray([[0, 3], [1, 2], [3, 2], [0, 1], [2, 0]], jnp.int32)
     w = jnp.asarray(rs.rand(t, k), jnp.float32)
-    gate, up, down = (jnp.asarray(rs.randn(*s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d)))
+    weights = tuple(jnp.asarray(rs.randn(*s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d)))
+    return rs, (t, d, e, f, k), x, experts, w, weights
+
+
+def test_experts_apply_of_a_shard_is_its_experts_share():
+    """`experts_apply` with `first`: the pairs of the experts a shard holds; the shards' sum is the whole sum, and
+    `first` 0 over all experts is `experts_apply` as before (bit for bit)."""
+    rs, (t, d, e, f, k), x, experts, w, (gate, up, down) = _pairs(0)
     whole = moe.experts_apply(x, experts, w, gate, up, down)
     halves = [moe.experts_apply(x, experts, w, gate[i:i + 2], up[i:i + 2], down[i:i + 2], first=i) for i in (0, 2)]
     np.testing.assert_allclose(halves[0] + halves[1], whole, atol=1e-6)
@@ -389,12 +395,7 @@ def test_cli_training_with_expert_parallelism_equals_one_device(cli_runs):
 def test_a_shard_of_biased_experts_is_its_share():
     """GPT-OSS's experts (biases, the clamped SwiGLU) split over shards as Qwen3-MoE's: the shards' sums are the
     whole sum, and a shard adds nothing (no bias) for the pairs of the experts it does not hold."""
-    rs = np.random.RandomState(1)
-    t, d, e, f, k = 5, 4, 4, 3, 2
-    x = jnp.asarray(rs.randn(t, d), jnp.float32)
-    experts = jnp.asarray([[0, 3], [1, 2], [3, 2], [0, 1], [2, 0]], jnp.int32)
-    w = jnp.asarray(rs.rand(t, k), jnp.float32)
-    gate, up, down = (jnp.asarray(rs.randn(*s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d)))
+    rs, (t, d, e, f, k), x, experts, w, (gate, up, down) = _pairs(1)
     biases = tuple(jnp.asarray(rs.randn(*s), jnp.float32) for s in ((e, f), (e, f), (e, d)))
     swiglu = (1.702, 1.0)
     whole = moe.experts_apply(x, experts, w, gate, up, down, biases=biases, swiglu=swiglu)
