@@ -120,6 +120,11 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
         adapter_dir, model_dir = model_dir, str(hf.resolve_checkpoint(base, weights=not abstract))
         if not any(os.path.isfile(os.path.join(adapter_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             tokenizer_dir = model_dir
+    if given_cfg.attn_implementation is None and cfg.attn_implementation == "cudnn" and hf.has_attention_sinks(
+            model_dir):  # the platform's choice, not the user's: cuDNN's attention has no sinks (GPT-OSS), eager has
+        cfg = cfg.replace(attn_implementation="eager", device_count=cfg.device_count, process_count=cfg.process_count)
+        description = numerics.describe(given_cfg, cfg, platform) + " (cuDNN's attention has no sinks)"
+        options = numerics.model_options(cfg, platform)
     checked = [tokenizer_dir]  # tokenizers that would need code shipped with them are refused (`refuse_custom_code`)
     if cfg.tokenizer_path not in (None, cfg.policy_path):  # PPO: TRL's scripts read it from model_name_or_path
         tokenizer_dir = str(hf.resolve_checkpoint(cfg.tokenizer_path, weights=False))

@@ -442,3 +442,30 @@ def test_attention_implementations(path, hf):
     with pytest.raises(ModelLoadError, match="attn_implementation='cudnn' cannot compute attention sinks"):
         load_causal_lm(path, attn_implementation="cudnn")
 
+
+
+def test_the_gpu_default_attention_is_one_with_sinks(path, tiny_checkpoint, tmp_path):
+    """Where the platform picks the attention (attn_implementation None) and would pick cuDNN (a GPU in bf16), a
+    GPT-OSS run takes the einsum instead, and says so; cudnn asked for by name stays an error (prepared for a GPU
+    on this CPU: `build.prepare(platform="gpu")` resolves the options and loads the model, nothing runs)."""
+    import shutil
+
+    from rloo_jax import build
+    from rloo_jax.algorithms import GRPOConfig
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(path, model_dir)
+    for f in tiny_checkpoint("tokenizer").iterdir():
+        shutil.copy(f, model_dir / f.name)
+
+    def prepared(attn):
+        cfg = GRPOConfig(output_dir=str(tmp_path / "o"), model_name_or_path=str(model_dir), dataset_name="demo",
+                         reward_funcs=["rloo_jax.demo:letters_reward"], attn_implementation=attn,
+                         per_device_train_batch_size=8, num_generations=4)
+        return build.prepare(cfg, platform="gpu")
+
+    auto = prepared(None)
+    assert (auto.cfg.attn_implementation, auto.model.config.attn_implementation) == ("eager", "eager")
+    assert "attn_implementation eager* (cuDNN's attention has no sinks)" in auto.description
+    with pytest.raises(ModelLoadError, match="attn_implementation='cudnn' cannot compute attention sinks"):
+        prepared("cudnn")

@@ -310,6 +310,11 @@ def resolve_checkpoint(path_or_hub_id: str | Path, weights: bool = True) -> Path
         raise ModelLoadError(f"checkpoint {s!r}: no such local directory and hub download failed: {e}") from e
 
 
+def has_attention_sinks(directory: str | Path) -> bool:
+    """Whether the checkpoint in `directory` has attention sinks (GPT-OSS), from its config.json."""
+    return config_from_hf(read_hf_config(Path(directory))).attention_sinks
+
+
 def read_hf_config(directory: Path) -> dict[str, Any]:
     """`config.json` as a dict."""
     f = directory / "config.json"
