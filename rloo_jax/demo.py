@@ -128,15 +128,16 @@ def model_dir(cache_root: str, seed: int) -> str:
     return os.path.expanduser(os.path.join(cache_root, f"demo/model-v{MODEL_VERSION}-{seed}"))
 
 
-def prepare_model(directory: str | os.PathLike, seed: int) -> str:
-    """Write the random-init demo policy + tokenizer to `directory` (once) and return its path."""
+def prepare_model(directory: str | os.PathLike, seed: int, config: dict[str, Any] | None = None) -> str:
+    """Write the random-init demo policy (`config`: another shape of it, e.g. examples/grpo_moe.py's mixture of
+    experts; default MODEL_CONFIG) + tokenizer to `directory` (once) and return its path."""
     from rloo_jax.models import init_causal_lm, save_pretrained
 
     path = Path(directory)
     if not (path / "model.safetensors").is_file():
         # write elsewhere, then rename: concurrent runs never see a half-written folder
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        save_pretrained(init_causal_lm(MODEL_CONFIG, seed=seed), tmp, tokenizer=build_tokenizer())
+        save_pretrained(init_causal_lm(config or MODEL_CONFIG, seed=seed), tmp, tokenizer=build_tokenizer())
         try:
             tmp.rename(path)
         except OSError:  # another process finished first

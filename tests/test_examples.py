@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ("grpo_letters.py", r"GRPO: 2 steps, last logged reward (\d\.\d+) \(step 2\)"),
     ("ppo_letters.py", r"PPO: 2 steps, last logged score (-?\d\.\d+) \(step 2\)"),
     ("grpo_tools.py", r"GRPO with tools: 2 steps, reward (\d\.\d+) \(to step 2\) .* tool calls per completion"),
+    ("grpo_moe.py", r"GRPO on a mixture of experts: 2 steps, reward (\d\.\d+) \(to step 2\) .* routing mismatch "
+                    r"(\d\.\d+) -> (\d\.\d+), aux_loss"),
 ])
 def test_example_runs(script, summary, tmp_path, request):
     if script == "grpo_tools.py":
