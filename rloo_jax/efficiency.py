@@ -100,7 +100,7 @@ def forward_flops(
 class Transformer:
     """The sizes model FLOPs and bytes need (from a `ModelConfig`: `Transformer.of(config)`)."""
 
-    layer_params: int  # matmul parameters of one block: q, k, v, o + MLP
+    layer_params: float  # matmul parameters a token goes through in one block (q, k, v, o + MLP; the mean block)
     num_layers: int
     unembed_params: int  # D * V (the lm head, or the tied embedding)
     attention_width: int  # H * Dh
@@ -108,28 +108,54 @@ class Transformer:
     window: int | None = None  # the sliding window of every layer (None: global, or the layers differ: `windows`)
     windows: tuple[int | None, ...] = ()  # each layer's window when they differ (Gemma); (): `window` everywhere
     layer_bytes: float | None = None  # one block's matrices as stored when quantized (QLoRA); None: compute dtype
+    # a mixture of experts: the routed blocks, their experts (E of `expert_params`: gate, up and down) and K, the
+    # experts a token goes through (counted in `layer_params`); a decode step reads at most min(E, rows x K) of them
+    routed_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
+    unquantized_params: float = 0.0  # of `layer_params`, what `layer_bytes` leaves out: routers and K experts
 
     @classmethod
     def of(cls, config, quant=None) -> Transformer:  # noqa: ANN001 - a rloo_jax.models.ModelConfig, a QuantSpec
-        """The sizes of `config`'s model; `quant` (default: the config's): its block matrices stored quantized."""
+        """The sizes of `config`'s model; `quant` (default: the config's): its block matrices stored quantized.
+        A mixture of experts' routed block counts its router (D x E) and the K experts a token goes through
+        (`layer_params`, the FLOPs: the active parameters); the experts are never quantized (`weight_bytes`)."""
         from rloo_jax.quant import stored_bytes
 
         d, dh, f = config.hidden_size, config.head_dim, config.intermediate_size
         hq, hk = config.num_heads * dh, config.num_kv_heads * dh
         # q, k, v, o + the MLP: gated (SwiGLU, GeGLU: gate, up, down) or not (up, down)
-        matrices = [(d, hq), (d, hk), (d, hk), (hq, d), *[(d, f)] * (2 if config.gated_mlp else 1), (f, d)]
+        attention = [(d, hq), (d, hk), (d, hk), (hq, d)]
+        mlp = [*[(d, f)] * (2 if config.gated_mlp else 1), (f, d)]
+        routed = sum(config.sparse_layers) if config.is_moe else 0
+        dense, n = config.num_layers - routed, config.num_layers
+        e, k = (config.num_experts, config.num_experts_per_tok) if routed else (0, 0)
+        expert = 3 * d * config.moe_intermediate_size if routed else 0
+        params = lambda ms: sum(i * o for i, o in ms)  # noqa: E731
+        # the mean block: dense ones (attention + MLP), routed ones (attention + router + K experts)
+        active = dense * params(attention + mlp) + routed * (params(attention) + d * e + k * expert)
         quant = quant or config.quant
         windows = config.windows
         uniform = len(set(windows)) == 1
+        stored = None
+        if quant is not None:  # the quantized matrices of the mean block (a routed one's router and experts: not)
+            stored = (dense * sum(stored_bytes(i, o, quant) for i, o in attention + mlp)
+                      + routed * sum(stored_bytes(i, o, quant) for i, o in attention)) / n
         return cls(
-            sum(i * o for i, o in matrices),  # attention's q, k, v, o + the MLP (gated SwiGLU or not)
-            config.num_layers,
+            active / n if active % n else active // n,
+            n,
             d * config.vocab_size,
             hq,
             hk,
             windows[0] if uniform else None,
             () if uniform else tuple(windows),
-            None if quant is None else sum(stored_bytes(i, o, quant) for i, o in matrices),
+            stored,
+            routed,
+            e,
+            k,
+            expert,
+            routed * (d * e + k * expert) / n,
         )
 
     def layer_pairs(self, start: int, count: int) -> int:
@@ -145,17 +171,28 @@ class Transformer:
                              tokens=tokens, scored=scored, pairs=0) + 4.0 * self.attention_width * pairs
 
     @property
-    def matmul_params(self) -> int:
-        return self.num_layers * self.layer_params + self.unembed_params
+    def matmul_params(self) -> float:
+        """Every matrix's parameters (a mixture of experts: all E experts, not the K a token uses)."""
+        return self.num_layers * self.layer_params + self.unembed_params + self._idle_experts(None)
 
-    def weight_bytes(self, itemsize: int) -> float:
+    def _idle_experts(self, rows: int | None) -> float:
+        """Parameters of the experts no token goes through in `layer_params` that a step of `rows` rows still reads:
+        per routed block min(E, rows x K) - K experts (rows None: all E)."""
+        read = self.num_experts if rows is None else min(self.num_experts, rows * self.experts_per_token)
+        return self.routed_layers * max(0, read - self.experts_per_token) * self.expert_params
+
+    def weight_bytes(self, itemsize: int, rows: int | None = None) -> float:
         """Bytes of every matrix a forward multiplies by: the blocks' as stored (`layer_bytes`: 4-bit codes at half
-        a byte + their scales) or at `itemsize`, and the unembedding at `itemsize` (never quantized).
+        a byte + their scales) or at `itemsize`, and the unembedding at `itemsize` (never quantized). A mixture of
+        experts: every routed block's router and the experts a step of `rows` rows can reach, min(E, rows x K)
+        (rows None: all E), at `itemsize` (a decode step of N rows reads at most N x K experts of a block).
 
         Example: layer_params 10, 2 layers, unembed 6, itemsize 2: 52; with layer_bytes 6.5: 2 * 6.5 + 12 = 25.
         """
-        per_layer = self.layer_params * itemsize if self.layer_bytes is None else self.layer_bytes
-        return self.num_layers * per_layer + self.unembed_params * itemsize
+        if self.layer_bytes is None:
+            return (self.num_layers * self.layer_params + self.unembed_params + self._idle_experts(rows)) * itemsize
+        unquantized = self.num_layers * self.unquantized_params + self._idle_experts(rows) + self.unembed_params
+        return self.num_layers * self.layer_bytes + unquantized * itemsize
 
     @staticmethod
     def tokens(prompts: int, prompt_length: int, group: int, completion_length: int) -> int:
@@ -217,8 +254,9 @@ def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: 
 
     def decode_floor(prompts: int, group: int) -> float:
         """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
-        sampler's tensor parallelism splits it) and its share of the KV caches."""
-        weights = model.weight_bytes(itemsize) / tensor  # (a QLoRA base's codes at their 4 or 8 bits)
+        sampler's tensor parallelism splits it; a mixture of experts: the min(E, rows x K) experts of each routed
+        block its rows can reach) and its share of the KV caches."""
+        weights = model.weight_bytes(itemsize, prompts * group) / tensor  # (a QLoRA base's codes at 4 or 8 bits)
         return weights + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
 
     # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed); a value

@@ -105,3 +105,20 @@ def test_model_flops_of_gpt_neox_and_sliding_windows():
     # Phi-3: the fused qkv_proj / gate_up_proj hold the same matrices
     phi3 = dict(TINY, architectures=["Phi3ForCausalLM"], model_type="phi3")
     assert Transformer.of(config_from_hf(phi3)).layer_params == full.layer_params
+
+
+def test_a_mixture_of_experts_counts_the_experts_a_token_uses():
+    """A routed block's FLOPs count its router and the K experts a token goes through (the active parameters), not
+    all E; its bytes, the experts a step's rows can reach. By hand: D 8, 2 heads of 4 (1 kv), a dense first block
+    (MLP 16) and a routed second one (4 experts of 6, 2 a token), V 10: attention 64 + 32 + 32 + 64 = 192, the dense
+    MLP 3 x 8 x 16 = 384, an expert 3 x 8 x 6 = 144, the router 8 x 4 = 32; blocks 576 and 192 + 32 + 2 x 144 =
+    512, mean 544; all parameters 576 + 192 + 32 + 4 x 144 + 80 = 1456."""
+    moe = dict(model_type="qwen3_moe", vocab_size=10, hidden_size=8, intermediate_size=16, moe_intermediate_size=6,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=4, num_experts=4,
+               num_experts_per_tok=2, mlp_only_layers=[0], max_position_embeddings=32, tie_word_embeddings=False)
+    t = Transformer.of(config_from_hf(moe))
+    assert (t.layer_params, t.matmul_params) == (544, 1456)
+    assert t.weight_bytes(2) == 2 * 1456  # every expert
+    assert t.weight_bytes(2, rows=1) == 2 * (1456 - 2 * 144)  # one row reaches 2 experts of the routed block's 4
+    assert t.weight_bytes(2, rows=2) == 2 * 1456
+    assert forward_flops(t.layer_params, 2, 80, 8, tokens=3, scored=1, pairs=0) == 2 * (2 * 544 * 3 + 80)
