@@ -200,10 +200,10 @@ HISTORY = "# resumed at step "  # config.yaml's history lines: what the steps be
 def history(previous: str | None, found: list[Change], step: int) -> str:
     """config.yaml's leading comment: the earlier resumes' lines of `previous` (the file being replaced), then one
     per option `found` changed at this resume (`step`), so the file (the options the steps from here use) also
-    says what earlier steps ran with. E.g. "# resumed at step 2: max_steps 2 -> 4 (steps 1-2 used 2)"."""
+    says what earlier steps ran with: the old value up to that step (since the line before on the same option).
+    E.g. "# resumed at step 2: max_steps 2 -> 4"."""
     kept = [line for line in (previous or "").splitlines() if line.startswith(HISTORY)]
-    kept += [f"{HISTORY}{step}: {c.option} {_show(c.old)} -> {_show(c.new)} (steps 1-{step} used {_show(c.old)})"
-             for c in found]
+    kept += [f"{HISTORY}{step}: {c.option} {_show(c.old)} -> {_show(c.new)}" for c in found]
     return "".join(line + "\n" for line in kept)
 
 
