@@ -3,11 +3,12 @@
 XLA's own `cost_analysis()` counts a `while` body once, whatever its trip count: a `lax.scan` over 32 layers reports
 the FLOPs of one layer (checked: a scan of 8 matmuls reports 1/8 of the unrolled figure). This counts the matmul
 FLOPs the compiler emits (`dot` and `convolution` instructions; elementwise work is not counted), plus those of
-Pallas attention kernels, which the compiler does not count: the kernel's caller names them in a name scope
-(`kernel_flops_scope`), per device of an SPMD program, walking fusions, calls and conditionals (the largest branch),
-and multiplying each `while` body by its trip count: from the condition's `i < N`, the counter's initial value and
-the body's constant step (a `lax.scan`/`lax.map`/`fori_loop` counter, or the compiler's own windowed-matmul loops,
-which step by 2); for a data-dependent loop such as the sampler's, the bound is the most it can run.
+Pallas attention and grouped-matmul kernels, which the compiler does not count: the kernel's caller names them in a
+name scope (`kernel_flops_scope`, `grouped_matmul_flops_scope`), per device of an SPMD program, walking fusions, calls
+and conditionals (the largest branch), and multiplying each `while` body by its trip count: from the condition's
+`i < N`, the counter's initial value and the body's constant step (a `lax.scan`/`lax.map`/`fori_loop` counter, or
+the compiler's own windowed-matmul loops, which step by 2); for a data-dependent loop such as the sampler's, the
+bound is the most it can run.
 
 Bytes follow XLA's `HloCostAnalysis` at the fusion boundary (what a fused kernel reads and writes; its inside
 stays on chip): every top-level instruction reads its operands and writes its result, at the sizes of their tiled
@@ -60,10 +61,22 @@ def kernel_flops_scope(fwd_flops: float) -> str:
     return f"{_KERNEL_FLOPS}{int(round(fwd_flops))}"
 
 
+_GROUPED_FLOPS = "grouped_matmul_flops_"
+
+
+def grouped_matmul_flops_scope(flops: float) -> str:
+    """A `jax.named_scope` name telling `analyze` the FLOPs of each Pallas grouped-matmul kernel inside it (megablox
+    `gmm`, and the `gmm` and `tgmm` of its backward: each the same matmul size, [M, K] x [K, N])."""
+    return f"{_GROUPED_FLOPS}{int(round(flops))}"
+
+
 def _kernel_flops(ins: _Instruction) -> float:
-    """FLOPs of a Pallas kernel call (`custom-call`) from its `kernel_flops_scope` and its kernel's kind; 0 for
-    any other custom call."""
+    """FLOPs of a Pallas kernel call (`custom-call`) from its `kernel_flops_scope` and its kernel's kind, or its
+    `grouped_matmul_flops_scope`; 0 for any other custom call."""
     op_name = ins.op_name
+    grouped = re.search(_GROUPED_FLOPS + r"(\d+)", op_name)
+    if grouped is not None:
+        return float(grouped.group(1))
     scope = re.search(_KERNEL_FLOPS + r"(\d+)", op_name)
     kind = _KERNEL_KIND.findall(op_name.rsplit(_KERNEL_FLOPS, 1)[-1]) or _KERNEL_KIND.findall(ins.name)
     if scope is None or not kind:

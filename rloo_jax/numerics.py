@@ -46,6 +46,8 @@ AUTO: dict[str, Callable[[dict[str, Any], str], Any]] = {
     # fused kernels where the platform has them (splash on TPU, cuDNN flash on GPU in bf16 without XLA's
     # deterministic ops), else the einsum
     "attn_implementation": lambda done, platform: _best_attention(platform, done["bf16"]),
+    # a mixture of experts' grouped matmuls: megablox (sparse gradient) on TPU, ragged_dot elsewhere
+    "moe_implementation": lambda done, platform: _best_grouped_matmul(platform),
 }
 
 
@@ -53,6 +55,12 @@ def _best_attention(platform: str, bf16: bool) -> str:
     from rloo_jax.models import attention  # the models import jax's Pallas modules: only when a run resolves
 
     return attention.resolve(None, platform, "bfloat16" if bf16 else "float32", determinism_enabled())
+
+
+def _best_grouped_matmul(platform: str) -> str:
+    from rloo_jax.models import moe
+
+    return moe.resolve(None, platform)
 
 # XLA's flag for run-to-run deterministic GPU programs (present in jaxlib 0.10's XLA: "Guarantees run-to-run
 # determinism on GPU"; it implies xla_gpu_exclude_nondeterministic_ops, deterministic scatter, and autotuning that
@@ -168,11 +176,11 @@ def model_options(cfg: Any, platform: str) -> dict[str, Any]:
     """The policy's dtypes and execution options (`ModelConfig` fields) from the run config, for the platform
     the programs run on ("cpu", "gpu", "tpu"): `bf16`, `scan_layers` and `gradient_checkpointing` None mean on
     for accelerators, off on the CPU (where they cost time and memory is not the limit; BENCHMARKS.md), as
-    `rloo_jax.numerics.resolved_settings` decides, and `attn_implementation` None the best the platform offers
-    (ConfigError for one it does not offer). With `use_peft` these are the base's options; `policy` adds the
+    `rloo_jax.numerics.resolved_settings` decides, and `attn_implementation` / `moe_implementation` None the best
+    the platform offers (ConfigError for one it does not offer). With `use_peft` these are the base's options; `policy` adds the
     adapters."""
     from rloo_jax.errors import ConfigError
-    from rloo_jax.models import attention
+    from rloo_jax.models import attention, moe
 
     settings = resolved_settings(cfg, platform)
     dtype = "bfloat16" if settings["bf16"] else "float32"
@@ -180,6 +188,10 @@ def model_options(cfg: Any, platform: str) -> dict[str, Any]:
         attn = attention.resolve(settings["attn_implementation"], platform, dtype, determinism_enabled())
     except ValueError as e:
         raise ConfigError(f"{e}; fix --attn_implementation") from None
+    try:
+        grouped = moe.resolve(settings["moe_implementation"], platform)
+    except ValueError as e:
+        raise ConfigError(f"{e}; fix --moe_implementation") from None
     return {
         "dtype": dtype,
         # LoRA: the base is never trained, so it is read straight into the compute dtype (as TRL + peft load it);
@@ -188,4 +200,5 @@ def model_options(cfg: Any, platform: str) -> dict[str, Any]:
         "scan_layers": settings["scan_layers"],
         "remat_policy": cfg.remat_policy if settings["gradient_checkpointing"] else "none",
         "attn_implementation": attn,
+        "moe_implementation": grouped,
     }

@@ -130,6 +130,14 @@ class ModelOptions:
         "--compile_only), cudnn on GPU with --bf16, eager otherwise. The fused kernels keep no [T, S] matrix in "
         "memory (docs/scale.md); decoding uses its one-query einsum with any of them.",
     )
+    moe_implementation: Literal["ragged_dot", "megablox"] | None = _opt(
+        None,
+        "model",
+        "How a mixture of experts computes its experts (one grouped matmul per projection over the tokens sorted by "
+        "expert): ragged_dot (jax.lax.ragged_dot; on TPU its weight gradient costs every expert for every token), "
+        "megablox (jax's Pallas TPU grouped matmul: forward and gradient sparse; interpreted on CPU, slow: for "
+        "tests; not on GPU). None: megablox on TPU (and --compile_only), ragged_dot otherwise (docs/scale.md).",
+    )
 
     @property
     def policy_path(self) -> str | None:

@@ -83,9 +83,9 @@ SCHEDULE = ("learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps"
 LAYOUT = ("algorithm", "scan_layers", "use_peft", "lora_r", "lora_target_modules")
 NOT_REPORTED = ("output_dir", "tfds_data_dir", "coordinator_address", "num_processes", "process_id", "compile_only",
                 "topology", "trust_remote_code", "device_count", "process_count")
-EXECUTION = ("matmul_precision", "attn_implementation", "gradient_checkpointing", "remat_policy", "data_parallel",
-             "fsdp", "tensor_parallel", "expert_parallel", "rollout_mesh", "compilation_cache", "compilation_cache_dir",
-             "full_determinism")
+EXECUTION = ("matmul_precision", "attn_implementation", "moe_implementation", "gradient_checkpointing", "remat_policy",
+             "data_parallel", "fsdp", "tensor_parallel", "expert_parallel", "rollout_mesh", "compilation_cache",
+             "compilation_cache_dir", "full_determinism")
 BATCH = ("per_device_train_batch_size", "num_generations", "gradient_accumulation_steps", "steps_per_generation",
          "num_iterations")
 

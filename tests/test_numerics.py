@@ -39,11 +39,11 @@ def test_resolved_settings_by_platform():
     cfg = make()
     assert numerics.resolved_settings(cfg, "cpu") == {
         "bf16": False, "matmul_precision": "highest", "gradient_checkpointing": False, "scan_layers": False,
-        "attn_implementation": "eager"}
-    for platform, attn in (("gpu", "cudnn"), ("tpu", "splash")):
+        "attn_implementation": "eager", "moe_implementation": "ragged_dot"}
+    for platform, attn, grouped in (("gpu", "cudnn", "ragged_dot"), ("tpu", "splash", "megablox")):
         assert numerics.resolved_settings(cfg, platform) == {
             "bf16": True, "matmul_precision": "default", "gradient_checkpointing": True, "scan_layers": True,
-            "attn_implementation": attn}
+            "attn_implementation": attn, "moe_implementation": grouped}
     # cuDNN's flash attention takes bf16/fp16 only: a float32 GPU run keeps the einsum
     assert numerics.resolved_settings(make(bf16=False), "gpu")["attn_implementation"] == "eager"
     # given values are kept; the precision follows the resolved dtype: float32 on a TPU computes in float32
@@ -54,7 +54,7 @@ def test_resolved_settings_by_platform():
     assert numerics.for_platform(resolved, "gpu") is resolved  # nothing left to resolve
     assert numerics.describe(make(scan_layers=False), resolved, "gpu") == (
         "numerics on gpu (* auto): bf16 true*, matmul_precision default*, gradient_checkpointing true*, "
-        "scan_layers false,\n  attn_implementation cudnn*")  # wrapped at 118 characters
+        "scan_layers false,\n  attn_implementation cudnn*, moe_implementation ragged_dot*")  # wrapped at 118
 
 
 # ------------------------------------------------------------------------------------------------ precision in HLO

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from rloo_jax.models.attention import IMPLEMENTATIONS
+from rloo_jax.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from rloo_jax.quant import QuantSpec
 
 
@@ -228,6 +229,9 @@ class ModelConfig:
     # how the forwards compute attention (`attention.IMPLEMENTATIONS`: eager, splash, cudnn); None: the best for
     # the platform compiled for. Decoding keeps its one-query einsum whatever this says.
     attn_implementation: str | None = None
+    # how a routed MLP's grouped matmuls run (`moe.IMPLEMENTATIONS`: ragged_dot, megablox); None: the best for the
+    # platform compiled for (megablox on TPU)
+    moe_implementation: str | None = None
     # a mixture of experts given recorded routes (`transformer.Routes`, the sampler's): True routes each token to
     # them (routing replay; gate weights from the current router logits), False lets the router choose
     routing_replay: bool = True
@@ -242,6 +246,9 @@ class ModelConfig:
         if self.attn_implementation not in (None, *IMPLEMENTATIONS):
             raise ModelLoadError(f"attn_implementation={self.attn_implementation!r}; supported: "
                                  f"{', '.join(IMPLEMENTATIONS)} or None (the best for the platform)")
+        if self.moe_implementation not in (None, *MOE_IMPLEMENTATIONS):
+            raise ModelLoadError(f"moe_implementation={self.moe_implementation!r}; supported: "
+                                 f"{', '.join(MOE_IMPLEMENTATIONS)} or None (the best for the platform)")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.rope_type not in ROPE_TYPES:

@@ -936,7 +936,8 @@ def head_model(folder: str, what: str, abstract: bool, vocab_size: int, tokenize
     shapes only when `abstract`. `options`: the policy's compute dtype and execution options
     (`numerics.model_options`); `param_dtype`: how it is stored."""
     check_same_tokenizer(folder, what, vocab_size, tokenizer)
-    kinds = {k: options[k] for k in ("dtype", "scan_layers", "remat_policy", "attn_implementation")}
+    kinds = {k: options[k] for k in ("dtype", "scan_layers", "remat_policy", "attn_implementation",
+                                     "moe_implementation")}
     if seed is not None:
         if abstract:
             return abstract_value_model(folder, param_dtype=param_dtype, **kinds)

@@ -11,8 +11,17 @@ up_e(x) + bu_e)) + bd_e; its router (`route` with `topk_softmax`) softmaxes the 
 is in the logits).
 
 The T*K pairs are sorted by expert, so each expert's rows are one contiguous group, and each projection is ONE
-`jax.lax.ragged_dot` over all experts (`experts_apply`). The same function runs in the sampler (prefill, one-token
-decode steps) and in the training forwards.
+grouped matmul over all experts (`experts_apply`, `grouped_matmul`). The same function runs in the sampler (prefill,
+one-token decode steps) and in the training forwards. `moe_implementation` (a `ModelConfig` field and a run option,
+resolved per platform by `resolve` as attention's `attn_implementation`) picks the grouped matmul:
+
+- `ragged_dot`: `jax.lax.ragged_dot`. On TPU its forward is sparse, but its weight gradient (the transpose) costs
+  every expert for every row: (1 + E) / 2 times a sparse gradient (BENCHMARKS.md Session 18).
+- `megablox`: jax's Pallas TPU grouped matmul (`jax.experimental.pallas.ops.tpu.megablox.gmm`, its own VJP with
+  `tgmm` for the weights): sparse forward and gradient. Off a TPU it runs interpreted (tests; slow). A Mosaic
+  kernel cannot be partitioned by XLA, so on a mesh it runs inside `experts_apply_sharded`'s `shard_map`.
+
+None: megablox on TPU (and `--compile_only` for a TPU), ragged_dot elsewhere.
 
 Shapes: T tokens, D hidden, E experts, K experts per token, F an expert's hidden size, L routed layers.
 """
@@ -22,12 +31,74 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu.megablox import gmm
 from jax.sharding import PartitionSpec as P
 
+from rloo_jax.hlo import grouped_matmul_flops_scope
 from rloo_jax.mesh import fit_spec
+from rloo_jax.models.attention import target_platform
 
-__all__ = ["clamped_swiglu", "experts_apply", "experts_apply_sharded", "gate_weights", "load_balancing_loss",
-           "load_balancing_stats", "mxfp4_dequantize", "route", "route_mismatch", "sort_by_expert"]
+__all__ = ["clamped_swiglu", "experts_apply", "experts_apply_sharded", "gate_weights", "grouped_matmul",
+           "load_balancing_loss", "load_balancing_stats", "megablox_tiling", "mxfp4_dequantize", "resolve", "route",
+           "route_mismatch", "sort_by_expert"]
+
+IMPLEMENTATIONS = ("ragged_dot", "megablox")
+# megablox is a Pallas TPU kernel: on the CPU it runs interpreted (slow: tests, small runs); on a GPU not at all
+AVAILABLE: dict[str, tuple[str, ...]] = {"cpu": IMPLEMENTATIONS, "gpu": ("ragged_dot",), "tpu": IMPLEMENTATIONS}
+_ROW_TILE = 128  # megablox's row tile: each group also computes its partial first tile, up to E - 1 tiles more
+_MAX_TILE = 512  # its contraction / output tile (MaxText's is 512-1024); a partial last tile is masked by the kernel
+
+
+def resolve(implementation: str | None, platform: str) -> str:
+    """The grouped matmul to run: `implementation`, or for None the best on `platform` ("cpu", "gpu", "tpu"):
+    megablox on TPU, ragged_dot elsewhere. ValueError (one line naming the valid values there) for one the platform
+    does not offer. Example: resolve(None, "tpu") -> "megablox"; resolve("megablox", "gpu") -> ValueError."""
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    if implementation is None:
+        return "megablox" if platform == "tpu" else "ragged_dot"
+    valid = AVAILABLE.get(platform, ("ragged_dot",))
+    if implementation not in valid:
+        raise ValueError(f"moe_implementation={implementation!r} is not available on {platform}; valid there: "
+                         f"{', '.join(valid)} (None: the best of them)")
+    return implementation
+
+
+def megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """megablox's (rows, contraction, output) tiles for [m, k] x [k, n]: rows `_ROW_TILE`, or m rounded up to 16
+    (bf16's sublane tile) for fewer rows (a decode step); k and n one tile size, as the backward swaps them (its
+    input gradient is [m, n] x [n, k]): k and n's larger rounded up to 128 lanes, at most `_MAX_TILE`. A tile need
+    not divide k or n: the kernel masks a partial last tile (gpt-oss's 2,880 = 5.6 x 512; no copy of the weights
+    padded). Example: (100, 64, 32) -> (112, 128, 128); (4096, 2880, 2880) -> (128, 512, 512)."""
+    lanes = min(_MAX_TILE, -(-max(k, n) // 128) * 128)
+    return min(_ROW_TILE, -(-m // 16) * 16), lanes, lanes
+
+
+def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, implementation: str = "ragged_dot",
+                   interpret: bool | None = None) -> jax.Array:
+    """Each group's rows times its matrix: rows [M, K] (the groups' rows contiguous, in order), w [G, K, N], sizes
+    [G] int32 (sum <= M) -> [M, N] float32, out[m] = rows[m] @ w[g] for the row's group g; the rows past sum(sizes)
+    (no group) give 0. Inputs in their dtype (rows and w the same), float32 accumulation.
+
+    `implementation` (`IMPLEMENTATIONS`): one `jax.lax.ragged_dot`, or megablox `gmm` (Pallas; `interpret` None:
+    interpreted unless compiling for a TPU) with `megablox_tiling`, the rows padded to whole row tiles. Its FLOPs
+    for `rloo_jax.hlo` (the compiler counts none in a kernel): each group's rows in whole tiles, at most
+    (M / tm + min(G, M) - 1) tiles of [tm, K] x [K, N], the same for each kernel of its backward.
+    Example: rows [[1], [2], [3]], w [[[10]], [[100]]], sizes [1, 1] -> [[10], [200], [0]].
+    """
+    if implementation == "ragged_dot":
+        return jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32)
+    m, k = rows.shape
+    tm, tk, tn = megablox_tiling(m, k, w.shape[2])
+    padded = -(-m // tm) * tm
+    # gmm leaves the rows outside every group unwritten (garbage, NaN when interpreted), in its output and in its
+    # input gradient: a select on both sides (not a multiply: NaN * 0 is NaN) keeps them out of y and of d rows
+    grouped = (jnp.arange(padded) < jnp.sum(sizes))[:, None]
+    lhs = jnp.where(grouped, jnp.pad(rows, ((0, padded - m), (0, 0))), jnp.zeros((), rows.dtype))
+    interpret = target_platform() != "tpu" if interpret is None else interpret
+    bound = 2 * tm * (padded // tm + min(w.shape[0], m) - 1) * k * w.shape[2]
+    with jax.named_scope(grouped_matmul_flops_scope(bound)):
+        y = gmm(lhs, w, sizes, jnp.float32, (tm, tk, tn), interpret=interpret)
+    return jnp.where(grouped, y, 0.0)[:m]
 
 
 def route(logits: jax.Array, k: int, norm_topk: bool = False, topk_softmax: bool = False
@@ -83,7 +154,8 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
 
 def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, dtype: jnp.dtype = jnp.float32, biases: tuple[jax.Array, ...] | None = None,
-                  swiglu: tuple[float, float] | None = None, first: jax.Array | int = 0) -> jax.Array:
+                  swiglu: tuple[float, float] | None = None, first: jax.Array | int = 0,
+                  implementation: str = "ragged_dot") -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x_t) over the pairs whose expert is one of gate's, dropless:
     x [T, D], experts / weights [T, K], gate / up [E', D, F], down [E', F, D] -> [T, D] float32. `biases`
     (GPT-OSS): (gate [E', F], up [E', F], down [E', D]) added to each expert's projections; `swiglu` (alpha,
@@ -92,7 +164,7 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     gate / up / down hold the experts first .. first + E' - 1 (all E with `first` 0, E' = E: the whole sum); a
     pair routed to another expert adds 0 (one expert shard's share, `experts_apply_sharded`). The pairs are sorted
     by expert (`sort_by_expert`, the others last, outside every group) and each projection is one
-    `jax.lax.ragged_dot` over the E' groups, in `dtype` with float32 accumulation (biases added in float32); the
+    `grouped_matmul` (`implementation`: ragged_dot or megablox) over the E' groups, in `dtype` with float32 accumulation (biases added in float32); the
     activation in float32, rounded once to `dtype` (as `transformer.MLP`). The weighted sum over the K slots is in
     float32. Example: E 4 on 2 shards, experts [[0, 3]]: shard 0 (first 0) adds w_00 * expert_0(x_0), shard 1
     (first 2) w_01 * expert_3(x_0).
@@ -102,12 +174,12 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     local = experts - first
     own = (local >= 0) & (local < e)
     order, sizes = sort_by_expert(jnp.where(own, local, e), e + 1)  # group e: the other shards' pairs
-    sizes = sizes[:e]  # rows past the groups' sum come out of ragged_dot as 0
+    sizes = sizes[:e]  # rows past the groups' sum come out of the grouped matmul as 0
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [T*K, D]
     owner = jnp.take(jnp.where(own, local, e).reshape(-1), order)  # [T*K] each sorted row's local expert (e: none)
 
     def project(h: jax.Array, w: jax.Array, i: int) -> jax.Array:
-        y = jax.lax.ragged_dot(h, w.astype(dtype), sizes, preferred_element_type=jnp.float32)
+        y = grouped_matmul(h, w.astype(dtype), sizes, implementation)
         if biases is None:
             return y
         bias = jnp.take(biases[i].astype(jnp.float32), jnp.minimum(owner, e - 1), axis=0)
@@ -123,7 +195,7 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
 def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                           down: jax.Array, dtype: jnp.dtype = jnp.float32, axis: str = "expert",
                           biases: tuple[jax.Array, ...] | None = None,
-                          swiglu: tuple[float, float] | None = None) -> jax.Array:
+                          swiglu: tuple[float, float] | None = None, implementation: str = "ragged_dot") -> jax.Array:
     """`experts_apply` with the E experts split over the mesh axis `axis` of the context mesh (n shards of E / n,
     in order): x [B, T, D], experts / weights [B, T, K], gate / up [E, D, F], down [E, F, D] -> [B, T, D] float32.
 
@@ -132,36 +204,46 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     gathered), each device holds E / n whole experts (their fsdp / tensor splits are gathered on entry, as FSDP
     gathers a layer where it is used) and computes only its experts' (token, expert) pairs, first = index * E / n;
     one psum over `axis` adds the n partial sums: y = sum_shards sum_{k: e_tk on the shard} w_tk expert(x_t).
-    A mesh without `axis` (or of size 1): `experts_apply` itself. `biases` [E, ...] split as the experts are.
+    A mesh without `axis` (or of size 1): `experts_apply` itself, except for megablox on more than one device,
+    which runs in the same `shard_map` with every expert on every device (n = 1: XLA cannot partition a Mosaic
+    kernel). `biases` [E, ...] split as the experts are.
     """
     mesh = jax.sharding.get_abstract_mesh()
     b, t, d = x.shape
-    if mesh.empty or mesh.shape.get(axis, 1) == 1:
+    n = 1 if mesh.empty else mesh.shape.get(axis, 1)
+    if mesh.empty or (n == 1 and (implementation == "ragged_dot" or mesh.size == 1)):
         flat = lambda a: a.reshape(b * t, -1)  # noqa: E731
         return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases,
-                             swiglu).reshape(b, t, d)
-    n = mesh.shape[axis]
+                             swiglu, implementation=implementation).reshape(b, t, d)
     if gate.shape[0] % n:
         raise ValueError(f"{gate.shape[0]} experts do not split over the {n} devices of the mesh axis {axis!r}")
     rows = fit_spec(("batch",), (b,), mesh)
     rows = rows[0] if len(rows) else None
-    spec, experts_spec = P(rows, None, None), P(axis, None, None)
+    split = axis if n > 1 else None  # the experts' mesh axis (None: every device holds all E)
+    spec, experts_spec = P(rows, None, None), P(split, None, None)
 
     def local(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
               down: jax.Array, biases: tuple[jax.Array, ...] | None) -> jax.Array:
         bl = x.shape[0]
+        if split is None:
+            flat = lambda a: a.reshape(bl * t, -1)  # noqa: E731
+            return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu,
+                                 implementation=implementation).reshape(bl, t, d)
         # the tokens as varying along `axis` (each shard uses them for its own pairs): the transpose then adds the
         # shards' cotangents (a psum). Without it the row gather by the shard's (varying) order is typed invariant
         # (the gather takes its operand's type) and its cotangent is summed over the shards before the scatter
         # back by each shard's own order: x's gradient came out wrong (measured: off by its own size)
         flat = lambda a: jax.lax.pcast(a, axis, to="varying").reshape(bl * t, -1)  # noqa: E731
         first = jax.lax.axis_index(axis) * gate.shape[0]
-        y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu, first)
+        y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu, first,
+                          implementation)
         return jax.lax.psum(y, axis).reshape(bl, t, d)
 
-    bias_spec = None if biases is None else (P(axis, None),) * len(biases)
+    bias_spec = None if biases is None else (P(split, None),) * len(biases)
+    # megablox's kernel declares its output without a varying-axes type, which shard_map's check refuses
     fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, experts_spec, experts_spec, experts_spec,
-                                                   bias_spec), out_specs=spec)
+                                                   bias_spec), out_specs=spec,
+                       check_vma=implementation == "ragged_dot")
     return fn(x, experts, weights, gate, up, down, biases)
 
 

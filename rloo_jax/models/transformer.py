@@ -500,6 +500,7 @@ class MoE(nnx.Module):
         self.topk_softmax = cfg.router_topk_softmax
         self.k, self.norm_topk, self.replay = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routing_replay
         self.dtype = jnp.dtype(cfg.dtype)
+        self.implementation = cfg.moe_implementation  # None: the best for the platform compiled for
 
     def __call__(self, x: jax.Array, route: jax.Array | None = None, weights: jax.Array | None = None
                  ) -> tuple[jax.Array, Routing]:
@@ -525,11 +526,13 @@ class MoE(nnx.Module):
             gate_w = moe.gate_weights(logits, experts, self.norm_topk, self.topk_softmax)
         # HF rounds the gate weights to the hidden states' dtype before weighting the experts' outputs
         gate_w = gate_w.astype(self.dtype)
+        # at trace time, for the platform compiled for (the run config checked availability)
+        implementation = self.implementation or moe.resolve(None, attention.target_platform())
         biases = None if self.experts_gate_bias is None else tuple(
             v[...] for v in (self.experts_gate_bias, self.experts_up_bias, self.experts_down_bias))
         y = moe.experts_apply_sharded(x, experts.reshape(b, t, -1), gate_w.reshape(b, t, -1), self.experts_gate[...],
                                       self.experts_up[...], self.experts_down[...], self.dtype, biases=biases,
-                                      swiglu=self.swiglu)
+                                      swiglu=self.swiglu, implementation=implementation)
         routing = Routing(experts=experts.reshape(b, t, -1))
         if weights is not None:
             counts, probs = moe.load_balancing_stats(logits, weights.reshape(-1), self.k)

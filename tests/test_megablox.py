@@ -1,0 +1,146 @@
+"""The mixture of experts' grouped matmul by megablox (jax's Pallas TPU `gmm`, interpreted on the CPU) equals
+`jax.lax.ragged_dot`'s, forward and gradients, on one device and on a mesh of 4 host CPU devices (fsdp 4; fsdp 2 x
+expert 2); `moe_implementation` resolves per platform as attention's option.
+
+Each case draws one routed MLP (float32, D 24 and F 40: neither divides the kernel's 128-wide tiles, T*K 24 rows
+padded to a 32-row tile) and compares `moe.experts_apply` by both implementations: y, and the gradients of
+sum(y * c) w.r.t. x, the gate / up / down weights, the biases and the router logits (through `moe.gate_weights`).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rloo_jax.cli import config_from_dict
+from rloo_jax.errors import ConfigError
+from rloo_jax.models import moe
+from rloo_jax.numerics import model_options, resolved_settings
+from tests.xla_flags import forced_devices
+
+ROOT = Path(__file__).resolve().parents[1]
+
+T, K, D, F, E = 12, 2, 24, 40, 6
+# measured (float32, this CPU): y bit-identical, gradients within 9.5e-7 (x's and gate's: sums in another order)
+ATOL = 1e-5
+
+
+def _routed_mlp(seed: int, used: tuple[int, ...], biased: bool):
+    """x [T, D], experts [T, K] drawn from `used` (the others stay empty), router logits [T, E], the experts'
+    weights (gate, up, down) and, `biased`, their biases (gate [E, F], up [E, F], down [E, D])."""
+    rs = np.random.RandomState(seed)
+    f32 = lambda *shape: jnp.asarray(rs.randn(*shape), jnp.float32)  # noqa: E731
+    experts = jnp.asarray(np.stack([rs.choice(used, K, replace=False) for _ in range(T)]), jnp.int32)
+    weights = (f32(E, D, F) / 5, f32(E, D, F) / 5, f32(E, F, D) / 6)
+    biases = (f32(E, F), f32(E, F), f32(E, D)) if biased else None
+    return f32(T, D), experts, f32(T, E), weights, biases
+
+
+@pytest.mark.parametrize("used, first, shard, biased", [
+    ((0, 2, 3, 5), 0, E, False),  # all experts on one device; experts 1 and 4 get no token
+    ((0, 1, 2, 3, 4, 5), 2, 2, True),  # experts 2-3 of a shard: the other shards' pairs sorted last, outside
+])
+def test_megablox_equals_ragged_dot_forward_and_gradients(used, first, shard, biased):
+    x, experts, logits, (gate, up, down), biases = _routed_mlp(first, used, biased)
+    held = slice(first, first + shard)
+    gate, up, down = gate[held], up[held], down[held]
+    biases = None if biases is None else tuple(b[held] for b in biases)
+    swiglu = (1.702, 7.0) if biased else None
+    cotangent = jnp.asarray(np.random.RandomState(9).randn(T, D), jnp.float32)
+
+    def loss(x, logits, gate, up, down, biases, implementation):
+        w = moe.gate_weights(logits, experts, norm_topk=True)
+        y = moe.experts_apply(x, experts, w, gate, up, down, biases=biases, swiglu=swiglu, first=first,
+                              implementation=implementation)
+        return jnp.sum(y * cotangent), y
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True), static_argnums=6)
+    (g_ref, y_ref), (g_mb, y_mb) = (grad(x, logits, gate, up, down, biases, i) for i in ("ragged_dot", "megablox"))
+    assert np.abs(np.asarray(y_ref)).max() > 0.1  # something was computed
+    print(f"y: max abs diff {np.abs(np.asarray(y_mb - y_ref)).max():.2e}")
+    np.testing.assert_allclose(y_mb, y_ref, atol=ATOL)
+    names = ("x", "router logits", "gate", "up", "down", "gate bias", "up bias", "down bias")
+    for name, a, b in zip(names, jax.tree.leaves(g_mb), jax.tree.leaves(g_ref), strict=False):
+        assert np.abs(np.asarray(b)).max() > 1e-3, name  # a gradient that can differ
+        print(f"{name}: max abs diff {np.abs(np.asarray(a - b)).max():.2e}")
+        np.testing.assert_allclose(a, b, atol=ATOL, err_msg=name)
+    if first == 0:  # the experts without a token: no weight gradient, from either
+        assert not np.any(np.asarray(g_mb[2])[[1, 4]])
+
+
+MESH_WORKER = r'''
+import json
+import jax, jax.numpy as jnp, numpy as np
+from rloo_jax import mesh as M
+from rloo_jax.models import moe
+
+B, T, K, D, F, E = 4, 3, 2, 24, 40, 4
+rs = np.random.RandomState(0)
+f32 = lambda *s: jnp.asarray(rs.randn(*s), jnp.float32)
+x, c = f32(B, T, D), f32(B, T, D)
+experts = jnp.asarray(np.stack([[rs.choice(E, K, replace=False) for _ in range(T)] for _ in range(B)]), jnp.int32)
+w = jnp.asarray(rs.rand(B, T, K), jnp.float32)
+gate, up, down = f32(E, D, F) / 5, f32(E, D, F) / 5, f32(E, F, D) / 6
+
+def loss(x, w, gate, up, down, implementation):
+    return jnp.sum(moe.experts_apply_sharded(x, experts, w, gate, up, down, implementation=implementation) * c)
+
+grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)
+ref = grad(x, w, gate, up, down, "ragged_dot")  # no mesh: one device
+out = {}
+for ep in (1, 2):
+    with jax.set_mesh(M.make_mesh(1, -1, 1, devices=jax.devices(), expert_parallel=ep)):
+        g = grad(x, w, gate, up, down, "megablox")
+    out[ep] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(g, ref))
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_megablox_on_a_mesh_equals_one_device():
+    """On fsdp 4 (megablox in the shard_map with every expert on every device: XLA cannot partition a Mosaic
+    kernel) and fsdp 2 x expert 2 (each device its 2 experts' pairs): the gradients w.r.t. x, the gate weights and
+    the three expert weights are one device's ragged_dot's (measured: within 9.5e-7)."""
+    env = dict(os.environ, XLA_FLAGS=forced_devices(4), JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", MESH_WORKER], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-5000:]
+    result = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    print(result)
+    assert result["1"] <= ATOL and result["2"] <= ATOL
+
+
+def test_grouped_matmul_golden_rows_past_the_groups_are_zero():
+    rows = jnp.asarray([[1.0], [2.0], [3.0]])
+    w = jnp.asarray([[[10.0]], [[100.0]]])
+    sizes = jnp.asarray([1, 1], jnp.int32)
+    for implementation in moe.IMPLEMENTATIONS:
+        np.testing.assert_array_equal(moe.grouped_matmul(rows, w, sizes, implementation), [[10.0], [200.0], [0.0]])
+
+
+def test_megablox_tiling():
+    assert moe.megablox_tiling(100, 64, 32) == (112, 128, 128)  # few rows: one tile of them
+    assert moe.megablox_tiling(4096, 2880, 2880) == (128, 512, 512)  # gpt-oss: a masked partial last tile
+
+
+def make(**kw):
+    return config_from_dict({"model_name_or_path": "m", "dataset_name": "d", "reward_funcs": ["f:g"], **kw})
+
+
+def test_moe_implementation_resolves_per_platform_and_names_itself_in_errors():
+    for platform, want in (("tpu", "megablox"), ("cpu", "ragged_dot"), ("gpu", "ragged_dot")):
+        assert resolved_settings(make(), platform)["moe_implementation"] == want
+        assert model_options(make(), platform)["moe_implementation"] == want
+    assert model_options(make(moe_implementation="megablox"), "cpu")["moe_implementation"] == "megablox"  # interpreted
+    assert model_options(make(moe_implementation="ragged_dot"), "tpu")["moe_implementation"] == "ragged_dot"
+    with pytest.raises(ConfigError, match=r"moe_implementation='megablox' is not available on gpu; valid there: "
+                                          r"ragged_dot .*fix .*moe_implementation"):
+        model_options(make(moe_implementation="megablox"), "gpu")
+    with pytest.raises(ConfigError, match="moe_implementation"):
+        make(moe_implementation="dense")
