@@ -204,9 +204,13 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     gathered), each device holds E / n whole experts (their fsdp / tensor splits are gathered on entry, as FSDP
     gathers a layer where it is used) and computes only its experts' (token, expert) pairs, first = index * E / n;
     one psum over `axis` adds the n partial sums: y = sum_shards sum_{k: e_tk on the shard} w_tk expert(x_t).
+    Where the mesh has a `tensor` axis that divides F, each expert's hidden units are split over it as a dense
+    MLP's are (Megatron's tensor parallelism: gate / up [E', D, F / t], down [E', F / t, D]; the activation is
+    elementwise in F) and the same psum adds the t partial sums too: no device gathers another's slice of the
+    experts, which would bring every expert to every chip at every decode step.
     A mesh without `axis` (or of size 1): `experts_apply` itself, except for megablox on more than one device,
     which runs in the same `shard_map` with every expert on every device (n = 1: XLA cannot partition a Mosaic
-    kernel). `biases` [E, ...] split as the experts are.
+    kernel). `biases` [E, ...] split as the experts are (down's added by one tensor shard only).
     """
     mesh = jax.sharding.get_abstract_mesh()
     b, t, d = x.shape
@@ -220,29 +224,35 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     rows = fit_spec(("batch",), (b,), mesh)
     rows = rows[0] if len(rows) else None
     split = axis if n > 1 else None  # the experts' mesh axis (None: every device holds all E)
-    spec, experts_spec = P(rows, None, None), P(split, None, None)
+    tp = fit_spec(("mlp",), (gate.shape[2],), mesh)  # each expert's F over `tensor` where it divides
+    tp = tp[0] if len(tp) else None
+    summed = tuple(a for a in (split, tp) if a is not None)  # the axes whose shards hold partial sums
+    spec = P(rows, None, None)
 
     def local(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
               down: jax.Array, biases: tuple[jax.Array, ...] | None) -> jax.Array:
         bl = x.shape[0]
-        if split is None:
+        if not summed:
             flat = lambda a: a.reshape(bl * t, -1)  # noqa: E731
             return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu,
                                  implementation=implementation).reshape(bl, t, d)
-        # the tokens as varying along `axis` (each shard uses them for its own pairs): the transpose then adds the
-        # shards' cotangents (a psum). Without it the row gather by the shard's (varying) order is typed invariant
-        # (the gather takes its operand's type) and its cotangent is summed over the shards before the scatter
-        # back by each shard's own order: x's gradient came out wrong (measured: off by its own size)
-        flat = lambda a: jax.lax.pcast(a, axis, to="varying").reshape(bl * t, -1)  # noqa: E731
-        first = jax.lax.axis_index(axis) * gate.shape[0]
+        # the tokens as varying along the summed axes (each shard uses them for its own pairs / hidden units): the
+        # transpose then adds the shards' cotangents (a psum). Without it the row gather by the shard's (varying)
+        # order is typed invariant (the gather takes its operand's type) and its cotangent is summed over the
+        # shards before the scatter back by each shard's own order: x's gradient came out wrong (measured: off by
+        # its own size)
+        flat = lambda a: jax.lax.pcast(a, summed, to="varying").reshape(bl * t, -1)  # noqa: E731
+        first = 0 if split is None else jax.lax.axis_index(axis) * gate.shape[0]
+        if biases is not None and tp is not None:  # down's bias once in the sum over the tensor shards
+            biases = (*biases[:2], jnp.where(jax.lax.axis_index(tp) == 0, biases[2], jnp.zeros_like(biases[2])))
         y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu, first,
                           implementation)
-        return jax.lax.psum(y, axis).reshape(bl, t, d)
+        return jax.lax.psum(y, summed).reshape(bl, t, d)
 
-    bias_spec = None if biases is None else (P(split, None),) * len(biases)
+    experts_spec = (P(split, None, tp), P(split, None, tp), P(split, tp, None))
+    bias_spec = None if biases is None else (P(split, tp), P(split, tp), P(split, None))
     # megablox's kernel declares its output without a varying-axes type, which shard_map's check refuses
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, experts_spec, experts_spec, experts_spec,
-                                                   bias_spec), out_specs=spec,
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, *experts_spec, bias_spec), out_specs=spec,
                        check_vma=implementation == "ragged_dot")
     return fn(x, experts, weights, gate, up, down, biases)
 
