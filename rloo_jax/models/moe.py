@@ -83,7 +83,8 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
 
 def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, dtype: jnp.dtype = jnp.float32, biases: tuple[jax.Array, ...] | None = None,
-                  swiglu: tuple[float, float] | None = None, first: jax.Array | int = 0) -> jax.Array:
+                  swiglu: tuple[float, float] | None = None, first: jax.Array | int = 0, lora: tuple | None = None,
+                  lora_scale: float = 0.0) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x_t) over the pairs whose expert is one of gate's, dropless:
     x [T, D], experts / weights [T, K], gate / up [E', D, F], down [E', F, D] -> [T, D] float32. `biases`
     (GPT-OSS): (gate [E', F], up [E', F], down [E', D]) added to each expert's projections; `swiglu` (alpha,
@@ -96,6 +97,10 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     activation in float32, rounded once to `dtype` (as `transformer.MLP`). The weighted sum over the K slots is in
     float32. Example: E 4 on 2 shards, experts [[0, 3]]: shard 0 (first 0) adds w_00 * expert_0(x_0), shard 1
     (first 2) w_01 * expert_3(x_0).
+
+    `lora` (peft's LoRA on expert parameters): ((A [E', din, r], B [E', r, dout]) or None) for gate, up, down; a
+    projection with one adds lora_scale * (h A_e) B_e for each row's expert e, two more ragged_dots over the same
+    groups (h A_e rounded to `dtype`, as `transformer.Dense` rounds x A).
     """
     t, k = experts.shape
     e = gate.shape[0]
@@ -108,6 +113,10 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
 
     def project(h: jax.Array, w: jax.Array, i: int) -> jax.Array:
         y = jax.lax.ragged_dot(h, w.astype(dtype), sizes, preferred_element_type=jnp.float32)
+        if lora is not None and lora[i] is not None:
+            a, b = (v.astype(dtype) for v in lora[i])
+            ha = jax.lax.ragged_dot(h, a, sizes, preferred_element_type=jnp.float32).astype(dtype)
+            y = y + lora_scale * jax.lax.ragged_dot(ha, b, sizes, preferred_element_type=jnp.float32)
         if biases is None:
             return y
         bias = jnp.take(biases[i].astype(jnp.float32), jnp.minimum(owner, e - 1), axis=0)
@@ -123,7 +132,8 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
 def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                           down: jax.Array, dtype: jnp.dtype = jnp.float32, axis: str = "expert",
                           biases: tuple[jax.Array, ...] | None = None,
-                          swiglu: tuple[float, float] | None = None) -> jax.Array:
+                          swiglu: tuple[float, float] | None = None, lora: tuple | None = None,
+                          lora_scale: float = 0.0) -> jax.Array:
     """`experts_apply` with the E experts split over the mesh axis `axis` of the context mesh (n shards of E / n,
     in order): x [B, T, D], experts / weights [B, T, K], gate / up [E, D, F], down [E, F, D] -> [B, T, D] float32.
 
@@ -132,14 +142,15 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     gathered), each device holds E / n whole experts (their fsdp / tensor splits are gathered on entry, as FSDP
     gathers a layer where it is used) and computes only its experts' (token, expert) pairs, first = index * E / n;
     one psum over `axis` adds the n partial sums: y = sum_shards sum_{k: e_tk on the shard} w_tk expert(x_t).
-    A mesh without `axis` (or of size 1): `experts_apply` itself. `biases` [E, ...] split as the experts are.
+    A mesh without `axis` (or of size 1): `experts_apply` itself. `biases` [E, ...] and the adapters `lora` split
+    as the experts are.
     """
     mesh = jax.sharding.get_abstract_mesh()
     b, t, d = x.shape
     if mesh.empty or mesh.shape.get(axis, 1) == 1:
         flat = lambda a: a.reshape(b * t, -1)  # noqa: E731
         return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases,
-                             swiglu).reshape(b, t, d)
+                             swiglu, lora=lora, lora_scale=lora_scale).reshape(b, t, d)
     n = mesh.shape[axis]
     if gate.shape[0] % n:
         raise ValueError(f"{gate.shape[0]} experts do not split over the {n} devices of the mesh axis {axis!r}")
@@ -148,7 +159,7 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     spec, experts_spec = P(rows, None, None), P(axis, None, None)
 
     def local(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-              down: jax.Array, biases: tuple[jax.Array, ...] | None) -> jax.Array:
+              down: jax.Array, biases: tuple[jax.Array, ...] | None, lora: tuple | None) -> jax.Array:
         bl = x.shape[0]
         # the tokens as varying along `axis` (each shard uses them for its own pairs): the transpose then adds the
         # shards' cotangents (a psum). Without it the row gather by the shard's (varying) order is typed invariant
@@ -156,13 +167,15 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
         # back by each shard's own order: x's gradient came out wrong (measured: off by its own size)
         flat = lambda a: jax.lax.pcast(a, axis, to="varying").reshape(bl * t, -1)  # noqa: E731
         first = jax.lax.axis_index(axis) * gate.shape[0]
-        y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu, first)
+        y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu, first, lora,
+                          lora_scale)
         return jax.lax.psum(y, axis).reshape(bl, t, d)
 
     bias_spec = None if biases is None else (P(axis, None),) * len(biases)
+    lora_spec = jax.tree.map(lambda _: experts_spec, lora)  # None stays None (no adapter there)
     fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, experts_spec, experts_spec, experts_spec,
-                                                   bias_spec), out_specs=spec)
-    return fn(x, experts, weights, gate, up, down, biases)
+                                                   bias_spec, lora_spec), out_specs=spec)
+    return fn(x, experts, weights, gate, up, down, biases, lora)
 
 
 def route_mismatch(recorded: jax.Array, chosen: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
