@@ -548,8 +548,9 @@ class MoE(nnx.Module):
         gate_w = gate_w.astype(self.dtype)
         biases = None if self.experts_gate_bias is None else tuple(
             v[...] for v in (self.experts_gate_bias, self.experts_up_bias, self.experts_down_bias))
-        y = moe.experts_apply_sharded(x, experts.reshape(b, t, -1), gate_w.reshape(b, t, -1), self.expert_weight("gate"),
-                                      self.expert_weight("up"), self.expert_weight("down"), self.dtype, biases=biases,
+        y = moe.experts_apply_sharded(x, experts.reshape(b, t, -1), gate_w.reshape(b, t, -1),
+                                      self.expert_weight("gate"), self.expert_weight("up"),
+                                      self.expert_weight("down"), self.dtype, biases=biases,
                                       swiglu=self.swiglu, lora=self.expert_adapters(), lora_scale=self.lora_scale)
         routing = Routing(experts=experts.reshape(b, t, -1))
         if weights is not None:
