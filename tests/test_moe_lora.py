@@ -18,7 +18,9 @@ from flax import nnx
 from rloo_jax import quant
 from rloo_jax.cli import main
 from rloo_jax.efficiency import Transformer
+from rloo_jax.given import lora_options
 from rloo_jax.models import ModelLoadError, load_adapter, load_causal_lm, lora_spec, save_adapter, save_pretrained
+from rloo_jax.models.loaded import convert_peft
 from rloo_jax.models.lora import dequantize_base, merge_adapters, quantize_base, split_adapters, with_adapters
 from rloo_jax.quant import QuantSpec
 from tests.checkpoints import PAD_ID, build_gpt_oss, build_qwen3_moe
@@ -67,6 +69,10 @@ def test_expert_targets_resolve_as_peft_matches_them():
         lora_spec("llama", 4, 8, 0.0, None, False, ["mlp.gate_proj"])
     with pytest.raises(ModelLoadError, match="lora_target_parameters needs lora_dropout 0 \\(got 0.05\\)"):
         lora_spec("llama", 4, 8, 0.05, None, False, EXPERTS)
+    # TRL's trainer API: a peft LoraConfig with target_parameters
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"],
+                             target_parameters=EXPERTS)
+    assert lora_options(config)["lora_target_parameters"] == EXPERTS
 
 
 @pytest.mark.parity
@@ -87,11 +93,18 @@ def test_expert_adapters_load_in_peft_with_our_logits(checkpoints, tmp_path, nam
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["target_parameters"] == EXPERTS and config["lora_dropout"] == 0.0
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-    theirs = _hf_logits(peft.PeftModel.from_pretrained(hf, out).eval())
+    peft_model = peft.PeftModel.from_pretrained(hf, out).eval()
+    theirs = _hf_logits(peft_model)
     diff = np.abs(ours - theirs)[MASK == 1].max()
     moved = np.abs(ours - _logits(base))[MASK == 1].max()
     print(f"{name}: peft vs ours max abs diff {diff:.2e} (adapters move the logits by {moved:.2e})")
     assert diff <= TOL and moved > 1e-1
+
+    # a PeftModel given to the trainer: its base (wrapped twice per layer) and adapters, its options
+    converted, options = convert_peft(peft_model)
+    assert options["lora_target_parameters"] == sorted(EXPERTS) and options["lora_target_modules"] == ["o_proj",
+                                                                                                      "q_proj"]
+    assert np.abs(_logits(converted) - ours).max() <= 1e-5
 
     again = load_adapter(out)
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(again)), strict=True):
