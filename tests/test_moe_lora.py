@@ -198,3 +198,18 @@ def test_compile_only_covers_a_4bit_mixture_of_experts_with_expert_adapters(tmp_
     assert report["fits"] and set(report["programs"]) >= {"rollout", "update"}
     # q_proj, v_proj [(64 + 64) + (64 + 32)] x r 4, and per expert gate_up (64 + 2 x 32) + down (32 + 64) x r 4
     assert report["settings"]["trainable_params"] == 2 * 4 * ((64 + 64) + (64 + 32) + 8 * ((64 + 64) + (32 + 64)))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--use_peft", "--lora_target_parameters", "mlp.experts.down_proj"],
+         "lora_target_parameters needs lora_dropout 0 (got 0.05; TRL's default is 0.05)"),
+        (["--use_peft", "--lora_dropout", "0", "--lora_target_parameters", "mlp.experts.down_proj"],
+         "a qwen2 model has no experts"),  # the built-in demo model: dense
+    ],
+)
+def test_bad_expert_targets_exit_2_with_one_line(tmp_path, capsys, args, message):
+    assert main(["--output_dir", str(tmp_path / "x"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

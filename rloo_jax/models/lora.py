@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rloo_jax import quant
-from rloo_jax.models.config import LoRASpec, ModelConfig, lora_spec
+from rloo_jax.models.config import LoRASpec, ModelConfig, ModelLoadError, lora_spec
 from rloo_jax.models.transformer import MLP, Attention, CausalLM, Dense, LoRAParam, MoE
 from rloo_jax.quant import QuantSpec
 
@@ -91,8 +91,8 @@ def with_adapters(model: CausalLM, spec: LoRASpec, key: jax.Array, param_dtype: 
     if model.config.lora is not None:
         raise ValueError("the model already has adapters")
     if spec.experts and not model.config.is_moe:
-        raise ValueError(f"lora_target_parameters {', '.join(spec.target_parameters)}: a {model.config.model_type} "
-                         "model has no experts (expert parameters are a mixture of experts')")
+        raise ModelLoadError(f"lora_target_parameters {', '.join(spec.target_parameters)}: a "
+                             f"{model.config.model_type} model has no experts (they are a mixture of experts')")
     cfg = model.config.replace(lora=spec, param_dtype=param_dtype or model.config.param_dtype)
     graphdef, abstract_adapters, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))), LoRAParam, ...)
     base = nnx.state(model, nnx.Param)
