@@ -269,6 +269,8 @@ def lora_options(peft_config: Any) -> dict[str, Any]:
         elif key not in LORA_UNSUPPORTED and key not in ("use_peft",):
             raise ConfigError(f"peft_config: unknown LoRA option {key!r}; use r, lora_alpha, lora_dropout, "
                               "target_modules, target_parameters, use_rslora")
+    if not ours.get("lora_target_parameters", True):  # peft's None / []: no expert adapters, the option's default
+        del ours["lora_target_parameters"]
     if isinstance(ours.get("lora_target_modules"), str) and ours["lora_target_modules"] != "all-linear":
         raise ConfigError("peft_config: target_modules as a regular expression is not supported; list the modules")
     if isinstance(ours.get("lora_target_modules"), str):
