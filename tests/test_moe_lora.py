@@ -4,7 +4,11 @@ the experts stored 4-bit under --load_in_4bit (within NF4's error bound; the 4-b
 model's exactly; memory accounting; the CLI trains it; compile-only covers it)."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +23,17 @@ from rloo_jax import quant
 from rloo_jax.cli import main
 from rloo_jax.efficiency import Transformer
 from rloo_jax.given import lora_options
-from rloo_jax.models import ModelLoadError, load_adapter, load_causal_lm, lora_spec, save_adapter, save_pretrained
+from rloo_jax.models import ModelLoadError, load_adapter, load_causal_lm, lora_spec, moe, save_adapter, save_pretrained
 from rloo_jax.models.loaded import convert_peft
 from rloo_jax.models.lora import dequantize_base, merge_adapters, quantize_base, split_adapters, with_adapters
 from rloo_jax.quant import QuantSpec
 from tests.checkpoints import PAD_ID, build_gpt_oss, build_qwen3_moe
 from tests.fixtures_models import tiny_checkpoint  # noqa: F401
 from tests.test_compile_only import common, config_only_model, run_main
-from tests.test_expert_parallel import TINY_QWEN3_MOE
+from tests.test_expert_parallel import TINY_QWEN3_MOE, _pairs
+from tests.xla_flags import forced_devices
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 IDS = np.array([[0, 0, 0, 17, 90, 41, 5], [5, 210, 33, 8, 150, 77, 64]], np.int32)
@@ -57,6 +64,71 @@ def _randomised(model, std=0.3):
     keys = jax.random.split(jax.random.key(1), len(leaves))
     leaves = [std * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), base)
+
+
+def _expert_lora(rs, e, d, f, r=2):
+    """Random adapters for `moe.experts_apply`: gate and up share A [E, D, r] (gate_up_proj's), down its own."""
+    draw = lambda *shape: jnp.asarray(rs.randn(*shape), jnp.float32)  # noqa: E731
+    a = draw(e, d, r)
+    return (a, draw(e, r, f)), (a, draw(e, r, f)), (draw(e, f, r), draw(e, r, d))
+
+
+def test_experts_apply_with_adapters_is_the_merged_experts():
+    """The adapters' two ragged_dots per projection = the experts W_e + scale A_e B_e (merged as peft merges), and
+    each shard's share (`first`) adds up to the whole; zero B adds exactly nothing."""
+    rs, (t, d, e, f, k), x, experts, w, (gate, up, down) = _pairs(2)
+    lora = _expert_lora(rs, e, d, f)
+    merged = [wt + 0.5 * jnp.einsum("eir,ero->eio", a, b) for wt, (a, b) in zip((gate, up, down), lora, strict=True)]
+    got = moe.experts_apply(x, experts, w, gate, up, down, lora=lora, lora_scale=0.5)
+    np.testing.assert_allclose(got, moe.experts_apply(x, experts, w, *merged), atol=1e-5)
+    assert np.abs(np.asarray(got - moe.experts_apply(x, experts, w, gate, up, down))).max() > 0.1
+    halves = [moe.experts_apply(x, experts, w, gate[i:i + 2], up[i:i + 2], down[i:i + 2], first=i,
+                                lora=jax.tree.map(lambda v, i=i: v[i:i + 2], lora), lora_scale=0.5) for i in (0, 2)]
+    np.testing.assert_allclose(halves[0] + halves[1], got, atol=1e-5)
+    zero = jax.tree.map(lambda v: v * 0, lora)
+    np.testing.assert_array_equal(moe.experts_apply(x, experts, w, gate, up, down, lora=zero, lora_scale=0.5),
+                                  moe.experts_apply(x, experts, w, gate, up, down))
+
+
+SHARDED = r'''
+import json, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from rloo_jax import mesh as M
+from rloo_jax.models import moe
+from tests.test_expert_parallel import _pairs
+from tests.test_moe_lora import _expert_lora
+rs, (t, d, e, f, k), x, experts, w, weights = _pairs(3)
+lora = _expert_lora(rs, e, d, f)
+mesh = M.make_mesh(1, -1, 1, expert_parallel=4)  # 4 devices: fsdp 1, expert 4
+
+def loss(x, lora, fixed):
+    experts, w, (gate, up, down) = fixed
+    y = moe.experts_apply_sharded(x[None], experts[None], w[None], gate, up, down, lora=lora, lora_scale=0.5)
+    return jnp.sum(jnp.sin(y))
+
+def on_mesh(*args):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return jax.value_and_grad(loss, argnums=(0, 1))(*args)
+
+args = (x, lora, (experts, w, weights))
+one = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*args)
+four = jax.jit(on_mesh)(*jax.device_put(args, NamedSharding(mesh, P())))
+diff = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four), strict=True))
+print("RESULT " + json.dumps({"diff": diff, "scale": float(max(jnp.abs(a).max() for a in jax.tree.leaves(one)))}))
+'''
+
+
+def test_expert_adapters_split_over_the_expert_axis_as_the_experts():
+    """`experts_apply_sharded` with adapters on a 4-way expert mesh (forced CPU devices; each shard holds its
+    experts' A and B): the loss and the gradients for x and every adapter equal one device's."""
+    env = dict(os.environ, XLA_FLAGS=forced_devices(4), JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", SHARDED], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    print(result)
+    assert result["diff"] <= 1e-5 * max(1.0, result["scale"])
 
 
 def test_expert_targets_resolve_as_peft_matches_them():
