@@ -22,6 +22,7 @@ from flax import nnx
 from rloo_jax import quant
 from rloo_jax.cli import main
 from rloo_jax.efficiency import Transformer
+from rloo_jax.export import load_policy, read_checkpoint
 from rloo_jax.given import lora_options
 from rloo_jax.models import ModelLoadError, load_adapter, load_causal_lm, lora_spec, moe, save_adapter, save_pretrained
 from rloo_jax.models.loaded import convert_peft
@@ -232,23 +233,29 @@ def test_memory_accounting_counts_the_experts_as_stored():
 @pytest.mark.slow
 def test_cli_trains_a_4bit_mixture_of_experts_with_expert_adapters(checkpoints, tmp_path, tiny_checkpoint):  # noqa: F811
     """--use_peft --lora_target_parameters --load_in_4bit on a tiny Qwen3-MoE, 2 steps: the KL starts at 0 (the
-    4-bit base is the reference), final/ is a PEFT folder with the experts' adapters, which have moved."""
+    4-bit base is the reference), final/ is a PEFT folder with the experts' adapters, which have moved; the
+    checkpoint is the policy (its adapters on the base quantized again) and final_merged/ its merge; a third step
+    resumes it (the layout check knows the expert targets)."""
     model = tmp_path / "model"
     shutil.copytree(checkpoints["qwen3_moe"], model)
     for f in tiny_checkpoint("tokenizer").iterdir():
         shutil.copy(f, model / f.name)
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"count {i}"}) + "\n" for i in range(8)))
+    # a byte-level tokenizer's random completions: half the printable characters (every other one) score
+    letters = ["".join(chr(c) for c in range(32, 127) if (c + i) % 2 == 0) for i in range(2)]
+    data.write_text("".join(json.dumps({"prompt": f"spell {i} with", "letters": letters[i % 2]}) + "\n"
+                            for i in range(8)))
     out = tmp_path / "run"
-    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--reward_funcs", "format",
+    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--reward_funcs",
+            "rloo_jax.demo:letters_reward", "--scan_layers", "true",
             "--output_dir", str(out), "--num_generations", "4", "--per_device_train_batch_size", "8",
             "--max_prompt_length", "8", "--max_completion_length", "6", "--max_steps", "2", "--logging_steps", "1",
-            "--save_steps", "100", "--compilation_cache", "false", "--beta", "0.04", "--learning_rate", "0.05",
+            "--save_steps", "2", "--compilation_cache", "false", "--beta", "0.04", "--learning_rate", "0.05",
             "--use_peft", "--lora_r", "2", "--lora_dropout", "0", "--lora_target_parameters",
-            "mlp.experts.gate_up_proj,mlp.experts.down_proj", "--load_in_4bit"]
+            "mlp.experts.gate_up_proj,mlp.experts.down_proj", "--load_in_4bit", "--merge_adapter_on_export"]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert len(rows) == 2 and rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and rows[0]["reward_std"] > 0
     config = json.loads((out / "final" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == sorted(EXPERTS) and config["target_modules"] == ["q_proj", "v_proj"]
     from safetensors.numpy import load_file
@@ -256,6 +263,15 @@ def test_cli_trains_a_4bit_mixture_of_experts_with_expert_adapters(checkpoints, 
     tensors = load_file(out / "final" / "adapter_model.safetensors")
     b = tensors["base_model.model.model.layers.0.mlp.experts.lora_B.weight"]  # down_proj's: [D, r * E]
     assert b.shape == (32, 2 * 4) and np.abs(b).max() > 0  # B starts at 0: trained
+
+    policy, _ = load_policy(read_checkpoint(str(out)))
+    assert policy.config.quant == QuantSpec("nf4") and policy.config.lora.experts == {"gate_up", "down"}
+    np.testing.assert_array_equal(np.asarray(policy.model.layers.mlp.experts_down_lora_b[...][0]),
+                                  b.reshape(32, 2, 4).transpose(2, 1, 0))
+    # x (W + s A B) against x W + s (x A) B in float32, logits of magnitude ~2: measured 1.4e-5
+    assert np.abs(_logits(load_causal_lm(out / "final_merged")) - _logits(policy)).max() <= 5e-5
+    assert main([*args[:args.index("--max_steps") + 1], "3", *args[args.index("--max_steps") + 2:]]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def test_compile_only_covers_a_4bit_mixture_of_experts_with_expert_adapters(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
