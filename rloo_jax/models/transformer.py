@@ -563,7 +563,9 @@ class MoE(nnx.Module):
         into the compute dtype (QLoRA; this layer's alone, under the layer scan)."""
         if self.quant is None:
             return getattr(self, f"experts_{name}")[...]
-        stored = {n: v[...] for n in ("codes", "scale", "scale2")
+        # the codes and scales gathered over fsdp before dequantizing, as `Dense.weight` does (left to itself the
+        # partitioner dequantized a kernel's shards and gathered the bf16 weight: 4x the bytes)
+        stored = {n: _unsharded_embed(v) for n in ("codes", "scale", "scale2")
                   if (v := getattr(self, f"experts_{name}_{n}")) is not None}
         w = quant.dequantize(stored, self.quant, self.dtype)
         return w if self.quant.kind == "int8" else quant.unblock(w)
