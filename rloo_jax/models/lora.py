@@ -15,8 +15,12 @@ or alpha / sqrt(r) with rsLoRA); B starts at zero, so the first policy equals th
 `scan_layers` and sharded by the same rule table (the rank axis over fsdp where the other axis is not). Export:
 `models.save_adapter` (a PEFT folder), `merge_adapters` (a plain model with W + scale * A B).
 
-QLoRA: `quantize_base(base_model, QuantSpec("nf4"))` stores the base's block projections quantized
-(`rloo_jax.quant`) before `with_adapters`; `dequantize_base` makes it a plain model again.
+QLoRA: `quantize_base(base_model, QuantSpec("nf4"))` stores the base's block projections (and a mixture of
+experts' experts) quantized (`rloo_jax.quant`) before `with_adapters`; `dequantize_base` makes it a plain model
+again.
+
+A mixture of experts' experts get adapters only when `spec.target_parameters` names them (peft's
+`target_parameters`): per expert A [E, din, r], B [E, r, dout] (`transformer.MoE`), merged as W_e + scale A_e B_e.
 """
 
 from __future__ import annotations
@@ -228,9 +232,10 @@ def quantize_base(model: CausalLM, spec: QuantSpec) -> CausalLM:
 
 
 def dequantize_base(model: CausalLM, dtype: str | None = None) -> CausalLM:
-    """A quantized model (adapters, if any, kept) as a plain one: every quantized kernel dequantized into `dtype`
-    (default: the compute dtype, what the forward multiplies by). `dequantize_base(quantize_base(m, s))` computes
-    what the quantized model computes, up to the order of the float32 sums in its blocked matmul."""
+    """A quantized model (adapters, if any, kept) as a plain one: every quantized kernel and expert weight
+    dequantized into `dtype` (default: the compute dtype, what the forward multiplies by).
+    `dequantize_base(quantize_base(m, s))` computes what the quantized model computes, up to the order of the
+    float32 sums in its blocked matmul (the experts, dequantized before their grouped matmuls: exactly)."""
     spec = model.config.quant
     if spec is None:
         return model
