@@ -113,6 +113,8 @@ def main() -> None:
                 name = model if layers is None else f"{model}-L{layers}"
                 if layers is not None:
                     fit_models.MODELS[name] = dict(MODELS[model], num_hidden_layers=layers)
+                    if "layer_types" in MODELS[model]:
+                        fit_models.MODELS[name]["layer_types"] = MODELS[model]["layer_types"][:layers]
                 model_dir = write_model(Path(root), name)
                 for slice_name in args.slices:
                     report, wall, _ = run(model_dir, data, slice_name, Path(root) / "out", extra, args.algorithm)

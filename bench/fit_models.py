@@ -50,6 +50,29 @@ MODELS: dict[str, dict] = {
                         attn_logit_softcapping=None, final_logit_softcapping=None, max_position_embeddings=131072,
                         bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0),
 }
+# Qwen/Qwen3-30B-A3B's config.json (128 experts, 8 a token: ~3.3B active of 30.5B)
+MODELS["Qwen3-30B-A3B"] = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu",
+                               rms_norm_eps=1e-6, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                               num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                               num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                               mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False,
+                               vocab_size=151936, tie_word_embeddings=False, attention_bias=False,
+                               rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
+                               use_sliding_window=False, sliding_window=None, max_window_layers=48,
+                               bos_token_id=151643, eos_token_id=151645)
+# openai/gpt-oss-20b's config.json (32 experts, 4 a token: ~3.6B active of 20.9B), without its quantization_config
+# (compile-only reads no weights; the MXFP4 experts are dequantized on load)
+MODELS["gpt-oss-20b"] = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_act="silu",
+                             rms_norm_eps=1e-5, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                             num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                             num_experts_per_tok=4, experts_per_token=4, router_aux_loss_coef=0.9,
+                             output_router_logits=False, attention_bias=True, sliding_window=128,
+                             layer_types=["sliding_attention", "full_attention"] * 12, swiglu_limit=7.0,
+                             rope_theta=150000.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                                                   beta_slow=1.0, truncate=False,
+                                                                   original_max_position_embeddings=4096),
+                             initial_context_length=4096, max_position_embeddings=131072, vocab_size=201088,
+                             tie_word_embeddings=False, pad_token_id=199999, eos_token_id=200002)
 # Llama-3.1-70B: the published architecture (its config.json; no weights needed to compile)
 MODELS["Llama-3.1-70B"] = dict(MODELS["Llama-3.1-8B"], hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                                num_attention_heads=64, num_key_value_heads=8)

@@ -562,5 +562,6 @@ def run_settings(assembly: Any, shapes: Any) -> dict[str, Any]:
         settings["reward_model_bytes_per_chip_on_device"] = per_chip_bytes(state.reward_params)
     if cfg.use_peft:
         settings.update(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
+                        lora_target_parameters=cfg.lora_target_parameters,
                         trainable_params=sum(x.size for x in jax.tree.leaves(assembly.policy.params)))
     return settings

@@ -114,13 +114,15 @@ class Transformer:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
-    unquantized_params: float = 0.0  # of `layer_params`, what `layer_bytes` leaves out: routers and K experts
+    unquantized_params: float = 0.0  # of `layer_params`, what `layer_bytes` leaves out: the routers
+    expert_bytes: float | None = None  # one expert's matrices as stored when quantized (QLoRA); None: compute dtype
 
     @classmethod
     def of(cls, config, quant=None) -> Transformer:  # noqa: ANN001 - a rloo_jax.models.ModelConfig, a QuantSpec
         """The sizes of `config`'s model; `quant` (default: the config's): its block matrices stored quantized.
         A mixture of experts' routed block counts its router (D x E) and the K experts a token goes through
-        (`layer_params`, the FLOPs: the active parameters); the experts are never quantized (`weight_bytes`)."""
+        (`layer_params`, the FLOPs: the active parameters); with `quant` its experts are stored quantized as the
+        other block matrices (`expert_bytes`), its router is not."""
         from rloo_jax.quant import stored_bytes
 
         d, dh, f = config.hidden_size, config.head_dim, config.intermediate_size
@@ -138,10 +140,12 @@ class Transformer:
         quant = quant or config.quant
         windows = config.windows
         uniform = len(set(windows)) == 1
-        stored = None
-        if quant is not None:  # the quantized matrices of the mean block (a routed one's router and experts: not)
+        stored = expert_stored = None
+        if quant is not None:  # the quantized matrices of the mean block (a routed one's router: not)
+            fe = config.moe_intermediate_size if routed else 0
+            expert_stored = sum(stored_bytes(i, o, quant) for i, o in ((d, fe), (d, fe), (fe, d))) if routed else 0.0
             stored = (dense * sum(stored_bytes(i, o, quant) for i, o in attention + mlp)
-                      + routed * sum(stored_bytes(i, o, quant) for i, o in attention)) / n
+                      + routed * (sum(stored_bytes(i, o, quant) for i, o in attention) + k * expert_stored)) / n
         return cls(
             active / n if active % n else active // n,
             n,
@@ -155,7 +159,8 @@ class Transformer:
             e,
             k,
             expert,
-            routed * (d * e + k * expert) / n,
+            routed * d * e / n,
+            expert_stored,
         )
 
     def layer_pairs(self, start: int, count: int) -> int:
@@ -184,15 +189,17 @@ class Transformer:
     def weight_bytes(self, itemsize: int, rows: int | None = None) -> float:
         """Bytes of every matrix a forward multiplies by: the blocks' as stored (`layer_bytes`: 4-bit codes at half
         a byte + their scales) or at `itemsize`, and the unembedding at `itemsize` (never quantized). A mixture of
-        experts: every routed block's router and the experts a step of `rows` rows can reach, min(E, rows x K)
-        (rows None: all E), at `itemsize` (a decode step of N rows reads at most N x K experts of a block).
+        experts: every routed block's router at `itemsize` and the experts a step of `rows` rows can reach,
+        min(E, rows x K) (rows None: all E), as stored (a decode step of N rows reads at most N x K experts of a
+        block).
 
         Example: layer_params 10, 2 layers, unembed 6, itemsize 2: 52; with layer_bytes 6.5: 2 * 6.5 + 12 = 25.
         """
         if self.layer_bytes is None:
             return (self.num_layers * self.layer_params + self.unembed_params + self._idle_experts(rows)) * itemsize
-        unquantized = self.num_layers * self.unquantized_params + self._idle_experts(rows) + self.unembed_params
-        return self.num_layers * self.layer_bytes + unquantized * itemsize
+        unquantized = self.num_layers * self.unquantized_params + self.unembed_params
+        idle = self._idle_experts(rows) / self.expert_params * self.expert_bytes if self.expert_params else 0.0
+        return self.num_layers * self.layer_bytes + unquantized * itemsize + idle
 
     @staticmethod
     def tokens(prompts: int, prompt_length: int, group: int, completion_length: int) -> int:

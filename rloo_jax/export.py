@@ -54,8 +54,8 @@ from rloo_jax.models.export import (
 
 # ------------------------------------------------------------------------------------------------ a checkpoint
 RUN_FIELDS = ("model_name_or_path", "seed", "bf16", "param_dtype", "use_peft", "lora_r", "lora_alpha", "lora_dropout",
-              "lora_target_modules", "use_rslora", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type",
-              "use_bnb_nested_quant", *SAMPLING_FIELDS)
+              "lora_target_modules", "lora_target_parameters", "use_rslora", "load_in_4bit", "load_in_8bit",
+              "bnb_4bit_quant_type", "use_bnb_nested_quant", *SAMPLING_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +189,7 @@ def load_policy(saved: Saved, with_base: bool = True) -> tuple[Any, str]:
         if quant is not None:  # QLoRA: the base the adapters were trained on (what a merge folds them into)
             base = quantize_base(base, quant)
         spec = lora_spec(base.config.family, lora["r"], run["lora_alpha"], run["lora_dropout"],
-                         lora["target_modules"], run["use_rslora"])
+                         lora["target_modules"], run["use_rslora"], lora.get("target_parameters"))
         # the adapters' initial values are overwritten by the checkpoint's
         graphdef, params, frozen = split_adapters(with_adapters(base, spec, jax.random.key(0), run["param_dtype"]))
     item = {"train": {"params": params}}

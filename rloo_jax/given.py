@@ -230,13 +230,13 @@ def reward_tokenizers(classes: Any, count: int) -> list[Any] | None:
 
 # peft LoraConfig attribute -> our option; the values of the others that ask for nothing
 LORA_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-               "target_modules": "lora_target_modules", "use_rslora": "use_rslora"}
+               "target_modules": "lora_target_modules", "use_rslora": "use_rslora",
+               "target_parameters": "lora_target_parameters"}
 
 
 LORA_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_dora": lambda v: not v,
     "modules_to_save": lambda v: not v,
-    "target_parameters": lambda v: not v,
     "layers_to_transform": lambda v: v is None,
     "rank_pattern": lambda v: not v,
     "alpha_pattern": lambda v: not v,
@@ -268,7 +268,9 @@ def lora_options(peft_config: Any) -> dict[str, Any]:
             ours[name] = sorted(value) if isinstance(value, set) else value
         elif key not in LORA_UNSUPPORTED and key not in ("use_peft",):
             raise ConfigError(f"peft_config: unknown LoRA option {key!r}; use r, lora_alpha, lora_dropout, "
-                              "target_modules, use_rslora")
+                              "target_modules, target_parameters, use_rslora")
+    if not ours.get("lora_target_parameters", True):  # peft's None / []: no expert adapters, the option's default
+        del ours["lora_target_parameters"]
     if isinstance(ours.get("lora_target_modules"), str) and ours["lora_target_modules"] != "all-linear":
         raise ConfigError("peft_config: target_modules as a regular expression is not supported; list the modules")
     if isinstance(ours.get("lora_target_modules"), str):

@@ -83,8 +83,10 @@ def min_lr_rate(cfg: Any) -> float:
 
 def decay_mask(params: Any) -> Any:
     """Weight decay on matrices only (as transformers skips biases and norms): `kernel`, `embedding` and LoRA's
-    A and B leaves. By name, not by rank: a stacked block's norm scale [L, D] is 2-D but no matrix."""
-    matrices = {"kernel", "embedding", "lora_a", "lora_b", "qkv_lora_a", "gate_up_lora_a"}
+    A and B leaves (the experts' too, as transformers decays peft's). By name, not by rank: a stacked block's norm
+    scale [L, D] is 2-D but no matrix."""
+    matrices = {"kernel", "embedding", "lora_a", "lora_b", "qkv_lora_a", "gate_up_lora_a", "experts_gate_up_lora_a",
+                "experts_gate_lora_b", "experts_up_lora_b", "experts_down_lora_a", "experts_down_lora_b"}
 
     def is_matrix(path: tuple, _: Any) -> bool:
         return bool({getattr(k, "key", getattr(k, "name", None)) for k in path} & matrices)

@@ -243,6 +243,15 @@ class PeftOptions:
         "dense_4h_to_h (GPT-NeoX); or all-linear (every projection of the blocks). None: peft's default for the "
         "model (q_proj,v_proj; query_key_value).",
     )
+    lora_target_parameters: list[str] | None = _opt(
+        None,
+        "peft",
+        "A mixture of experts' expert parameters with adapters too (TRL's name; peft's target_parameters, "
+        "comma-separated): mlp.experts.gate_up_proj, mlp.experts.down_proj (Qwen3-MoE, GPT-OSS; any dotted suffix, "
+        "as peft matches them). Per expert e: W_e + lora_alpha / lora_r * A_e B_e, A_e [in, r], B_e [r, out]; "
+        "gate_up_proj is one adapter (one A for gate and up). Needs lora_dropout 0 (peft refuses dropout there). "
+        "None: the experts have no adapters (peft's all-linear leaves them alone too).",
+    )
     use_rslora: bool = _opt(
         False, "peft", "rsLoRA: scale the adapter's output by lora_alpha / sqrt(lora_r) instead of lora_alpha / lora_r."
     )
@@ -293,6 +302,9 @@ class PeftOptions:
             name = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
             raise ConfigError(f"{name} quantizes the frozen base of LoRA (QLoRA): pass --use_peft, or drop --{name} "
                               "(a quantized model cannot be trained whole)")
+        if self.use_peft and self.lora_target_parameters and self.lora_dropout:
+            raise ConfigError(f"lora_target_parameters needs lora_dropout 0 (got {self.lora_dropout}; TRL's default "
+                              "is 0.05): peft's adapters on expert parameters refuse dropout; pass --lora_dropout 0")
         if self.use_bnb_nested_quant and not self.load_in_4bit:
             raise ConfigError("use_bnb_nested_quant quantizes the scales of a 4-bit base: pass --load_in_4bit, or "
                               "drop --use_bnb_nested_quant")

@@ -51,7 +51,7 @@ def policy(cfg: Any, model: Any, adapter_dir: str | None = None) -> Policy:
                    else reference_params(graphdef, params))
         return Policy(graphdef, params, ref)
     spec = lora_spec(model.config.family, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                     cfg.use_rslora)
+                     cfg.use_rslora, cfg.lora_target_parameters)
     if cfg.quant_spec is not None:  # QLoRA: the base's block projections quantized once, here
         model = quantize_base(model, cfg.quant_spec)
     ref_graphdef, base = nnx.split(model)
@@ -71,23 +71,26 @@ def policy(cfg: Any, model: Any, adapter_dir: str | None = None) -> Policy:
 
 def check_adapter_options(cfg: Any, family: str, adapter_dir: str) -> None:
     """A PEFT adapter folder as the policy trains its adapters: use_peft on, and lora_r, lora_alpha, use_rslora and
-    lora_target_modules those of its adapter_config.json (lora_dropout is the run's: it changes no weight);
-    ConfigError naming the differences otherwise. The Python API sets them from the folder."""
+    lora_target_modules / lora_target_parameters those of its adapter_config.json (lora_dropout is the run's: it
+    changes no weight); ConfigError naming the differences otherwise. The Python API sets them from the folder."""
     from rloo_jax.models.loaded import adapter_lora_options
 
     theirs = adapter_lora_options(adapter_dir)
     if not cfg.use_peft:
         raise ConfigError(f"model_name_or_path {adapter_dir} is a PEFT adapter folder: set use_peft (with its "
                           f"LoRA options: {', '.join(f'{k}={v}' for k, v in theirs.items() if k != 'use_peft')})")
-    ours = lora_spec(family, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules, cfg.use_rslora)
+    ours = lora_spec(family, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules, cfg.use_rslora,
+                     cfg.lora_target_parameters)
     want = lora_spec(family, theirs["lora_r"], theirs["lora_alpha"], 0.0, theirs["lora_target_modules"],
-                     theirs["use_rslora"])
+                     theirs["use_rslora"], theirs["lora_target_parameters"])
     if ours != want:
         raise ConfigError(f"the adapter folder {adapter_dir} holds LoRA r={want.rank}, alpha={want.alpha}, "
-                          f"targets={list(want.targets)}, use_rslora={want.use_rslora}; the run asks for "
+                          f"targets={list(want.targets)}, target_parameters={list(want.target_parameters)}, "
+                          f"use_rslora={want.use_rslora}; the run asks for "
                           f"r={ours.rank}, alpha={ours.alpha}, targets={list(ours.targets)}, "
+                          f"target_parameters={list(ours.target_parameters)}, "
                           f"use_rslora={ours.use_rslora}: set lora_r / lora_alpha / lora_target_modules / "
-                          "use_rslora to the folder's")
+                          "lora_target_parameters / use_rslora to the folder's")
 
 
 def reference_params(graphdef: nnx.GraphDef, params: nnx.State) -> nnx.State:

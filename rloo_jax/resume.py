@@ -80,7 +80,7 @@ def reward_count(config: dict[str, Any]) -> int:
 
 SCHEDULE = ("learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "min_lr", "min_lr_rate")
 # checked by the trainer's layout check (rloo_jax.train.check_layout), with its own message
-LAYOUT = ("algorithm", "scan_layers", "use_peft", "lora_r", "lora_target_modules")
+LAYOUT = ("algorithm", "scan_layers", "use_peft", "lora_r", "lora_target_modules", "lora_target_parameters")
 NOT_REPORTED = ("output_dir", "tfds_data_dir", "coordinator_address", "num_processes", "process_id", "compile_only",
                 "topology", "trust_remote_code", "device_count", "process_count")
 EXECUTION = ("matmul_precision", "attn_implementation", "moe_implementation", "gradient_checkpointing", "remat_policy",
@@ -247,6 +247,8 @@ def layout(cfg: Any, scan_layers: bool) -> dict[str, Any]:
     """What a checkpoint's state is shaped by: the algorithm, the block layout (`scan_layers`) and the adapters
     (None: full fine-tuning)."""
     lora = cfg.use_peft and {"r": cfg.lora_r, "target_modules": cfg.lora_target_modules}
+    if lora and cfg.lora_target_parameters:  # only when set: earlier checkpoints' layouts stay equal
+        lora["target_parameters"] = cfg.lora_target_parameters
     return {"algorithm": cfg.ALGORITHM, "scan_layers": scan_layers, "lora": lora or None}
 
 
@@ -270,6 +272,6 @@ def check_layout(meta: dict[str, Any], current: dict[str, Any], step: int) -> No
     lora = meta.get("layout", {}).get("lora")
     if lora != current["lora"]:
         held = "full fine-tuning" if lora is None else f"LoRA adapters (lora_r {lora['r']}, lora_target_modules " \
-            f"{lora['target_modules']})"
+            f"{lora['target_modules']}, lora_target_parameters {lora.get('target_parameters')})"
         raise ConfigError(f"checkpoint {step} holds {held}; resume with the same use_peft / lora_r / "
-                          "lora_target_modules, or start a new output_dir")
+                          "lora_target_modules / lora_target_parameters, or start a new output_dir")

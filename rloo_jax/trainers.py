@@ -84,8 +84,9 @@ class _OnlineTrainer:
         missing pad token to eos, as TRL does.
       reward_processing_classes: one tokenizer per reward function (or one for a single reward model); None
         entries, and entries of callables, mean the reward model's own.
-      peft_config: a peft `LoraConfig` (r, lora_alpha, lora_dropout, target_modules, use_rslora), or a dict with
-        those names or ours (lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora): trains LoRA
+      peft_config: a peft `LoraConfig` (r, lora_alpha, lora_dropout, target_modules, target_parameters,
+        use_rslora), or a dict with those names or ours (lora_r, lora_alpha, lora_dropout, lora_target_modules,
+        lora_target_parameters, use_rslora): trains LoRA
         adapters on the frozen base. Not with a PeftModel or an adapter folder (ConfigError, as TRL refuses it).
       rollout_func: TRL 1.16 GRPOTrainer's custom generation, `rollout_func(prompts, trainer) -> dict` (also taken
         by RLOOTrainer): called on the host with each generation batch's prompts (every prompt num_generations times,

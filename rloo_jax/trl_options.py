@@ -420,9 +420,12 @@ SHARED: list[tuple[str, str, Decision]] = [
     ("LoRA", "use_peft lora_r lora_alpha lora_dropout lora_target_modules use_rslora",
      supported("the reference is the base with adapters off (a PeftModel or adapter folder: with a frozen copy "
                "of its adapters, as TRL); final/ is a PEFT adapter folder (docs/lora.md)")),
+    ("lora_target_parameters", "lora_target_parameters",
+     supported("a mixture of experts' mlp.experts.gate_up_proj / down_proj (peft's target_parameters: per-expert "
+               "adapters, lora_dropout 0 as peft requires; docs/lora.md)")),
     ("lora_task_type", "lora_task_type", accepted("causal LMs only", is_one_of("causal_lm"), "CAUSAL_LM")),
-    ("LoRA extras", "use_dora lora_modules_to_save lora_target_parameters",
-     refused("DoRA, trained full modules and parameter targets are not implemented", off, "false / None")),
+    ("LoRA extras", "use_dora lora_modules_to_save",
+     refused("DoRA and trained full modules are not implemented", off, "false / None")),
     ("quantisation (QLoRA)", "load_in_8bit load_in_4bit bnb_4bit_quant_type use_bnb_nested_quant", supported(
         "with use_peft: the frozen base's block projections stored as bitsandbytes stores them (int8 per output "
         "channel; nf4 / fp4 in blocks of 64, its codebooks; nested: the scales in 8 bits), dequantized to the compute "

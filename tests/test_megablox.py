@@ -161,20 +161,23 @@ experts = jnp.asarray(np.stack([[rs.choice(E, K, replace=False) for _ in range(T
 w = jnp.asarray(rs.rand(B, T, K), jnp.float32)
 gate, up, down = f32(E, D, F) / 5, f32(E, D, F) / 5, f32(E, F, D) / 6
 biases = (f32(E, F), f32(E, F), f32(E, D))
+R = 3  # adapters on the three projections (gate's and up's A shared, as peft's gate_up_proj adapter)
+a_gu = f32(E, D, R) / 4
+lora = ((a_gu, f32(E, R, F) / 4), (a_gu, f32(E, R, F) / 4), (f32(E, F, R) / 4, f32(E, R, D) / 4))
 
-def apply(x, w, gate, up, down, biases, implementation):
+def apply(x, w, gate, up, down, biases, lora, implementation):
     return moe.experts_apply_sharded(x, experts, w, gate, up, down, biases=biases, swiglu=(1.702, 7.0),
-                                     implementation=implementation)
+                                     implementation=implementation, lora=lora, lora_scale=0.5)
 
 loss = lambda *a: jnp.sum(apply(*a) * c)
-grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), static_argnums=6)
-ref = grad(x, w, gate, up, down, biases, "ragged_dot")  # no mesh: one device
+grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6)), static_argnums=7)
+ref = grad(x, w, gate, up, down, biases, lora, "ragged_dot")  # no mesh: one device
 out = {}
 for implementation in ("ragged_dot", "megablox"):
     for shape, ep in (((1, 2, 2), 1), ((1, 1, 2), 2), ((1, 1, 4), 1)):  # fsdp 2 x tensor 2, expert 2 x tensor 2, tensor 4
         mesh = M.make_mesh(*shape, devices=jax.devices(), expert_parallel=ep)
         with jax.set_mesh(mesh):
-            g = grad(x, w, gate, up, down, biases, implementation)
+            g = grad(x, w, gate, up, down, biases, lora, implementation)
         out[f"{implementation} {shape} expert {ep}"] = max(
             float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref)))
 # the experts placed as the rule table places them on tensor 4 (F split): the forward gathers none of them
@@ -182,8 +185,8 @@ mesh = M.make_mesh(1, 1, 4, devices=jax.devices())
 put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
 with jax.set_mesh(mesh):
     args = (x, w, put(gate, None, None, "tensor"), put(up, None, None, "tensor"), put(down, None, "tensor"),
-            (put(biases[0], None, "tensor"), put(biases[1], None, "tensor"), biases[2]))
-    hlo = jax.jit(apply, static_argnums=6).lower(*args, "megablox").compile().as_text()
+            (put(biases[0], None, "tensor"), put(biases[1], None, "tensor"), biases[2]), None)
+    hlo = jax.jit(apply, static_argnums=7).lower(*args, "megablox").compile().as_text()
 out["all-gathers"] = hlo.count("all-gather-start") + hlo.count(" all-gather(")
 print("RESULT " + json.dumps(out))
 '''
@@ -193,7 +196,8 @@ def test_megablox_splits_each_experts_hidden_units_over_the_tensor_axis():
     """On a mesh with a tensor axis (fsdp 2 x tensor 2, expert 2 x tensor 2, tensor 4) each device computes its
     slice of every expert's hidden units (gate / up [E', D, F / t], down [E', F / t, D]) and one psum adds the
     slices, as a dense MLP's tensor parallelism: loss gradients w.r.t. x, the gate weights, the expert weights and
-    their biases (GPT-OSS's clamped SwiGLU; down's bias added once) are one device's (measured: within 3.8e-6), by
+    their biases (GPT-OSS's clamped SwiGLU; down's bias added once) and the experts' LoRA adapters (split as their
+    projections) are one device's (measured: within 3.8e-6), by
     ragged_dot and by megablox; and the forward on tensor 4 gathers no expert weights (before: megablox's
     shard_map took every expert whole, an all-gather of all of them at every decode step)."""
     env = dict(os.environ, XLA_FLAGS=forced_devices(4), JAX_PLATFORMS="cpu",

@@ -105,6 +105,10 @@ LORA_MODULES: dict[str, dict[str, str]] = {
 # target_modules); those get their family's: q_proj, v_proj, and Phi-3's fused qkv_proj.
 LORA_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {"llama": ("q_proj", "v_proj"), "phi3": ("qkv_proj",),
                                                     "gpt_neox": ("query_key_value",)}
+# A mixture of experts' fused expert parameters (transformers 5's Qwen3MoeExperts / GptOssExperts), which peft adapts
+# only through `target_parameters` (its `ParamWrapper`; TRL: `lora_target_parameters`) -> our experts' adapters
+# (`transformer.MoE`): gate_up_proj is our experts_gate and experts_up sharing one A, as Phi-3's gate_up_proj
+LORA_EXPERT_PARAMETERS: dict[str, str] = {"mlp.experts.gate_up_proj": "gate_up", "mlp.experts.down_proj": "down"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,8 @@ class LoRASpec:
 
     `targets` are Hugging Face module names of the family (`LORA_MODULES`); scale = alpha / r, or alpha / sqrt(r)
     with `use_rslora` (peft's rsLoRA). Dropout applies to the adapter's input in training forwards only.
+    `target_parameters`: a mixture of experts' expert parameters with adapters (peft's `target_parameters`,
+    `LORA_EXPERT_PARAMETERS`): per expert e, W_e + scale * A_e B_e, A_e [din, r], B_e [r, dout].
     """
 
     rank: int
@@ -123,6 +129,9 @@ class LoRASpec:
     # our projection names the targets select in the spec's family ("q", "k", "v", "o", "gate", "up", "down"; fused:
     # "qkv", "gate_up"), resolved once by `lora_spec`
     modules: frozenset[str] = frozenset()
+    target_parameters: tuple[str, ...] = ()
+    # the expert projections `target_parameters` selects ("gate_up", "down"), resolved by `lora_spec`
+    experts: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.targets and not self.modules:
@@ -133,11 +142,29 @@ class LoRASpec:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
+def expert_parameters(names: Any) -> tuple[str, ...]:
+    """peft `target_parameters` -> the expert parameters they name, canonical (`LORA_EXPERT_PARAMETERS`), in the
+    order given. peft matches a parameter whose dotted name is a target or ends with "." + a target, so any
+    dotted suffix of "mlp.experts.gate_up_proj" names it (a model's routed layers hold it under
+    model.layers.{i}.mlp.experts). Example: ["experts.down_proj", "mlp.experts.gate_up_proj"] ->
+    ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")."""
+    chosen = []
+    for name in [names] if isinstance(names, str) else list(names or ()):
+        full = [p for p in LORA_EXPERT_PARAMETERS if p == name or p.endswith(f".{name}")]
+        if not full:
+            raise ModelLoadError(f"lora_target_parameters: {name} is not an expert parameter; choose from "
+                                 f"{', '.join(LORA_EXPERT_PARAMETERS)} (a mixture of experts' fused experts)")
+        chosen += full
+    return tuple(dict.fromkeys(chosen))
+
+
 def lora_spec(
-    family: str, rank: int, alpha: float, dropout: float = 0.0, targets: Any = None, use_rslora: bool = False
+    family: str, rank: int, alpha: float, dropout: float = 0.0, targets: Any = None, use_rslora: bool = False,
+    target_parameters: Any = None,
 ) -> LoRASpec:
     """A validated `LoRASpec` for a family: `targets` None -> peft's defaults, "all-linear" -> every projection
-    of the blocks (not the LM head, as peft), else HF module names (`LORA_MODULES`)."""
+    of the blocks (not the LM head, as peft), else HF module names (`LORA_MODULES`); `target_parameters`: expert
+    parameters too (`expert_parameters`; peft refuses them with dropout, and so do we)."""
     names = LORA_MODULES[family]
     if targets is None:
         chosen = LORA_DEFAULT_TARGETS[family]
@@ -146,15 +173,21 @@ def lora_spec(
     else:
         chosen = tuple(dict.fromkeys(str(t) for t in targets))
         unknown = [t for t in chosen if t not in names]
-        if unknown or not chosen:
+        if unknown or not (chosen or target_parameters):  # [] with expert parameters: the experts alone (peft)
             raise ModelLoadError(
                 f"lora_target_modules: {', '.join(unknown) or '(none)'} is not a projection of a {family} model; "
                 f"choose from {', '.join(names)} or all-linear"
             )
     if rank < 1 or alpha <= 0 or not 0 <= dropout < 1:
         raise ModelLoadError(f"LoRA needs rank >= 1, alpha > 0, 0 <= dropout < 1 (got {rank}, {alpha}, {dropout})")
+    params = expert_parameters(target_parameters)
+    if params and dropout:
+        # peft's ParamWrapper: dropout(x) cannot be factored out of x (W + A B), so it raises; an adapter folder with
+        # both would not load there
+        raise ModelLoadError(f"lora_target_parameters needs lora_dropout 0 (got {dropout}): peft's adapters on "
+                             "expert parameters refuse dropout (TRL's default lora_dropout is 0.05)")
     return LoRASpec(int(rank), float(alpha), float(dropout), chosen, bool(use_rslora),
-                    frozenset(names[t] for t in chosen))
+                    frozenset(names[t] for t in chosen), params, frozenset(LORA_EXPERT_PARAMETERS[p] for p in params))
 
 
 @dataclasses.dataclass(frozen=True)

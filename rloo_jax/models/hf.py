@@ -135,6 +135,63 @@ EXPERTS_TRANSPOSE = Transform(lambda a: (a.transpose(0, 2, 1),), lambda p: p[0].
                               lambda s: (s[0][0], s[0][2], s[0][1]))
 
 
+HALVES = Transform(lambda a: tuple(np.split(a, 2, axis=-1)), lambda p: np.concatenate(p, axis=-1),
+                   lambda s: (*s[0][:-1], 2 * s[0][-1]))  # Qwen3-MoE's gate_up_proj: [gate; up] on the output axis
+
+
+def expert_lora_a(num_experts: int) -> Transform:
+    """peft's `ParamWrapper` lora_A.weight [E * r, din] (row e * r + j: rank j of expert e) <-> our A [E, din, r].
+    Example: E 2, r 1, din 1: rows [[a0], [a1]] -> A[0] = [[a0]], A[1] = [[a1]]."""
+    e = num_experts
+    return Transform(lambda a: (a.reshape(e, -1, a.shape[-1]).transpose(0, 2, 1),),
+                     lambda p: p[0].transpose(0, 2, 1).reshape(-1, p[0].shape[1]),
+                     lambda s: (s[0][0] * s[0][2], s[0][1]))
+
+
+def expert_lora_b(num_experts: int, join: Transform = IDENTITY) -> Transform:
+    """peft's `ParamWrapper` lora_B.weight [dout, r * E] (column j * E + e: rank j of expert e, as its
+    `get_delta_weight` reshapes it [dout, r, E]) <-> our B [E, r, dout]; gate_up_proj's output axis `join`s our
+    gate's and up's B [E, r, F] (`HALVES` for Qwen3-MoE, `INTERLEAVED` for GPT-OSS, as the weight's). Example:
+    E 2, r 1, dout 1: [[b0, b1]] -> B[0] = [[b0]], B[1] = [[b1]]."""
+    e = num_experts
+
+    def to_ours(a: np.ndarray) -> tuple[np.ndarray, ...]:
+        return join.to_ours(a.reshape(a.shape[0], -1, e).transpose(2, 1, 0))
+
+    def to_hf(parts: tuple[np.ndarray, ...]) -> np.ndarray:
+        full = join.to_hf(parts)  # [E, r, dout]
+        return full.transpose(2, 1, 0).reshape(full.shape[2], -1)
+
+    def hf_shape(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+        n, r, dout = join.hf_shape(shapes)
+        return (dout, r * n)
+
+    return Transform(to_ours, to_hf, hf_shape)
+
+
+def _expert_adapter_rows(cfg: ModelConfig) -> list[Row]:
+    """The experts' adapters as peft saves them (`target_parameters`, config.LORA_EXPERT_PARAMETERS): each
+    targeted parameter of `model.layers.{i}.mlp.experts` wraps the module in a `ParamWrapper`, the first
+    parameter the module registers (gate_up_proj, then down_proj) innermost, so with both targeted gate_up_proj's
+    adapter is `mlp.experts.base_layer.lora_A.weight` and down_proj's `mlp.experts.lora_A.weight`."""
+    on = [n for n in ("gate_up", "down") if n in cfg.lora.experts]
+    join = INTERLEAVED if cfg.model_type == "gpt_oss" else HALVES
+    a, rows = expert_lora_a(cfg.num_experts), []
+    for i in range(cfg.num_layers):
+        if not cfg.sparse_layers[i]:
+            continue
+        us, layer = _layer(cfg, i)
+        for depth, name in enumerate(on):
+            hf = f"base_model.model.model.layers.{i}.mlp.experts." + "base_layer." * (len(on) - 1 - depth)
+            ours = f"{us}.mlp.experts_{name}"
+            b = (f"{us}.mlp.experts_gate_lora_b", f"{us}.mlp.experts_up_lora_b") if name == "gate_up" else \
+                (f"{ours}_lora_b",)
+            rows.append(Row(f"{hf}lora_A.weight", (f"{ours}_lora_a",), a, layer))
+            rows.append(Row(f"{hf}lora_B.weight", b, expert_lora_b(cfg.num_experts, join if len(b) == 2 else
+                                                                   IDENTITY), layer))
+    return rows
+
+
 def _gpt_oss_moe_rows(hf: str, us: str, layer: int | None) -> list[Row]:
     """GPT-OSS's routed MLP as its files (dequantized) and transformers hold it: the router `mlp.router.weight`
     [E, D] and bias [E]; `mlp.experts.gate_up_proj` [E, D, 2F] and its bias [E, 2F] (`INTERLEAVED`),
@@ -255,7 +312,8 @@ def weight_table(cfg: ModelConfig, task: str, fused_experts: bool = False) -> li
 def adapter_table(cfg: ModelConfig) -> list[Row]:
     """PEFT adapter tensors <-> our `lora_a`/`lora_b`, derived from the weight table: the adapter of HF module
     `X` is `base_model.model.X.lora_A.weight` [r, din] (transposed A) and `...lora_B.weight` [dout, r], whose
-    layout is the module weight's with r for din (so a fused B goes through the same `fused_qkv` / `stacked`)."""
+    layout is the module weight's with r for din (so a fused B goes through the same `fused_qkv` / `stacked`);
+    the experts' (`target_parameters`): `_expert_adapter_rows`."""
     if cfg.lora is None:
         return []
     ours, rows = cfg.lora.modules, []
@@ -274,7 +332,7 @@ def adapter_table(cfg: ModelConfig) -> list[Row]:
             continue
         rows.append(Row(f"{hf}.lora_A.weight", (a,), TRANSPOSE, r.layer))
         rows.append(Row(f"{hf}.lora_B.weight", tuple(f"{m}.lora_b" for m in modules), r.transform, r.layer))
-    return rows
+    return rows + (_expert_adapter_rows(cfg) if cfg.lora.experts else [])
 
 
 def architecture_name(cfg: ModelConfig, task: str) -> str:
@@ -731,6 +789,7 @@ def save_adapter(
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
         "target_modules": list(spec.targets),
+        "target_parameters": list(spec.target_parameters) or None,
         "use_rslora": spec.use_rslora,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -777,7 +836,8 @@ def load_adapter(
     targets = [t.rsplit(".", 1)[-1] for t in ([targets] if isinstance(targets, str) else targets or [])]
     try:
         spec = lora_spec(base.config.family, int(ac["r"]), float(ac["lora_alpha"]), float(ac.get("lora_dropout", 0)),
-                         targets or None, bool(ac.get("use_rslora", False)))
+                         targets if targets or ac.get("target_parameters") else None,
+                         bool(ac.get("use_rslora", False)), ac.get("target_parameters"))
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{directory / ADAPTER_CONFIG}: {e}") from None
     return fill_adapters(with_adapters(base, spec, jax.random.key(0)), TensorReader(directory),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ _DTYPES = {"torch.float32": ("float32", "float32"), "torch.bfloat16": ("bfloat16
            "torch.float16": ("float32", "float16")}
 # peft LoraConfig fields that change what we would compute (plain LoRA leaves each None, False, empty or "none")
 _PEFT_PLAIN = ("use_dora", "bias", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform",
-               "fan_in_fan_out", "target_parameters", "lora_bias", "trainable_token_indices", "layer_replication")
+               "fan_in_fan_out", "lora_bias", "trainable_token_indices", "layer_replication")
 
 
 # ------------------------------------------------------------------------------------------------ recognising
@@ -148,7 +149,8 @@ def peft_parts(model: Any) -> tuple[Any, dict[str, Any], dict[str, Any], dict[st
         elif ".lora_" in key or ".lora_magnitude_vector" in key:
             raise ConfigError(f"the PeftModel holds {key}: not a plain LoRA adapter")
         else:
-            base_tensors[key.replace(".base_layer.", ".")] = value
+            # a parameter-wrapped module (peft's target_parameters) nests one base_layer per targeted parameter
+            base_tensors[re.sub(r"(\.base_layer)+\.", ".", key)] = value
     return base, base_tensors, adapters, values
 
 
@@ -160,9 +162,12 @@ def peft_lora_options(values: dict[str, Any]) -> dict[str, Any]:
     # peft matches a name by its last part(s): "model.layers.0.self_attn.q_proj" targets q_proj (in every layer;
     # adapters missing from some layers are then a missing-tensor error)
     targets = [targets] if isinstance(targets, str) else sorted({t.rsplit(".", 1)[-1] for t in targets or []})
+    params = sorted(values.get("target_parameters") or []) or None  # the experts' (peft's ParamWrapper)
     return {"use_peft": True, "lora_r": int(values["r"]), "lora_alpha": values["lora_alpha"],
-            "lora_dropout": float(values.get("lora_dropout") or 0.0), "lora_target_modules": targets or None,
-            "use_rslora": bool(values.get("use_rslora", False))}
+            "lora_dropout": float(values.get("lora_dropout") or 0.0),
+            "lora_target_modules": targets if targets or params else None, "use_rslora": bool(values.get("use_rslora",
+                                                                                                       False)),
+            "lora_target_parameters": params}
 
 
 def plain_lora(values: dict[str, Any], where: str, error: type[Exception] = ModelLoadError) -> None:
@@ -192,7 +197,7 @@ def convert_peft(model: Any) -> tuple[CausalLM, dict[str, Any]]:
     plain = convert(base, "causal_lm", base_tensors)
     options = peft_lora_options(values)
     spec = lora_spec(plain.config.family, options["lora_r"], options["lora_alpha"], options["lora_dropout"],
-                     options["lora_target_modules"], options["use_rslora"])
+                     options["lora_target_modules"], options["use_rslora"], options["lora_target_parameters"])
     # float32 adapters (peft's own storage; exact for any source dtype); A and B overwritten with the PeftModel's
     lora = with_adapters(plain, spec, jax.random.key(0), "float32")
     return fill_adapters(lora, StateDictReader(adapters), f"the PeftModel's adapters ({type(base).__name__})"), \

@@ -15,8 +15,12 @@ or alpha / sqrt(r) with rsLoRA); B starts at zero, so the first policy equals th
 `scan_layers` and sharded by the same rule table (the rank axis over fsdp where the other axis is not). Export:
 `models.save_adapter` (a PEFT folder), `merge_adapters` (a plain model with W + scale * A B).
 
-QLoRA: `quantize_base(base_model, QuantSpec("nf4"))` stores the base's block projections quantized
-(`rloo_jax.quant`) before `with_adapters`; `dequantize_base` makes it a plain model again.
+QLoRA: `quantize_base(base_model, QuantSpec("nf4"))` stores the base's block projections (and a mixture of
+experts' experts) quantized (`rloo_jax.quant`) before `with_adapters`; `dequantize_base` makes it a plain model
+again.
+
+A mixture of experts' experts get adapters only when `spec.target_parameters` names them (peft's
+`target_parameters`): per expert A [E, din, r], B [E, r, dout] (`transformer.MoE`), merged as W_e + scale A_e B_e.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rloo_jax import quant
-from rloo_jax.models.config import LoRASpec, ModelConfig, lora_spec
-from rloo_jax.models.transformer import MLP, Attention, CausalLM, Dense, LoRAParam
+from rloo_jax.models.config import LoRASpec, ModelConfig, ModelLoadError, lora_spec
+from rloo_jax.models.transformer import MLP, Attention, CausalLM, Dense, LoRAParam, MoE
 from rloo_jax.quant import QuantSpec
 
 __all__ = [
@@ -62,7 +66,9 @@ def init_adapters(adapters: nnx.State, key: jax.Array) -> nnx.State:
     """peft's initialisation: every A ~ U(-1/sqrt(din), 1/sqrt(din)) (kaiming-uniform, a = sqrt(5)), every B = 0.
 
     Each layer's A is drawn from fold_in(fold_in(key, crc32(name)), layer), so the stacked and the list layouts
-    hold the same numbers. `adapters` may be abstract (`nnx.eval_shape`): the values only need its shapes.
+    hold the same numbers. An expert adapter's A [E, din, r] (peft's `ParamWrapper`: kaiming-uniform on its
+    [E * r, din] weight, the same bound) is one draw per layer. `adapters` may be abstract (`nnx.eval_shape`): the
+    values only need its shapes.
     """
     def one(path: tuple, x: jax.Array) -> jax.Array:
         name, layer = _name(path)
@@ -71,11 +77,12 @@ def init_adapters(adapters: nnx.State, key: jax.Array) -> nnx.State:
         k = jax.random.fold_in(key, zlib.crc32(name.encode()))
         din = x.shape[-2]
         bound = 1.0 / din**0.5
+        ndim = 3 if name.rsplit(".", 1)[-1].startswith("experts_") else 2  # one layer's A: [E, din, r] or [din, r]
 
         def draw(i: int) -> jax.Array:
-            return jax.random.uniform(jax.random.fold_in(k, i), x.shape[-2:], jnp.float32, -bound, bound)
+            return jax.random.uniform(jax.random.fold_in(k, i), x.shape[-ndim:], jnp.float32, -bound, bound)
 
-        value = draw(layer or 0) if x.ndim == 2 else jnp.stack([draw(i) for i in range(x.shape[0])])
+        value = draw(layer or 0) if x.ndim == ndim else jnp.stack([draw(i) for i in range(x.shape[0])])
         return value.astype(x.dtype)
 
     return jax.tree_util.tree_map_with_path(one, adapters)
@@ -87,6 +94,9 @@ def with_adapters(model: CausalLM, spec: LoRASpec, key: jax.Array, param_dtype: 
     (`nnx.eval_shape`) gives an abstract result."""
     if model.config.lora is not None:
         raise ValueError("the model already has adapters")
+    if spec.experts and not model.config.is_moe:
+        raise ModelLoadError(f"lora_target_parameters {', '.join(spec.target_parameters)}: a "
+                             f"{model.config.model_type} model has no experts (they are a mixture of experts')")
     cfg = model.config.replace(lora=spec, param_dtype=param_dtype or model.config.param_dtype)
     graphdef, abstract_adapters, _ = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, nnx.Rngs(0))), LoRAParam, ...)
     base = nnx.state(model, nnx.Param)
@@ -120,6 +130,8 @@ def merge_adapters(model: CausalLM) -> CausalLM:
         return model
     model = nnx.clone(model)
     for _, node in nnx.iter_graph(model):
+        if isinstance(node, MoE):
+            _merge_experts(node, spec.scale)
         if not isinstance(node, Attention | MLP):
             continue
         shared = getattr(node, "qkv_lora_a", None) or getattr(node, "gate_up_lora_a", None)  # a fused A
@@ -132,6 +144,19 @@ def merge_adapters(model: CausalLM) -> CausalLM:
             dense.kernel[...] = (w.astype(jnp.float32) + spec.scale * delta).astype(w.dtype)
     plain = nnx.eval_shape(lambda: CausalLM(model.config.replace(lora=None), nnx.Rngs(0)))
     return nnx.merge(nnx.graphdef(plain), split_adapters(model)[2])
+
+
+def _merge_experts(node: MoE, scale: float) -> None:
+    """A routed MLP's expert weights W_e + scale * A_e B_e in place (float32, stored in W's dtype); peft's
+    `ParamWrapper.merge` adds the same per-expert delta to the 3-D parameter."""
+    for name, a, b in (("gate", node.experts_gate_up_lora_a, node.experts_gate_lora_b),
+                       ("up", node.experts_gate_up_lora_a, node.experts_up_lora_b),
+                       ("down", node.experts_down_lora_a, node.experts_down_lora_b)):
+        if a is None:
+            continue
+        delta = jnp.einsum("...eir,...ero->...eio", a[...].astype(jnp.float32), b[...].astype(jnp.float32))
+        w = getattr(node, f"experts_{name}")
+        w[...] = (w[...].astype(jnp.float32) + scale * delta).astype(w[...].dtype)
 
 
 # ------------------------------------------------------------------------------------------------ QLoRA
@@ -170,41 +195,60 @@ def _per_layer(fn: Callable[[Any], Any], x: Any) -> Any:
 _STORED = {"qkernel": "codes", "qscale": "scale", "qscale2": "scale2"}  # Dense's attribute -> quant's name
 
 
+def _stored(path: str) -> tuple[str, str] | None:
+    """A quantized parameter's dotted path -> (the path of the weight it stores, quant's name for it): a Dense's
+    `x.qscale` -> ("x.kernel", "scale"), MoE's `x.experts_up_codes` -> ("x.experts_up", "codes"); None for any
+    other parameter."""
+    stem, _, name = path.rpartition(".")
+    if name in _STORED:
+        return f"{stem}.kernel", _STORED[name]
+    weight, _, part = name.rpartition("_")
+    if weight in ("experts_gate", "experts_up", "experts_down") and part in ("codes", "scale", "scale2"):
+        return f"{stem}.{weight}", part
+    return None
+
+
 def quantize_base(model: CausalLM, spec: QuantSpec) -> CausalLM:
-    """`model` (no adapters, not yet quantized) with its block projections' kernels quantized by `spec`
+    """`model` (no adapters, not yet quantized) with its block projections' kernels, and a mixture of experts'
+    expert weights (each expert's [din, dout] alone, as a kernel), quantized by `spec`
     (`rloo_jax.quant.quantize`: codes + scales), once, on the device the weights are on; embeddings, the LM head,
-    norms and biases kept as they are (bitsandbytes keeps the LM head too). An abstract model (`nnx.eval_shape`)
-    gives an abstract result."""
+    norms, routers and biases kept as they are (bitsandbytes keeps the LM head, and fused 3-D expert parameters,
+    too). An abstract model (`nnx.eval_shape`) gives an abstract result."""
     if model.config.lora is not None or model.config.quant is not None:
         raise ValueError("quantize the base before adding adapters, and only once")
     one = jax.jit(lambda w: quant.quantize(w, spec))
     done: dict[str, dict[str, Any]] = {}
 
     def leaf(path: str, _: Any, source: dict[str, Any]) -> Any:
-        stem, _, name = path.rpartition(".")
-        if name not in _STORED:
+        stored = _stored(path)
+        if stored is None:
             return source[path]
-        if stem not in done:
-            done[stem] = _per_layer(one, source[f"{stem}.kernel"])
-        return done[stem][_STORED[name]]
+        weight, name = stored
+        if weight not in done:
+            done[weight] = _per_layer(one, source[weight])
+        return done[weight][name]
 
     return _rebuild(model, model.config.replace(quant=spec), leaf)
 
 
 def dequantize_base(model: CausalLM, dtype: str | None = None) -> CausalLM:
-    """A quantized model (adapters, if any, kept) as a plain one: every quantized kernel dequantized into `dtype`
-    (default: the compute dtype, what the forward multiplies by). `dequantize_base(quantize_base(m, s))` computes
-    what the quantized model computes, up to the order of the float32 sums in its blocked matmul."""
+    """A quantized model (adapters, if any, kept) as a plain one: every quantized kernel and expert weight
+    dequantized into `dtype` (default: the compute dtype, what the forward multiplies by).
+    `dequantize_base(quantize_base(m, s))` computes what the quantized model computes, up to the order of the
+    float32 sums in its blocked matmul (the experts, dequantized before their grouped matmuls: exactly)."""
     spec = model.config.quant
     if spec is None:
         return model
     dt = jnp.dtype(dtype or model.config.dtype)
 
     def leaf(path: str, target: Any, source: dict[str, Any]) -> Any:
-        stem, _, name = path.rpartition(".")
-        if name != "kernel" or f"{stem}.qkernel" not in source:
+        if path in source:  # not a quantized weight
             return source[path]
-        stored = {v: source[f"{stem}.{k}"] for k, v in _STORED.items() if f"{stem}.{k}" in source}
+        stored = {}
+        for p, x in source.items():
+            weight = _stored(p)
+            if weight is not None and weight[0] == path:
+                stored[weight[1]] = x
         shape = target.shape
         if isinstance(stored["codes"], jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(shape, dt)

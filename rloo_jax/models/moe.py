@@ -155,7 +155,8 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
 def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, dtype: jnp.dtype = jnp.float32, biases: tuple[jax.Array, ...] | None = None,
                   swiglu: tuple[float, float] | None = None, first: jax.Array | int = 0,
-                  implementation: str = "ragged_dot") -> jax.Array:
+                  implementation: str = "ragged_dot", lora: tuple | None = None, lora_scale: float = 0.0
+                  ) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x_t) over the pairs whose expert is one of gate's, dropless:
     x [T, D], experts / weights [T, K], gate / up [E', D, F], down [E', F, D] -> [T, D] float32. `biases`
     (GPT-OSS): (gate [E', F], up [E', F], down [E', D]) added to each expert's projections; `swiglu` (alpha,
@@ -168,6 +169,10 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     activation in float32, rounded once to `dtype` (as `transformer.MLP`). The weighted sum over the K slots is in
     float32. Example: E 4 on 2 shards, experts [[0, 3]]: shard 0 (first 0) adds w_00 * expert_0(x_0), shard 1
     (first 2) w_01 * expert_3(x_0).
+
+    `lora` (peft's LoRA on expert parameters): ((A [E', din, r], B [E', r, dout]) or None) for gate, up, down; a
+    projection with one adds lora_scale * (h A_e) B_e for each row's expert e, two more grouped matmuls over the same
+    groups (h A_e rounded to `dtype`, as `transformer.Dense` rounds x A).
     """
     t, k = experts.shape
     e = gate.shape[0]
@@ -180,6 +185,10 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
 
     def project(h: jax.Array, w: jax.Array, i: int) -> jax.Array:
         y = grouped_matmul(h, w.astype(dtype), sizes, implementation)
+        if lora is not None and lora[i] is not None:
+            a, b = (v.astype(dtype) for v in lora[i])
+            ha = grouped_matmul(h, a, sizes, implementation).astype(dtype)
+            y = y + lora_scale * grouped_matmul(ha, b, sizes, implementation)
         if biases is None:
             return y
         bias = jnp.take(biases[i].astype(jnp.float32), jnp.minimum(owner, e - 1), axis=0)
@@ -195,7 +204,8 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
 def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                           down: jax.Array, dtype: jnp.dtype = jnp.float32, axis: str = "expert",
                           biases: tuple[jax.Array, ...] | None = None,
-                          swiglu: tuple[float, float] | None = None, implementation: str = "ragged_dot") -> jax.Array:
+                          swiglu: tuple[float, float] | None = None, implementation: str = "ragged_dot",
+                          lora: tuple | None = None, lora_scale: float = 0.0) -> jax.Array:
     """`experts_apply` with the E experts split over the mesh axis `axis` of the context mesh (n shards of E / n,
     in order): x [B, T, D], experts / weights [B, T, K], gate / up [E, D, F], down [E, F, D] -> [B, T, D] float32.
 
@@ -210,7 +220,8 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     experts, which would bring every expert to every chip at every decode step.
     A mesh without `axis` (or of size 1): `experts_apply` itself, except for megablox on more than one device,
     which runs in the same `shard_map` with every expert on every device (n = 1: XLA cannot partition a Mosaic
-    kernel). `biases` [E, ...] split as the experts are (down's added by one tensor shard only).
+    kernel). `biases` [E, ...] and the adapters `lora` split as the experts are (down's bias added by one tensor shard
+    only; gate's and up's A and down's B whole on every tensor shard).
     """
     mesh = jax.sharding.get_abstract_mesh()
     b, t, d = x.shape
@@ -218,7 +229,8 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     if mesh.empty or (n == 1 and (implementation == "ragged_dot" or mesh.size == 1)):
         flat = lambda a: a.reshape(b * t, -1)  # noqa: E731
         return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases,
-                             swiglu, implementation=implementation).reshape(b, t, d)
+                             swiglu, implementation=implementation, lora=lora, lora_scale=lora_scale
+                             ).reshape(b, t, d)
     if gate.shape[0] % n:
         raise ValueError(f"{gate.shape[0]} experts do not split over the {n} devices of the mesh axis {axis!r}")
     rows = fit_spec(("batch",), (b,), mesh)
@@ -230,12 +242,12 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     spec = P(rows, None, None)
 
     def local(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-              down: jax.Array, biases: tuple[jax.Array, ...] | None) -> jax.Array:
+              down: jax.Array, biases: tuple[jax.Array, ...] | None, lora: tuple | None) -> jax.Array:
         bl = x.shape[0]
         if not summed:
             flat = lambda a: a.reshape(bl * t, -1)  # noqa: E731
             return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu,
-                                 implementation=implementation).reshape(bl, t, d)
+                                 implementation=implementation, lora=lora, lora_scale=lora_scale).reshape(bl, t, d)
         # the tokens as varying along the summed axes (each shard uses them for its own pairs / hidden units): the
         # transpose then adds the shards' cotangents (a psum). Without it the row gather by the shard's (varying)
         # order is typed invariant (the gather takes its operand's type) and its cotangent is summed over the
@@ -246,15 +258,19 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
         if biases is not None and tp is not None:  # down's bias once in the sum over the tensor shards
             biases = (*biases[:2], jnp.where(jax.lax.axis_index(tp) == 0, biases[2], jnp.zeros_like(biases[2])))
         y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu, first,
-                          implementation)
+                          implementation, lora, lora_scale)
         return jax.lax.psum(y, summed).reshape(bl, t, d)
 
     experts_spec = (P(split, None, tp), P(split, None, tp), P(split, tp, None))
     bias_spec = None if biases is None else (P(split, tp), P(split, tp), P(split, None))
+    # an adapter's (A, B) split as its projection: F (gate / up's B, down's A) over tensor, the rank axis whole
+    lora_spec = None if lora is None else tuple(
+        None if ab is None else (P(split, tp if i == 2 else None, None), P(split, None, tp if i < 2 else None))
+        for i, ab in enumerate(lora))
     # megablox's kernel declares its output without a varying-axes type, which shard_map's check refuses
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, *experts_spec, bias_spec), out_specs=spec,
-                       check_vma=implementation == "ragged_dot")
-    return fn(x, experts, weights, gate, up, down, biases)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, *experts_spec, bias_spec, lora_spec),
+                       out_specs=spec, check_vma=implementation == "ragged_dot")
+    return fn(x, experts, weights, gate, up, down, biases, lora)
 
 
 def route_mismatch(recorded: jax.Array, chosen: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -477,10 +477,18 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
     """A routed MLP (Qwen3-MoE's sparse block): the router [D, E] and E gated expert MLPs, gate / up [E, D, F], down
-    [E, F, D] (`moe.py` has the math). The experts carry no LoRA adapters and are not quantized (as peft's
-    all-linear leaves transformers' fused expert parameters alone). GPT-OSS's (`router_bias`, `expert_bias`,
-    `router_topk_softmax`, `swiglu_limit`): a router bias [E], expert biases gate / up [E, F] and down [E, D] (zero
-    at init, as transformers), the top-k logits' softmax, the clamped SwiGLU."""
+    [E, F, D] (`moe.py` has the math). GPT-OSS's (`router_bias`, `expert_bias`, `router_topk_softmax`,
+    `swiglu_limit`): a router bias [E], expert biases gate / up [E, F] and down [E, D] (zero at init, as
+    transformers), the top-k logits' softmax, the clamped SwiGLU.
+
+    LoRA on the experts (`LoRASpec.experts`, peft's `target_parameters`): per expert e, W_e + scale * A_e B_e, as
+    peft's `ParamWrapper`. transformers' fused gate_up_proj is one adapter: A [E, D, r] shared by gate and up
+    (`experts_gate_up_lora_a`), its B [E, r, 2F] split into gate's and up's [E, r, F]; down_proj: A [E, F, r],
+    B [E, r, D]. Without expert targets (peft's all-linear too) the experts have none.
+    QLoRA (`config.quant`): the experts stored quantized as a `Dense` kernel is, expert by expert (each [din, dout]
+    slice quantized alone: `quant.quantize` passes the leading expert axis through), as codes / scales
+    `experts_*_codes`, `experts_*_scale` (+ `_scale2`), dequantized to the compute dtype in the layer before its
+    grouped matmuls (a transient of one layer's experts). bitsandbytes leaves fused 3-D expert parameters alone."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -488,9 +496,22 @@ class MoE(nnx.Module):
         draw = lambda shape: (jax.random.normal(rngs.params(), shape, jnp.float32)  # noqa: E731
                               * cfg.initializer_range).astype(pdt)
         self.router = _param(draw((d, e)), ("embed", None))
-        self.experts_gate = _param(draw((e, d, f)), ("expert", "embed", "mlp"))
-        self.experts_up = _param(draw((e, d, f)), ("expert", "embed", "mlp"))
-        self.experts_down = _param(draw((e, f, d)), ("expert", "mlp", "embed"))
+        self.quant = cfg.quant
+        gate, up, down = draw((e, d, f)), draw((e, d, f)), draw((e, f, d))
+        self.experts_gate, self.experts_gate_codes, self.experts_gate_scale, self.experts_gate_scale2 = \
+            _experts(gate, ("embed", "mlp"), self.quant)
+        self.experts_up, self.experts_up_codes, self.experts_up_scale, self.experts_up_scale2 = \
+            _experts(up, ("embed", "mlp"), self.quant)
+        self.experts_down, self.experts_down_codes, self.experts_down_scale, self.experts_down_scale2 = \
+            _experts(down, ("mlp", "embed"), self.quant)
+        r = cfg.lora.rank if cfg.lora is not None else 0
+        on = cfg.lora.experts if r else frozenset()
+        self.experts_gate_up_lora_a = _expert_lora((e, d, r), ("embed", "lora_rank"), pdt, "gate_up" in on)
+        self.experts_gate_lora_b = _expert_lora((e, r, f), ("lora_rank", "mlp"), pdt, "gate_up" in on)
+        self.experts_up_lora_b = _expert_lora((e, r, f), ("lora_rank", "mlp"), pdt, "gate_up" in on)
+        self.experts_down_lora_a = _expert_lora((e, f, r), ("mlp", "lora_rank"), pdt, "down" in on)
+        self.experts_down_lora_b = _expert_lora((e, r, d), ("lora_rank", "embed"), pdt, "down" in on)
+        self.lora_scale = cfg.lora.scale if on else 0.0
         self.router_bias = _param(draw((e,)), (None,)) if cfg.router_bias else None
         zeros = lambda shape, axes: _param(jnp.zeros(shape, pdt), axes)  # noqa: E731
         self.experts_gate_bias = zeros((e, f), ("expert", "mlp")) if cfg.expert_bias else None
@@ -530,14 +551,57 @@ class MoE(nnx.Module):
         implementation = self.implementation or moe.resolve(None, attention.target_platform())
         biases = None if self.experts_gate_bias is None else tuple(
             v[...] for v in (self.experts_gate_bias, self.experts_up_bias, self.experts_down_bias))
-        y = moe.experts_apply_sharded(x, experts.reshape(b, t, -1), gate_w.reshape(b, t, -1), self.experts_gate[...],
-                                      self.experts_up[...], self.experts_down[...], self.dtype, biases=biases,
-                                      swiglu=self.swiglu, implementation=implementation)
+        y = moe.experts_apply_sharded(x, experts.reshape(b, t, -1), gate_w.reshape(b, t, -1),
+                                      self.expert_weight("gate"), self.expert_weight("up"),
+                                      self.expert_weight("down"), self.dtype, biases=biases,
+                                      swiglu=self.swiglu, lora=self.expert_adapters(), lora_scale=self.lora_scale,
+                                      implementation=implementation)
         routing = Routing(experts=experts.reshape(b, t, -1))
         if weights is not None:
             counts, probs = moe.load_balancing_stats(logits, weights.reshape(-1), self.k)
             routing = routing.replace(counts=counts, probs=probs, chosen=chosen.reshape(b, t, -1))
         return checkpoint_name(y.astype(self.dtype).reshape(b, t, d), "mlpwo"), routing
+
+    def expert_weight(self, name: str) -> jax.Array:
+        """The experts' weights `name` (gate, up, down): [E, din, dout], as stored, or dequantized from their codes
+        into the compute dtype (QLoRA; this layer's alone, under the layer scan)."""
+        if self.quant is None:
+            return getattr(self, f"experts_{name}")[...]
+        # the codes and scales gathered over fsdp before dequantizing, as `Dense.weight` does (left to itself the
+        # partitioner dequantized a kernel's shards and gathered the bf16 weight: 4x the bytes)
+        stored = {n: _unsharded_embed(v) for n in ("codes", "scale", "scale2")
+                  if (v := getattr(self, f"experts_{name}_{n}")) is not None}
+        w = quant.dequantize(stored, self.quant, self.dtype)
+        return w if self.quant.kind == "int8" else quant.unblock(w)
+
+    def expert_adapters(self) -> tuple | None:
+        """The experts' adapters as `moe.experts_apply` takes them: ((A, B) or None for gate, up, down), gate and up
+        sharing gate_up_proj's A; None without any."""
+        if self.experts_gate_up_lora_a is None and self.experts_down_lora_a is None:
+            return None
+        pair = lambda a, b: None if a is None else (a[...], b[...])  # noqa: E731
+        a = self.experts_gate_up_lora_a
+        return (pair(a, self.experts_gate_lora_b), pair(a, self.experts_up_lora_b),
+                pair(self.experts_down_lora_a, self.experts_down_lora_b))
+
+
+def _experts(w: jax.Array, axes: tuple[str, str], spec: quant.QuantSpec | None) -> tuple[nnx.Param | None, ...]:
+    """Expert weights w [E, din, dout] with logical axes ("expert", *axes) as `MoE` holds them: (w, None, None, None)
+    unquantized, else (None, codes, scale, scale2 or None), each expert quantized alone (`quant.quantize`; 4-bit:
+    blocks of 64 rows of din within one output column of one expert, codes [E, K, din/K, dout])."""
+    if spec is None:
+        return _param(w, ("expert", *axes)), None, None, None
+    stored, logical = quant.quantize(w, spec), quant.stored_axes(axes, spec)
+    return (None, *(_param(stored[n], ("expert", *logical[n])) if n in stored else None
+                    for n in ("codes", "scale", "scale2")))
+
+
+def _expert_lora(shape: tuple[int, int, int], axes: tuple[str, str], pdt: Any, on: bool) -> LoRAParam | None:
+    """A per-expert adapter weight [E, ., .] (zeros; `models.lora.init_adapters` draws A), None when `on` is
+    False. Logical axes ("expert", *axes): expert-parallel as the experts, the rank over fsdp where it fits."""
+    if not on:
+        return None
+    return LoRAParam(jnp.zeros(shape, pdt), out_sharding=("expert", *axes), eager_sharding=False)
 
 
 def dense_routing(x: jax.Array, cfg: ModelConfig, with_stats: bool) -> Routing:
