@@ -123,7 +123,8 @@ def prepare(cfg: TrainConfig, abstract: bool = False, given: Given | None = None
     if given_cfg.attn_implementation is None and cfg.attn_implementation == "cudnn" and hf.has_attention_sinks(
             model_dir):  # the platform's choice, not the user's: cuDNN's attention has no sinks (GPT-OSS), eager has
         cfg = cfg.replace(attn_implementation="eager", device_count=cfg.device_count, process_count=cfg.process_count)
-        description = numerics.describe(given_cfg, cfg, platform) + " (cuDNN's attention has no sinks)"
+        description = numerics.describe(given_cfg, cfg, platform).replace(
+            "attn_implementation eager*", "attn_implementation eager* (cuDNN's attention has no sinks)", 1)
         options = numerics.model_options(cfg, platform)
     checked = [tokenizer_dir]  # tokenizers that would need code shipped with them are refused (`refuse_custom_code`)
     if cfg.tokenizer_path not in (None, cfg.policy_path):  # PPO: TRL's scripts read it from model_name_or_path

@@ -16,7 +16,7 @@ from rloo_jax.logprobs import per_token_logps
 from rloo_jax.models import load_causal_lm
 from rloo_jax.sampling import SamplingConfig
 from rloo_jax.step import completion_logps
-from tests.checkpoints import PAD_ID, build_gpt_neox, build_qwen2
+from tests.checkpoints import PAD_ID, build_gpt_neox, build_qwen2, build_qwen3_moe
 
 # --------------------------------------------------------------------------------------------- oracles
 
@@ -480,15 +480,21 @@ def test_one_compile_per_prompt_bucket(tmp_path):
     assert sampling.compile_count() - start == 2
 
 
-def test_compute_dtype_weights_cast_matmul_weights_only_and_change_nothing(tmp_path):
-    """bf16 compute, f32 parameters: the sampler's one-time cast of kernels/embeddings gives the same samples."""
-    model = load_causal_lm(build_qwen2(tmp_path, tied=False, seed=3), dtype="bfloat16", param_dtype="float32")
+MATRICES = ("kernel", "embedding", "router", "experts_gate", "experts_up", "experts_down")  # not *_bias, norms
+
+
+@pytest.mark.parametrize("build", [lambda d: build_qwen2(d, tied=False, seed=3), lambda d: build_qwen3_moe(d, seed=3)],
+                         ids=["dense", "moe"])
+def test_compute_dtype_weights_cast_matmul_weights_only_and_change_nothing(tmp_path, build):
+    """bf16 compute, f32 parameters: the sampler's one-time cast of the matrices (kernels, embeddings, a mixture of
+    experts' router and experts) gives the same samples; norms and biases keep their dtype."""
+    model = load_causal_lm(build(tmp_path), dtype="bfloat16", param_dtype="float32")
     graphdef, params = nnx.split(model)
     cast = sampling.compute_dtype_weights(graphdef, params)
     for (path, before), after in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(cast),
                                      strict=True):
-        name = jax.tree_util.keystr(path)
-        want = jnp.bfloat16 if ("kernel" in name or "embedding" in name) else jnp.float32
+        name = jax.tree_util.keystr(path).split("'")[-2]
+        want = jnp.bfloat16 if name in MATRICES else jnp.float32
         assert before.dtype == jnp.float32 and after.dtype == want, name
     ids = jnp.asarray([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]], jnp.int32)
     mask = (ids != 0).astype(jnp.int32)
@@ -507,7 +513,7 @@ def test_compute_dtype_weights_cast_matmul_weights_only_and_change_nothing(tmp_p
     a, b = plain(params), jax.jit(uncast)(params)
     np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
     np.testing.assert_array_equal(a.logps, b.logps)
-    f32_graphdef, f32_params = nnx.split(load_causal_lm(build_qwen2(tmp_path / "f32", seed=3)))
+    f32_graphdef, f32_params = nnx.split(load_causal_lm(build(tmp_path / "f32")))
     same = sampling.compute_dtype_weights(f32_graphdef, f32_params)  # f32 compute: nothing to cast
     assert {x.dtype for x in jax.tree.leaves(same)} == {jnp.dtype(jnp.float32)}
 
