@@ -174,7 +174,8 @@ grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6)), static_argnums=7)
 ref = grad(x, w, gate, up, down, biases, lora, "ragged_dot")  # no mesh: one device
 out = {}
 for implementation in ("ragged_dot", "megablox"):
-    for shape, ep in (((1, 2, 2), 1), ((1, 1, 2), 2), ((1, 1, 4), 1)):  # fsdp 2 x tensor 2, expert 2 x tensor 2, tensor 4
+    # fsdp 2 x tensor 2, expert 2 x tensor 2, tensor 4
+    for shape, ep in (((1, 2, 2), 1), ((1, 1, 2), 2), ((1, 1, 4), 1)):
         mesh = M.make_mesh(*shape, devices=jax.devices(), expert_parallel=ep)
         with jax.set_mesh(mesh):
             g = grad(x, w, gate, up, down, biases, lora, implementation)
