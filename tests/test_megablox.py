@@ -144,3 +144,34 @@ def test_moe_implementation_resolves_per_platform_and_names_itself_in_errors():
         model_options(make(moe_implementation="megablox"), "gpu")
     with pytest.raises(ConfigError, match="moe_implementation"):
         make(moe_implementation="dense")
+
+
+def test_hlo_counts_grouped_matmul_kernel_flops():
+    """The TPU compiler counts no FLOPs in a Pallas or ragged_dot kernel: `hlo` counts ragged_dot's 2 M K N (its
+    rows' own groups) and each megablox kernel (forward, input and weight gradient) at its bound, M / 128 + min(G, M)
+    - 1 row tiles of 128: here 2 + 3 = 5 tiles for 256 rows in 4 groups."""
+    from jax.sharding import SingleDeviceSharding
+
+    from rloo_jax import hlo
+    from rloo_jax.models.attention import compile_target
+    from rloo_jax.tpu import parse_slice, quiet_stderr, topology_devices
+
+    one = SingleDeviceSharding(topology_devices(parse_slice("v5e-1"))[0])
+    m, k, n, g = 256, 128, 256, 4
+    shapes = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in (((m, k), jnp.bfloat16),
+                                                                    ((g, k, n), jnp.bfloat16), ((g,), jnp.int32))]
+    for implementation, kernel in (("ragged_dot", 2 * m * k * n), ("megablox", 2 * 5 * 128 * k * n)):
+        def loss(x, w, s, implementation=implementation):
+            return jnp.sum(moe.grouped_matmul(x, w, s, implementation))
+
+        # bf16 runs compute at the default precision (ragged_dot's TPU kernel refuses bf16 at highest, the suite's)
+        with quiet_stderr(), compile_target("tpu"), jax.default_matmul_precision("default"):
+            forward = jax.jit(loss).lower(*shapes).compile().as_text()
+            grad = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*shapes).compile().as_text()
+        assert hlo.flops(forward) == kernel, implementation
+        if implementation == "megablox":  # its input and weight gradients: one kernel each (the forward is dead)
+            assert hlo.flops(grad) == 2 * kernel
+    # megablox runs bf16 at any float32 matmul precision (here the suite's highest): forward and gradient compile
+    with quiet_stderr(), compile_target("tpu"), jax.default_matmul_precision("highest"):
+        jax.jit(jax.grad(lambda x, w, s: jnp.sum(moe.grouped_matmul(x, w, s, "megablox") ** 2), argnums=(0, 1))
+                ).lower(*shapes).compile()

@@ -96,7 +96,11 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, implementati
     lhs = jnp.where(grouped, jnp.pad(rows, ((0, padded - m), (0, 0))), jnp.zeros((), rows.dtype))
     interpret = target_platform() != "tpu" if interpret is None else interpret
     bound = 2 * tm * (padded // tm + min(w.shape[0], m) - 1) * k * w.shape[2]
-    with jax.named_scope(grouped_matmul_flops_scope(bound)):
+    # bf16 inputs: a float32 matmul precision of highest (bf16 with --matmul_precision highest) would ask Mosaic for
+    # an fp32-precision matmul of bf16 vectors, which it refuses ("Bad lhs type", measured: forward and gradient);
+    # bf16 products are exact in the float32 accumulator anyway
+    precision = "default" if rows.dtype == jnp.bfloat16 else jax.config.jax_default_matmul_precision
+    with jax.named_scope(grouped_matmul_flops_scope(bound)), jax.default_matmul_precision(precision):
         y = gmm(lhs, w, sizes, jnp.float32, (tm, tk, tn), interpret=interpret)
     return jnp.where(grouped, y, 0.0)[:m]
 
