@@ -116,6 +116,26 @@ def test_megablox_on_a_mesh_equals_one_device():
     assert result["1"] <= ATOL and result["2"] <= ATOL
 
 
+def test_a_model_with_moe_implementation_megablox_gives_the_same_logits():
+    """The option reaches the routed layers: a tiny Qwen3-MoE (2 layers, 4 experts, top 2) with
+    moe_implementation='megablox' (interpreted here) gives the logits of the default (ragged_dot on the CPU), with
+    left padding; an unknown value fails at load, named."""
+    from rloo_jax.models import ModelLoadError, init_causal_lm
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 40,
+              "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4,
+              "num_experts_per_tok": 2, "initializer_range": 0.2}
+    ids = jnp.asarray([[0, 0, 5, 9, 13, 2], [7, 8, 9, 10, 11, 12]], jnp.int32)
+    mask = (ids != 0).astype(jnp.int32)
+    default = init_causal_lm(config, seed=0)(ids, mask)
+    megablox = init_causal_lm(config, seed=0, moe_implementation="megablox")(ids, mask)
+    print(f"logits: max abs diff {np.abs(np.asarray(megablox - default)).max():.2e}")
+    np.testing.assert_allclose(megablox, default, atol=ATOL)
+    with pytest.raises(ModelLoadError, match="moe_implementation='dense'"):
+        init_causal_lm(config, moe_implementation="dense")
+
+
 def test_grouped_matmul_golden_rows_past_the_groups_are_zero():
     rows = jnp.asarray([[1.0], [2.0], [3.0]])
     w = jnp.asarray([[[10.0]], [[100.0]]])

@@ -168,10 +168,10 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     gate / up / down hold the experts first .. first + E' - 1 (all E with `first` 0, E' = E: the whole sum); a
     pair routed to another expert adds 0 (one expert shard's share, `experts_apply_sharded`). The pairs are sorted
     by expert (`sort_by_expert`, the others last, outside every group) and each projection is one
-    `grouped_matmul` (`implementation`: ragged_dot or megablox) over the E' groups, in `dtype` with float32 accumulation (biases added in float32); the
-    activation in float32, rounded once to `dtype` (as `transformer.MLP`). The weighted sum over the K slots is in
-    float32. Example: E 4 on 2 shards, experts [[0, 3]]: shard 0 (first 0) adds w_00 * expert_0(x_0), shard 1
-    (first 2) w_01 * expert_3(x_0).
+    `grouped_matmul` (`implementation`: ragged_dot or megablox) over the E' groups, in `dtype` with float32
+    accumulation (biases added in float32); the activation in float32, rounded once to `dtype` (as
+    `transformer.MLP`). The weighted sum over the K slots is in float32. Example: E 4 on 2 shards, experts
+    [[0, 3]]: shard 0 (first 0) adds w_00 * expert_0(x_0), shard 1 (first 2) w_01 * expert_3(x_0).
     """
     t, k = experts.shape
     e = gate.shape[0]
