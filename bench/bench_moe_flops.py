@@ -10,15 +10,20 @@ kernel counts its own cost estimate: megablox's 2 M K N of its padded rows) and 
 reports as x model: megablox's bound, each group's rows in whole row tiles). BENCHMARKS.md Sessions 18-19.
 """
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 from jax.sharding import SingleDeviceSharding
 
-from rloo_jax import hlo
-from rloo_jax.models import moe
-from rloo_jax.models.attention import compile_target
-from rloo_jax.tpu import parse_slice, topology_devices
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's rloo_jax, whatever is installed
+
+from rloo_jax import hlo  # noqa: E402
+from rloo_jax.models import moe  # noqa: E402
+from rloo_jax.models.attention import compile_target  # noqa: E402
+from rloo_jax.tpu import parse_slice, topology_devices  # noqa: E402
 
 M, T, D, F, E = 1024, 512, 256, 128, 8  # grouped-matmul rows; routed-MLP tokens; hidden; expert width; experts
 # the routed MLPs measured: (tokens T, experts E, K values); the last one Qwen3-30B-A3B's routing (128 experts, 8 a

@@ -3,7 +3,7 @@
 expert 2); `moe_implementation` resolves per platform as attention's option.
 
 Each case draws one routed MLP (float32, D 24 and F 40: neither divides the kernel's 128-wide tiles, T*K 24 rows
-padded to a 32-row tile) and compares `moe.experts_apply` by both implementations: y, and the gradients of
+padded to two 16-row tiles) and compares `moe.experts_apply` by both implementations: y, and the gradients of
 sum(y * c) w.r.t. x, the gate / up / down weights, the biases and the router logits (through `moe.gate_weights`).
 """
 
@@ -146,7 +146,9 @@ def test_grouped_matmul_golden_rows_past_the_groups_are_zero():
 
 def test_megablox_tiling():
     assert moe.megablox_tiling(100, 64, 32) == (112, 128, 128)  # few rows: one tile of them
-    assert moe.megablox_tiling(4096, 2880, 2880) == (128, 512, 512)  # gpt-oss: a masked partial last tile
+    assert moe.megablox_tiling(4096, 2880, 2880, 8) == (128, 512, 512)  # gpt-oss: a masked partial last tile
+    assert moe.megablox_tiling(512, 64, 32, 128) == (16, 128, 128)  # a decode step: 4 rows an expert
+    assert moe.megablox_tiling(384, 64, 32, 8) == (64, 128, 128)  # 48 rows an expert
 
 
 def make(**kw):
@@ -168,8 +170,8 @@ def test_moe_implementation_resolves_per_platform_and_names_itself_in_errors():
 
 def test_hlo_counts_grouped_matmul_kernel_flops():
     """The TPU compiler counts no FLOPs in a Pallas or ragged_dot kernel: `hlo` counts ragged_dot's 2 M K N (its
-    rows' own groups) and each megablox kernel (forward, input and weight gradient) at its bound, M / 128 + min(G, M)
-    - 1 row tiles of 128: here 2 + 3 = 5 tiles for 256 rows in 4 groups."""
+    rows' own groups) and each megablox kernel (forward, input and weight gradient) at its bound, M / tm + min(G, M)
+    - 1 row tiles of tm: here 64 rows an expert, tm 64: 4 + 3 = 7 tiles for 256 rows in 4 groups."""
     from jax.sharding import SingleDeviceSharding
 
     from rloo_jax import hlo
@@ -180,7 +182,7 @@ def test_hlo_counts_grouped_matmul_kernel_flops():
     m, k, n, g = 256, 128, 256, 4
     shapes = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in (((m, k), jnp.bfloat16),
                                                                     ((g, k, n), jnp.bfloat16), ((g,), jnp.int32))]
-    for implementation, kernel in (("ragged_dot", 2 * m * k * n), ("megablox", 2 * 5 * 128 * k * n)):
+    for implementation, kernel in (("ragged_dot", 2 * m * k * n), ("megablox", 2 * 7 * 64 * k * n)):
         def loss(x, w, s, implementation=implementation):
             return jnp.sum(moe.grouped_matmul(x, w, s, implementation))
 
