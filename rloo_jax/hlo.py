@@ -2,13 +2,13 @@
 
 XLA's own `cost_analysis()` counts a `while` body once, whatever its trip count: a `lax.scan` over 32 layers reports
 the FLOPs of one layer (checked: a scan of 8 matmuls reports 1/8 of the unrolled figure). This counts the matmul
-FLOPs the compiler emits (`dot` and `convolution` instructions; elementwise work is not counted), plus those of
-Pallas attention and grouped-matmul kernels, which the compiler does not count: the kernel's caller names them in a
-name scope (`kernel_flops_scope`, `grouped_matmul_flops_scope`), per device of an SPMD program, walking fusions, calls
-and conditionals (the largest branch), and multiplying each `while` body by its trip count: from the condition's
-`i < N`, the counter's initial value and the body's constant step (a `lax.scan`/`lax.map`/`fori_loop` counter, or
-the compiler's own windowed-matmul loops, which step by 2); for a data-dependent loop such as the sampler's, the
-bound is the most it can run.
+FLOPs the compiler emits (`dot` and `convolution` instructions, and the TPU kernels of `jax.lax.ragged_dot`;
+elementwise work is not counted), plus those of Pallas attention and grouped-matmul kernels, which the compiler does
+not count: the kernel's caller names them in a name scope (`kernel_flops_scope`, `grouped_matmul_flops_scope`), per
+device of an SPMD program, walking fusions, calls and conditionals (the largest branch), and multiplying each
+`while` body by its trip count: from the condition's `i < N`, the counter's initial value and the body's constant
+step (a `lax.scan`/`lax.map`/`fori_loop` counter, or the compiler's own windowed-matmul loops, which step by 2); for
+a data-dependent loop such as the sampler's, the bound is the most it can run.
 
 Bytes follow XLA's `HloCostAnalysis` at the fusion boundary (what a fused kernel reads and writes; its inside
 stays on chip): every top-level instruction reads its operands and writes its result, at the sizes of their tiled
@@ -72,11 +72,16 @@ def grouped_matmul_flops_scope(flops: float) -> str:
 
 def _kernel_flops(ins: _Instruction) -> float:
     """FLOPs of a Pallas kernel call (`custom-call`) from its `kernel_flops_scope` and its kernel's kind, or its
-    `grouped_matmul_flops_scope`; 0 for any other custom call."""
+    `grouped_matmul_flops_scope`; of a `jax.lax.ragged_dot` kernel from its shapes; 0 for any other custom call."""
     op_name = ins.op_name
+    if 'custom_call_target="tpu_custom_call"' in ins.attrs and ins.name.startswith("ragged-dot-") and ins.shape:
+        # jax.lax.ragged_dot's TPU kernel: [M, K] rows x [G, K, N] (its last operand) -> [M, N], each row by its
+        # group's matrix (the rows' own group only: 2 M K N)
+        rhs = re.findall(r"\w+\[(\d+),(\d+),(\d+)\]", ins.attrs.split("operand_layout_constraints=", 1)[-1])
+        return 2.0 * math.prod(ins.shape) * int(rhs[-1][1]) if rhs else 0.0
     grouped = re.search(_GROUPED_FLOPS + r"(\d+)", op_name)
-    if grouped is not None:
-        return float(grouped.group(1))
+    if grouped is not None:  # the Pallas kernels only: its scope also names the metadata's small ops
+        return float(grouped.group(1)) if 'custom_call_target="tpu_custom_call"' in ins.attrs else 0.0
     scope = re.search(_KERNEL_FLOPS + r"(\d+)", op_name)
     kind = _KERNEL_KIND.findall(op_name.rsplit(_KERNEL_FLOPS, 1)[-1]) or _KERNEL_KIND.findall(ins.name)
     if scope is None or not kind:

@@ -177,8 +177,8 @@ def model_options(cfg: Any, platform: str) -> dict[str, Any]:
     the programs run on ("cpu", "gpu", "tpu"): `bf16`, `scan_layers` and `gradient_checkpointing` None mean on
     for accelerators, off on the CPU (where they cost time and memory is not the limit; BENCHMARKS.md), as
     `rloo_jax.numerics.resolved_settings` decides, and `attn_implementation` / `moe_implementation` None the best
-    the platform offers (ConfigError for one it does not offer). With `use_peft` these are the base's options; `policy` adds the
-    adapters."""
+    the platform offers (ConfigError for one it does not offer). With `use_peft` these are the base's options;
+    `policy` adds the adapters."""
     from rloo_jax.errors import ConfigError
     from rloo_jax.models import attention, moe
 

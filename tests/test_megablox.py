@@ -3,7 +3,7 @@
 expert 2); `moe_implementation` resolves per platform as attention's option.
 
 Each case draws one routed MLP (float32, D 24 and F 40: neither divides the kernel's 128-wide tiles, T*K 24 rows
-padded to a 32-row tile) and compares `moe.experts_apply` by both implementations: y, and the gradients of
+padded to two 16-row tiles) and compares `moe.experts_apply` by both implementations: y, and the gradients of
 sum(y * c) w.r.t. x, the gate / up / down weights, the biases and the router logits (through `moe.gate_weights`).
 """
 
@@ -116,6 +116,26 @@ def test_megablox_on_a_mesh_equals_one_device():
     assert result["1"] <= ATOL and result["2"] <= ATOL
 
 
+def test_a_model_with_moe_implementation_megablox_gives_the_same_logits():
+    """The option reaches the routed layers: a tiny Qwen3-MoE (2 layers, 4 experts, top 2) with
+    moe_implementation='megablox' (interpreted here) gives the logits of the default (ragged_dot on the CPU), with
+    left padding; an unknown value fails at load, named."""
+    from rloo_jax.models import ModelLoadError, init_causal_lm
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 40,
+              "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4,
+              "num_experts_per_tok": 2, "initializer_range": 0.2}
+    ids = jnp.asarray([[0, 0, 5, 9, 13, 2], [7, 8, 9, 10, 11, 12]], jnp.int32)
+    mask = (ids != 0).astype(jnp.int32)
+    default = init_causal_lm(config, seed=0)(ids, mask)
+    megablox = init_causal_lm(config, seed=0, moe_implementation="megablox")(ids, mask)
+    print(f"logits: max abs diff {np.abs(np.asarray(megablox - default)).max():.2e}")
+    np.testing.assert_allclose(megablox, default, atol=ATOL)
+    with pytest.raises(ModelLoadError, match="moe_implementation='dense'"):
+        init_causal_lm(config, moe_implementation="dense")
+
+
 def test_grouped_matmul_golden_rows_past_the_groups_are_zero():
     rows = jnp.asarray([[1.0], [2.0], [3.0]])
     w = jnp.asarray([[[10.0]], [[100.0]]])
@@ -126,7 +146,9 @@ def test_grouped_matmul_golden_rows_past_the_groups_are_zero():
 
 def test_megablox_tiling():
     assert moe.megablox_tiling(100, 64, 32) == (112, 128, 128)  # few rows: one tile of them
-    assert moe.megablox_tiling(4096, 2880, 2880) == (128, 512, 512)  # gpt-oss: a masked partial last tile
+    assert moe.megablox_tiling(4096, 2880, 2880, 8) == (128, 512, 512)  # gpt-oss: a masked partial last tile
+    assert moe.megablox_tiling(512, 64, 32, 128) == (16, 128, 128)  # a decode step: 4 rows an expert
+    assert moe.megablox_tiling(384, 64, 32, 8) == (64, 128, 128)  # 48 rows an expert
 
 
 def make(**kw):
@@ -144,6 +166,37 @@ def test_moe_implementation_resolves_per_platform_and_names_itself_in_errors():
         model_options(make(moe_implementation="megablox"), "gpu")
     with pytest.raises(ConfigError, match="moe_implementation"):
         make(moe_implementation="dense")
+
+
+def test_hlo_counts_grouped_matmul_kernel_flops():
+    """The TPU compiler counts no FLOPs in a Pallas or ragged_dot kernel: `hlo` counts ragged_dot's 2 M K N (its
+    rows' own groups) and each megablox kernel (forward, input and weight gradient) at its bound, M / tm + min(G, M)
+    - 1 row tiles of tm: here 64 rows an expert, tm 64: 4 + 3 = 7 tiles for 256 rows in 4 groups."""
+    from jax.sharding import SingleDeviceSharding
+
+    from rloo_jax import hlo
+    from rloo_jax.models.attention import compile_target
+    from rloo_jax.tpu import parse_slice, quiet_stderr, topology_devices
+
+    one = SingleDeviceSharding(topology_devices(parse_slice("v5e-1"))[0])
+    m, k, n, g = 256, 128, 256, 4
+    shapes = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in (((m, k), jnp.bfloat16),
+                                                                    ((g, k, n), jnp.bfloat16), ((g,), jnp.int32))]
+    for implementation, kernel in (("ragged_dot", 2 * m * k * n), ("megablox", 2 * 7 * 64 * k * n)):
+        def loss(x, w, s, implementation=implementation):
+            return jnp.sum(moe.grouped_matmul(x, w, s, implementation))
+
+        # bf16 runs compute at the default precision (ragged_dot's TPU kernel refuses bf16 at highest, the suite's)
+        with quiet_stderr(), compile_target("tpu"), jax.default_matmul_precision("default"):
+            forward = jax.jit(loss).lower(*shapes).compile().as_text()
+            grad = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*shapes).compile().as_text()
+        assert hlo.flops(forward) == kernel, implementation
+        if implementation == "megablox":  # its input and weight gradients: one kernel each (the forward is dead)
+            assert hlo.flops(grad) == 2 * kernel
+    # megablox runs bf16 at any float32 matmul precision (here the suite's highest): forward and gradient compile
+    with quiet_stderr(), compile_target("tpu"), jax.default_matmul_precision("highest"):
+        jax.jit(jax.grad(lambda x, w, s: jnp.sum(moe.grouped_matmul(x, w, s, "megablox") ** 2), argnums=(0, 1))
+                ).lower(*shapes).compile()
 
 
 TENSOR_WORKER = r'''
@@ -198,8 +251,7 @@ def test_megablox_splits_each_experts_hidden_units_over_the_tensor_axis():
     slice of every expert's hidden units (gate / up [E', D, F / t], down [E', F / t, D]) and one psum adds the
     slices, as a dense MLP's tensor parallelism: loss gradients w.r.t. x, the gate weights, the expert weights and
     their biases (GPT-OSS's clamped SwiGLU; down's bias added once) and the experts' LoRA adapters (split as their
-    projections) are one device's (measured: within 3.8e-6), by
-    ragged_dot and by megablox; and the forward on tensor 4 gathers no expert weights (before: megablox's
+    projections) are one device's (measured: within 3.8e-6), by ragged_dot and by megablox; and the forward on tensor 4 gathers no expert weights (before: megablox's
     shard_map took every expert whole, an all-gather of all of them at every decode step)."""
     env = dict(os.environ, XLA_FLAGS=forced_devices(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

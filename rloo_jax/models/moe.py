@@ -45,7 +45,7 @@ __all__ = ["clamped_swiglu", "experts_apply", "experts_apply_sharded", "gate_wei
 IMPLEMENTATIONS = ("ragged_dot", "megablox")
 # megablox is a Pallas TPU kernel: on the CPU it runs interpreted (slow: tests, small runs); on a GPU not at all
 AVAILABLE: dict[str, tuple[str, ...]] = {"cpu": IMPLEMENTATIONS, "gpu": ("ragged_dot",), "tpu": IMPLEMENTATIONS}
-_ROW_TILE = 128  # megablox's row tile: each group also computes its partial first tile, up to E - 1 tiles more
+_ROW_TILE = 128  # megablox's largest row tile: each group also computes its partial first tile, up to E - 1 more
 _MAX_TILE = 512  # its contraction / output tile (MaxText's is 512-1024); a partial last tile is masked by the kernel
 
 
@@ -63,14 +63,20 @@ def resolve(implementation: str | None, platform: str) -> str:
     return implementation
 
 
-def megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """megablox's (rows, contraction, output) tiles for [m, k] x [k, n]: rows `_ROW_TILE`, or m rounded up to 16
-    (bf16's sublane tile) for fewer rows (a decode step); k and n one tile size, as the backward swaps them (its
-    input gradient is [m, n] x [n, k]): k and n's larger rounded up to 128 lanes, at most `_MAX_TILE`. A tile need
-    not divide k or n: the kernel masks a partial last tile (gpt-oss's 2,880 = 5.6 x 512; no copy of the weights
-    padded). Example: (100, 64, 32) -> (112, 128, 128); (4096, 2880, 2880) -> (128, 512, 512)."""
+def megablox_tiling(m: int, k: int, n: int, groups: int = 1) -> tuple[int, int, int]:
+    """megablox's (rows, contraction, output) tiles for [m, k] x [k, n] over `groups` groups of rows: rows the mean
+    group's rows rounded up to a power of two in [16 (bf16's sublane tile), `_ROW_TILE`], at most m rounded up to
+    16. Each group computes whole row tiles, its first one shared with the group before, so short groups (a decode
+    step: a few rows an expert) take small tiles; the weights are read once a tile either way. k and n one tile
+    size, as the backward swaps them (its input gradient is [m, n] x [n, k]): k and n's larger rounded up to 128
+    lanes, at most `_MAX_TILE`. A tile need not divide k or n: the kernel masks a partial last tile (gpt-oss's 2,880
+    = 5.6 x 512; no copy of the weights padded).
+    Example: (100, 64, 32) -> (112, 128, 128); (4096, 2880, 2880, 8) -> (128, 512, 512); (512, 64, 32, 128) -> 16
+    rows (4 an expert)."""
     lanes = min(_MAX_TILE, -(-max(k, n) // 128) * 128)
-    return min(_ROW_TILE, -(-m // 16) * 16), lanes, lanes
+    mean = -(-m // groups)
+    rows = min(_ROW_TILE, max(16, 1 << (mean - 1).bit_length()))
+    return min(rows, -(-m // 16) * 16), lanes, lanes
 
 
 def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, implementation: str = "ragged_dot",
@@ -81,14 +87,14 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, implementati
 
     `implementation` (`IMPLEMENTATIONS`): one `jax.lax.ragged_dot`, or megablox `gmm` (Pallas; `interpret` None:
     interpreted unless compiling for a TPU) with `megablox_tiling`, the rows padded to whole row tiles. Its FLOPs
-    for `rloo_jax.hlo` (the compiler counts none in a kernel): each group's rows in whole tiles, at most
+    for `rloo_jax.hlo` (the compiler counts none in a kernel): each group's rows in whole tiles of tm rows, at most
     (M / tm + min(G, M) - 1) tiles of [tm, K] x [K, N], the same for each kernel of its backward.
     Example: rows [[1], [2], [3]], w [[[10]], [[100]]], sizes [1, 1] -> [[10], [200], [0]].
     """
     if implementation == "ragged_dot":
         return jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32)
     m, k = rows.shape
-    tm, tk, tn = megablox_tiling(m, k, w.shape[2])
+    tm, tk, tn = megablox_tiling(m, k, w.shape[2], w.shape[0])
     padded = -(-m // tm) * tm
     # gmm leaves the rows outside every group unwritten (garbage, NaN when interpreted), in its output and in its
     # input gradient: a select on both sides (not a multiply: NaN * 0 is NaN) keeps them out of y and of d rows
@@ -96,7 +102,11 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, implementati
     lhs = jnp.where(grouped, jnp.pad(rows, ((0, padded - m), (0, 0))), jnp.zeros((), rows.dtype))
     interpret = target_platform() != "tpu" if interpret is None else interpret
     bound = 2 * tm * (padded // tm + min(w.shape[0], m) - 1) * k * w.shape[2]
-    with jax.named_scope(grouped_matmul_flops_scope(bound)):
+    # bf16 inputs: a float32 matmul precision of highest (bf16 with --matmul_precision highest) would ask Mosaic for
+    # an fp32-precision matmul of bf16 vectors, which it refuses ("Bad lhs type", measured: forward and gradient);
+    # bf16 products are exact in the float32 accumulator anyway
+    precision = "default" if rows.dtype == jnp.bfloat16 else jax.config.jax_default_matmul_precision
+    with jax.named_scope(grouped_matmul_flops_scope(bound)), jax.default_matmul_precision(precision):
         y = gmm(lhs, w, sizes, jnp.float32, (tm, tk, tn), interpret=interpret)
     return jnp.where(grouped, y, 0.0)[:m]
 
@@ -165,10 +175,10 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     gate / up / down hold the experts first .. first + E' - 1 (all E with `first` 0, E' = E: the whole sum); a
     pair routed to another expert adds 0 (one expert shard's share, `experts_apply_sharded`). The pairs are sorted
     by expert (`sort_by_expert`, the others last, outside every group) and each projection is one
-    `grouped_matmul` (`implementation`: ragged_dot or megablox) over the E' groups, in `dtype` with float32 accumulation (biases added in float32); the
-    activation in float32, rounded once to `dtype` (as `transformer.MLP`). The weighted sum over the K slots is in
-    float32. Example: E 4 on 2 shards, experts [[0, 3]]: shard 0 (first 0) adds w_00 * expert_0(x_0), shard 1
-    (first 2) w_01 * expert_3(x_0).
+    `grouped_matmul` (`implementation`: ragged_dot or megablox) over the E' groups, in `dtype` with float32
+    accumulation (biases added in float32); the activation in float32, rounded once to `dtype` (as
+    `transformer.MLP`). The weighted sum over the K slots is in float32. Example: E 4 on 2 shards, experts
+    [[0, 3]]: shard 0 (first 0) adds w_00 * expert_0(x_0), shard 1 (first 2) w_01 * expert_3(x_0).
 
     `lora` (peft's LoRA on expert parameters): ((A [E', din, r], B [E', r, dout]) or None) for gate, up, down; a
     projection with one adds lora_scale * (h A_e) B_e for each row's expert e, two more grouped matmuls over the same
