@@ -251,8 +251,9 @@ def test_megablox_splits_each_experts_hidden_units_over_the_tensor_axis():
     slice of every expert's hidden units (gate / up [E', D, F / t], down [E', F / t, D]) and one psum adds the
     slices, as a dense MLP's tensor parallelism: loss gradients w.r.t. x, the gate weights, the expert weights and
     their biases (GPT-OSS's clamped SwiGLU; down's bias added once) and the experts' LoRA adapters (split as their
-    projections) are one device's (measured: within 3.8e-6), by ragged_dot and by megablox; and the forward on tensor 4 gathers no expert weights (before: megablox's
-    shard_map took every expert whole, an all-gather of all of them at every decode step)."""
+    projections) are one device's (measured: within 3.8e-6), by ragged_dot and by megablox; and the forward on
+    tensor 4 gathers no expert weights (before: megablox's shard_map took every expert whole, an all-gather of all
+    of them at every decode step)."""
     env = dict(os.environ, XLA_FLAGS=forced_devices(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", TENSOR_WORKER], cwd=ROOT, env=env, capture_output=True, text=True,
