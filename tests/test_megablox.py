@@ -7,11 +7,6 @@ padded to two 16-row tiles) and compares `moe.experts_apply` by both implementat
 sum(y * c) w.r.t. x, the gate / up / down weights, the biases and the router logits (through `moe.gate_weights`).
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +17,7 @@ from rloo_jax.cli import config_from_dict
 from rloo_jax.errors import ConfigError
 from rloo_jax.models import moe
 from rloo_jax.numerics import model_options, resolved_settings
-from tests.xla_flags import forced_devices
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.xla_flags import result_on_devices
 
 T, K, D, F, E = 12, 2, 24, 40, 6
 # measured (float32, this CPU): y bit-identical, gradients within 9.5e-7 (x's and gate's: sums in another order)
@@ -72,48 +65,6 @@ def test_megablox_equals_ragged_dot_forward_and_gradients(used, first, shard, bi
         np.testing.assert_allclose(a, b, atol=ATOL, err_msg=name)
     if first == 0:  # the experts without a token: no weight gradient, from either
         assert not np.any(np.asarray(g_mb[2])[[1, 4]])
-
-
-MESH_WORKER = r'''
-import json
-import jax, jax.numpy as jnp, numpy as np
-from rloo_jax import mesh as M
-from rloo_jax.models import moe
-
-B, T, K, D, F, E = 4, 3, 2, 24, 40, 4
-rs = np.random.RandomState(0)
-f32 = lambda *s: jnp.asarray(rs.randn(*s), jnp.float32)
-x, c = f32(B, T, D), f32(B, T, D)
-experts = jnp.asarray(np.stack([[rs.choice(E, K, replace=False) for _ in range(T)] for _ in range(B)]), jnp.int32)
-w = jnp.asarray(rs.rand(B, T, K), jnp.float32)
-gate, up, down = f32(E, D, F) / 5, f32(E, D, F) / 5, f32(E, F, D) / 6
-
-def loss(x, w, gate, up, down, implementation):
-    return jnp.sum(moe.experts_apply_sharded(x, experts, w, gate, up, down, implementation=implementation) * c)
-
-grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)
-ref = grad(x, w, gate, up, down, "ragged_dot")  # no mesh: one device
-out = {}
-for ep in (1, 2):
-    with jax.set_mesh(M.make_mesh(1, -1, 1, devices=jax.devices(), expert_parallel=ep)):
-        g = grad(x, w, gate, up, down, "megablox")
-    out[ep] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(g, ref))
-print("RESULT " + json.dumps(out))
-'''
-
-
-def test_megablox_on_a_mesh_equals_one_device():
-    """On fsdp 4 (megablox in the shard_map with every expert on every device: XLA cannot partition a Mosaic
-    kernel) and fsdp 2 x expert 2 (each device its 2 experts' pairs): the gradients w.r.t. x, the gate weights and
-    the three expert weights are one device's ragged_dot's (measured: within 9.5e-7)."""
-    env = dict(os.environ, XLA_FLAGS=forced_devices(4), JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", MESH_WORKER], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-5000:]
-    result = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
-    print(result)
-    assert result["1"] <= ATOL and result["2"] <= ATOL
 
 
 def test_a_model_with_moe_implementation_megablox_gives_the_same_logits():
@@ -227,8 +178,9 @@ grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6)), static_argnums=7)
 ref = grad(x, w, gate, up, down, biases, lora, "ragged_dot")  # no mesh: one device
 out = {}
 for implementation in ("ragged_dot", "megablox"):
-    # fsdp 2 x tensor 2, expert 2 x tensor 2, tensor 4
-    for shape, ep in (((1, 2, 2), 1), ((1, 1, 2), 2), ((1, 1, 4), 1)):
+    # fsdp 4 (megablox in the shard_map, every expert on every device), fsdp 2 x expert 2, fsdp 2 x tensor 2,
+    # expert 2 x tensor 2, tensor 4
+    for shape, ep in (((1, 4, 1), 1), ((1, 2, 1), 2), ((1, 2, 2), 1), ((1, 1, 2), 2), ((1, 1, 4), 1)):
         mesh = M.make_mesh(*shape, devices=jax.devices(), expert_parallel=ep)
         with jax.set_mesh(mesh):
             g = grad(x, w, gate, up, down, biases, lora, implementation)
@@ -246,20 +198,16 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def test_megablox_splits_each_experts_hidden_units_over_the_tensor_axis():
-    """On a mesh with a tensor axis (fsdp 2 x tensor 2, expert 2 x tensor 2, tensor 4) each device computes its
-    slice of every expert's hidden units (gate / up [E', D, F / t], down [E', F / t, D]) and one psum adds the
-    slices, as a dense MLP's tensor parallelism: loss gradients w.r.t. x, the gate weights, the expert weights and
-    their biases (GPT-OSS's clamped SwiGLU; down's bias added once) and the experts' LoRA adapters (split as their
-    projections) are one device's (measured: within 3.8e-6), by ragged_dot and by megablox; and the forward on
-    tensor 4 gathers no expert weights (before: megablox's shard_map took every expert whole, an all-gather of all
-    of them at every decode step)."""
-    env = dict(os.environ, XLA_FLAGS=forced_devices(4), JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", TENSOR_WORKER], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-5000:]
-    result = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+def test_megablox_on_meshes_equals_one_device_and_splits_experts_over_tensor():
+    """On 4 host devices, fsdp 4 (megablox in the shard_map with every expert on every device: XLA cannot partition
+    a Mosaic kernel), fsdp 2 x expert 2 (each device its 2 experts' pairs) and, with a tensor axis (fsdp 2 x tensor
+    2, expert 2 x tensor 2, tensor 4), each device its slice of every expert's hidden units (gate / up
+    [E', D, F / t], down [E', F / t, D]) with one psum adding the slices, as a dense MLP's tensor parallelism: the
+    gradients w.r.t. x, the gate weights, the expert weights and their biases (GPT-OSS's clamped SwiGLU; down's bias
+    added once) and the experts' LoRA adapters (split as their projections) are one device's ragged_dot's
+    (measured: within 3.8e-6), by ragged_dot and by megablox; and the forward on tensor 4 gathers no expert weights
+    (before: megablox's shard_map took every expert whole, an all-gather of all of them at every decode step)."""
+    result = result_on_devices(TENSOR_WORKER, 4)
     print(result)
     assert result.pop("all-gathers") == 0
-    assert len(result) == 6 and max(result.values()) <= ATOL, result
+    assert len(result) == 10 and max(result.values()) <= ATOL, result

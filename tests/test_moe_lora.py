@@ -4,11 +4,7 @@ the experts stored 4-bit under --load_in_4bit (within NF4's error bound; the 4-b
 model's exactly; memory accounting; the CLI trains it; compile-only covers it)."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +28,7 @@ from tests.checkpoints import PAD_ID, build_gpt_oss, build_qwen3_moe
 from tests.fixtures_models import tiny_checkpoint  # noqa: F401
 from tests.test_compile_only import common, config_only_model, run_main
 from tests.test_expert_parallel import TINY_QWEN3_MOE, _pairs
-from tests.xla_flags import forced_devices
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.xla_flags import result_on_devices
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 IDS = np.array([[0, 0, 0, 17, 90, 41, 5], [5, 210, 33, 8, 150, 77, 64]], np.int32)
@@ -122,12 +116,7 @@ print("RESULT " + json.dumps({"diff": diff, "scale": float(max(jnp.abs(a).max() 
 def test_expert_adapters_split_over_the_expert_axis_as_the_experts():
     """`experts_apply_sharded` with adapters on a 4-way expert mesh (forced CPU devices; each shard holds its
     experts' A and B): the loss and the gradients for x and every adapter equal one device's."""
-    env = dict(os.environ, XLA_FLAGS=forced_devices(4), JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", SHARDED], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    result = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    result = result_on_devices(SHARDED, 4, timeout=300)
     print(result)
     assert result["diff"] <= 1e-5 * max(1.0, result["scale"])
 

@@ -47,3 +47,19 @@ def cli_at_xla_defaults(*args: str, timeout: float = 1200) -> subprocess.Complet
 def forced_devices(devices: int) -> str:
     """This run's XLA_FLAGS with `devices` forced CPU devices: a subprocess's, which compiles as the suite does."""
     return with_flags(os.environ.get("XLA_FLAGS", ""), (f"--xla_force_host_platform_device_count={devices}",))
+
+
+def result_on_devices(code: str, devices: int, timeout: float = 600) -> dict:
+    """Run the Python source `code` in a subprocess with `devices` forced CPU devices (XLA_FLAGS must be set before
+    jax starts) from the repository root, and return the JSON object of its last `RESULT {...}` line; a failed run
+    fails the calling test with the end of its stderr."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, XLA_FLAGS=forced_devices(devices), JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, p.stderr[-5000:]
+    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
