@@ -9,6 +9,7 @@ import gc
 import os
 import shutil
 import tempfile
+import threading
 
 import pytest
 
@@ -21,15 +22,30 @@ import pytest
 _ast_parse = getattr(ast.parse, "__wrapped__", ast.parse)
 
 
+_parsing = threading.Lock()
+
+
 @functools.wraps(_ast_parse)
 def _parse_without_collections(*args, **kwargs):
-    enabled = gc.isenabled()
-    gc.disable()
+    # parses in several threads at once: collections stay paused until the last one ends, and come back as the
+    # first one found them (each parse restoring its own reading let one thread's end re-enable them mid-parse of
+    # another, and a reading taken inside another's parse left them off)
+    state = _parse_without_collections
+    with _parsing:
+        if state.in_flight == 0:
+            state.enabled = gc.isenabled()
+            gc.disable()
+        state.in_flight += 1
     try:
         return _ast_parse(*args, **kwargs)
     finally:
-        if enabled:
-            gc.enable()
+        with _parsing:
+            state.in_flight -= 1
+            if state.in_flight == 0 and state.enabled:
+                gc.enable()
+
+
+_parse_without_collections.in_flight, _parse_without_collections.enabled = 0, True
 
 
 ast.parse = _parse_without_collections
