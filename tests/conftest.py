@@ -99,6 +99,15 @@ import jax  # noqa: E402
 # set their own resolved matmul_precision and put this one back (rloo_jax.numerics).
 jax.config.update("jax_default_matmul_precision", "highest")
 
+
+@pytest.fixture(autouse=True)
+def _suite_matmul_precision():
+    """Every test starts at the suite's `highest`: a test that leaves another precision behind (CI's run of 4af8364:
+    test_numerics found `default` after an earlier test of its worker) does not change its neighbours'."""
+    yield
+    if jax.config.jax_default_matmul_precision != "highest":
+        jax.config.update("jax_default_matmul_precision", "highest")
+
 # Session-scoped tiny offline checkpoints (built once per test session), usable from every test module.
 pytest_plugins = ["tests.fixtures_models", "tests.suite_checks"]
 
