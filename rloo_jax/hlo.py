@@ -15,7 +15,9 @@ stays on chip): every top-level instruction reads its operands and writes its re
 TPU layouts (`bf16[10,20]{1,0:T(8,128)(2,1)}` occupies 16 x 128 elements); a slice or `dynamic-slice` (fused or not)
 reads only its slice and a gather its rows; a `dynamic-update-slice` writes only its update, in place; outputs
 aliased to an operand (async collectives carried through compute fusions) are not written again, and an async
-collective is counted once, at its start. Three figures per device (`Cost`):
+collective is counted once, at its start; a grouped-matmul kernel that reads its groups' matrices in place in a longer
+stack (every layer's experts) reads those only (`grouped_matmul_flops_scope`'s `reads`). Three figures per device
+(`Cost`):
 
 - `bytes`: in any memory, as XLA counts them. On loop-free programs of elementwise ops, converts, transposes,
   concatenations, slices, dynamic-update-slices, cumulative sums and all-gathers this equals the TPU compiler's
@@ -64,10 +66,16 @@ def kernel_flops_scope(fwd_flops: float) -> str:
 _GROUPED_FLOPS = "grouped_matmul_flops_"
 
 
-def grouped_matmul_flops_scope(flops: float) -> str:
+_GROUPED_READS = re.compile(r"_reads_(\d+)_of_(\d+)")
+
+
+def grouped_matmul_flops_scope(flops: float, reads: tuple[int, int] | None = None) -> str:
     """A `jax.named_scope` name telling `analyze` the FLOPs of each Pallas grouped-matmul kernel inside it (megablox
-    `gmm`, and the `gmm` and `tgmm` of its backward: each the same matmul size, [M, K] x [K, N])."""
-    return f"{_GROUPED_FLOPS}{int(round(flops))}"
+    `gmm`, and the `gmm` and `tgmm` of its backward: each the same matmul size, [M, K] x [K, N]). `reads` (g, n):
+    its weights operand (its largest) is a stack of n matrices of which the kernel reads its g groups' (in place),
+    not the whole operand. Example: 100 -> "grouped_matmul_flops_100"; with reads (128, 6144)
+    "grouped_matmul_flops_100_reads_128_of_6144"."""
+    return f"{_GROUPED_FLOPS}{int(round(flops))}" + ("" if reads is None else f"_reads_{reads[0]}_of_{reads[1]}")
 
 
 def _kernel_flops(ins: _Instruction) -> float:
@@ -464,6 +472,9 @@ def _instruction_cost(ins: _Instruction, leaves: dict[str, tuple[tuple[int, int]
     if ins.opcode == "gather":
         return _touch(_scaled(operands[0], ins.nbytes) + list(ins.leaves) + list(operands[1]))
     read = [leaf for op in operands for leaf in op]
+    if ins.opcode == "custom-call" and read and (part := _GROUPED_READS.search(ins.op_name)) is not None:
+        stack = max(range(len(read)), key=lambda i: read[i][0])  # the weights: of the stack, its groups' part only
+        read[stack] = (read[stack][0] * int(part.group(1)) / int(part.group(2)), read[stack][1])
     ici = Cost()
     if ins.opcode.removesuffix("-start") in _COLLECTIVES:
         ici = Cost(ici_bytes=_collective_ici(ins, sum(b for b, _ in read)))

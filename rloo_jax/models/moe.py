@@ -80,10 +80,15 @@ def megablox_tiling(m: int, k: int, n: int, groups: int = 1) -> tuple[int, int, 
 
 
 def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, implementation: str = "ragged_dot",
-                   interpret: bool | None = None) -> jax.Array:
+                   interpret: bool | None = None, offset: jax.Array | int | None = None) -> jax.Array:
     """Each group's rows times its matrix: rows [M, K] (the groups' rows contiguous, in order), w [G, K, N], sizes
     [G] int32 (sum <= M) -> [M, N] float32, out[m] = rows[m] @ w[g] for the row's group g; the rows past sum(sizes)
     (no group) give 0. Inputs in their dtype (rows and w the same), float32 accumulation.
+
+    `offset`: w [G', K, N] holds more matrices than the G groups (every layer's experts, [L * E, K, N]) and group g's
+    is w[offset + g]. megablox reads them where they lie (its `group_offset`, -offset, shifts the matrix each tile
+    reads); a copy of the G out of the stack would be written and read again at every call (a decode step, per
+    layer: BENCHMARKS.md Session 19). ragged_dot slices them out.
 
     `implementation` (`IMPLEMENTATIONS`): one `jax.lax.ragged_dot`, or megablox `gmm` (Pallas; `interpret` None:
     interpreted unless compiling for a TPU) with `megablox_tiling`, the rows padded to whole row tiles. Its FLOPs
@@ -91,23 +96,27 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, implementati
     (M / tm + min(G, M) - 1) tiles of [tm, K] x [K, N], the same for each kernel of its backward.
     Example: rows [[1], [2], [3]], w [[[10]], [[100]]], sizes [1, 1] -> [[10], [200], [0]].
     """
+    g = sizes.shape[0]
     if implementation == "ragged_dot":
+        w = w if offset is None else jax.lax.dynamic_slice_in_dim(w, offset, g)
         return jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32)
     m, k = rows.shape
-    tm, tk, tn = megablox_tiling(m, k, w.shape[2], w.shape[0])
+    tm, tk, tn = megablox_tiling(m, k, w.shape[2], g)
     padded = -(-m // tm) * tm
     # gmm leaves the rows outside every group unwritten (garbage, NaN when interpreted), in its output and in its
     # input gradient: a select on both sides (not a multiply: NaN * 0 is NaN) keeps them out of y and of d rows
     grouped = (jnp.arange(padded) < jnp.sum(sizes))[:, None]
     lhs = jnp.where(grouped, jnp.pad(rows, ((0, padded - m), (0, 0))), jnp.zeros((), rows.dtype))
     interpret = target_platform() != "tpu" if interpret is None else interpret
-    bound = 2 * tm * (padded // tm + min(w.shape[0], m) - 1) * k * w.shape[2]
+    bound = 2 * tm * (padded // tm + min(g, m) - 1) * k * w.shape[2]
+    group_offset = None if offset is None else -jnp.asarray(offset, jnp.int32)  # G' >= G: no group left unwritten
     # bf16 inputs: a float32 matmul precision of highest (bf16 with --matmul_precision highest) would ask Mosaic for
     # an fp32-precision matmul of bf16 vectors, which it refuses ("Bad lhs type", measured: forward and gradient);
     # bf16 products are exact in the float32 accumulator anyway
     precision = "default" if rows.dtype == jnp.bfloat16 else jax.config.jax_default_matmul_precision
-    with jax.named_scope(grouped_matmul_flops_scope(bound)), jax.default_matmul_precision(precision):
-        y = gmm(lhs, w, sizes, jnp.float32, (tm, tk, tn), interpret=interpret)
+    reads = None if offset is None else (g, w.shape[0])  # for `rloo_jax.hlo`: of the stack, the G matrices
+    with jax.named_scope(grouped_matmul_flops_scope(bound, reads)), jax.default_matmul_precision(precision):
+        y = gmm(lhs, w, sizes, jnp.float32, (tm, tk, tn), group_offset, interpret=interpret)
     return jnp.where(grouped, y, 0.0)[:m]
 
 
@@ -165,8 +174,8 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
 def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
                   down: jax.Array, dtype: jnp.dtype = jnp.float32, biases: tuple[jax.Array, ...] | None = None,
                   swiglu: tuple[float, float] | None = None, first: jax.Array | int = 0,
-                  implementation: str = "ragged_dot", lora: tuple | None = None, lora_scale: float = 0.0
-                  ) -> jax.Array:
+                  implementation: str = "ragged_dot", lora: tuple | None = None, lora_scale: float = 0.0,
+                  layer: jax.Array | None = None) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x_t) over the pairs whose expert is one of gate's, dropless:
     x [T, D], experts / weights [T, K], gate / up [E', D, F], down [E', F, D] -> [T, D] float32. `biases`
     (GPT-OSS): (gate [E', F], up [E', F], down [E', D]) added to each expert's projections; `swiglu` (alpha,
@@ -183,9 +192,19 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     `lora` (peft's LoRA on expert parameters): ((A [E', din, r], B [E', r, dout]) or None) for gate, up, down; a
     projection with one adds lora_scale * (h A_e) B_e for each row's expert e, two more grouped matmuls over the same
     groups (h A_e rounded to `dtype`, as `transformer.Dense` rounds x A).
+
+    `layer` (a decode step's scan over the layers): gate / up / down are every layer's experts, [L, E', D, F] /
+    [L, E', F, D], and layer `layer`'s are used: megablox reads them in place in the stack (`grouped_matmul`'s
+    offset) where the stack is in `dtype`; otherwise (ragged_dot, or a cast) they are sliced out. Biases and
+    adapters are the layer's own.
     """
+    if layer is not None and (implementation != "megablox" or any(w.dtype != dtype for w in (gate, up, down))):
+        gate, up, down, layer = gate[layer], up[layer], down[layer], None
     t, k = experts.shape
-    e = gate.shape[0]
+    e = gate.shape[-3]
+    offset = None if layer is None else layer * e  # this layer's first expert in the [L * E', ...] stack
+    if layer is not None:
+        gate, up, down = (w.reshape(-1, *w.shape[2:]) for w in (gate, up, down))
     local = experts - first
     own = (local >= 0) & (local < e)
     order, sizes = sort_by_expert(jnp.where(own, local, e), e + 1)  # group e: the other shards' pairs
@@ -194,7 +213,7 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     owner = jnp.take(jnp.where(own, local, e).reshape(-1), order)  # [T*K] each sorted row's local expert (e: none)
 
     def project(h: jax.Array, w: jax.Array, i: int) -> jax.Array:
-        y = grouped_matmul(h, w.astype(dtype), sizes, implementation)
+        y = grouped_matmul(h, w.astype(dtype), sizes, implementation, offset=offset)
         if lora is not None and lora[i] is not None:
             a, b = (v.astype(dtype) for v in lora[i])
             ha = grouped_matmul(h, a, sizes, implementation).astype(dtype)
@@ -215,7 +234,8 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
                           down: jax.Array, dtype: jnp.dtype = jnp.float32, axis: str = "expert",
                           biases: tuple[jax.Array, ...] | None = None,
                           swiglu: tuple[float, float] | None = None, implementation: str = "ragged_dot",
-                          lora: tuple | None = None, lora_scale: float = 0.0) -> jax.Array:
+                          lora: tuple | None = None, lora_scale: float = 0.0, layer: jax.Array | None = None
+                          ) -> jax.Array:
     """`experts_apply` with the E experts split over the mesh axis `axis` of the context mesh (n shards of E / n,
     in order): x [B, T, D], experts / weights [B, T, K], gate / up [E, D, F], down [E, F, D] -> [B, T, D] float32.
 
@@ -232,6 +252,11 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     which runs in the same `shard_map` with every expert on every device (n = 1: XLA cannot partition a Mosaic
     kernel). `biases` [E, ...] and the adapters `lora` split as the experts are (down's bias added by one tensor shard
     only; gate's and up's A and down's B whole on every tensor shard).
+
+    `layer`: gate / up / down are every layer's, [L, E, ...], as `experts_apply` takes them. They enter the
+    `shard_map` whole where they already lie as its shards (no fsdp split: a sampler's own mesh, one device); on an
+    FSDP mesh the layer's experts are sliced out first, as each layer is gathered anyway (gathering the stack would
+    bring every layer's experts to every device at every layer).
     """
     mesh = jax.sharding.get_abstract_mesh()
     b, t, d = x.shape
@@ -239,48 +264,70 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     if mesh.empty or (n == 1 and (implementation == "ragged_dot" or mesh.size == 1)):
         flat = lambda a: a.reshape(b * t, -1)  # noqa: E731
         return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases,
-                             swiglu, implementation=implementation, lora=lora, lora_scale=lora_scale
+                             swiglu, implementation=implementation, lora=lora, lora_scale=lora_scale, layer=layer
                              ).reshape(b, t, d)
-    if gate.shape[0] % n:
-        raise ValueError(f"{gate.shape[0]} experts do not split over the {n} devices of the mesh axis {axis!r}")
+    if gate.shape[-3] % n:
+        raise ValueError(f"{gate.shape[-3]} experts do not split over the {n} devices of the mesh axis {axis!r}")
     rows = fit_spec(("batch",), (b,), mesh)
     rows = rows[0] if len(rows) else None
     split = axis if n > 1 else None  # the experts' mesh axis (None: every device holds all E)
-    tp = fit_spec(("mlp",), (gate.shape[2],), mesh)  # each expert's F over `tensor` where it divides
+    tp = fit_spec(("mlp",), (gate.shape[-1],), mesh)  # each expert's F over `tensor` where it divides
     tp = tp[0] if len(tp) else None
     summed = tuple(a for a in (split, tp) if a is not None)  # the axes whose shards hold partial sums
     spec = P(rows, None, None)
+    wanted = ((split, None, tp), (split, None, tp), (split, tp, None))  # each projection's shards in the shard_map
+    stored = (("embed", "mlp"), ("embed", "mlp"), ("mlp", "embed"))  # their logical axes after (layers, expert)
+    if layer is not None and not all(
+            _laid_out(fit_spec(("layers", "expert", *axes), w.shape, mesh), (None, *want), mesh)
+            for w, axes, want in zip((gate, up, down), stored, wanted, strict=True)):
+        gate, up, down, layer = gate[layer], up[layer], down[layer], None
+    stacked = (None,) if layer is not None else ()
 
     def local(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-              down: jax.Array, biases: tuple[jax.Array, ...] | None, lora: tuple | None) -> jax.Array:
+              down: jax.Array, biases: tuple[jax.Array, ...] | None, lora: tuple | None, layer: jax.Array | None
+              ) -> jax.Array:
         bl = x.shape[0]
         if not summed:
             flat = lambda a: a.reshape(bl * t, -1)  # noqa: E731
             return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu,
-                                 implementation=implementation, lora=lora, lora_scale=lora_scale).reshape(bl, t, d)
+                                 implementation=implementation, lora=lora, lora_scale=lora_scale, layer=layer
+                                 ).reshape(bl, t, d)
         # the tokens as varying along the summed axes (each shard uses them for its own pairs / hidden units): the
         # transpose then adds the shards' cotangents (a psum). Without it the row gather by the shard's (varying)
         # order is typed invariant (the gather takes its operand's type) and its cotangent is summed over the
         # shards before the scatter back by each shard's own order: x's gradient came out wrong (measured: off by
         # its own size)
         flat = lambda a: jax.lax.pcast(a, summed, to="varying").reshape(bl * t, -1)  # noqa: E731
-        first = 0 if split is None else jax.lax.axis_index(axis) * gate.shape[0]
+        first = 0 if split is None else jax.lax.axis_index(axis) * gate.shape[-3]
         if biases is not None and tp is not None:  # down's bias once in the sum over the tensor shards
             biases = (*biases[:2], jnp.where(jax.lax.axis_index(tp) == 0, biases[2], jnp.zeros_like(biases[2])))
         y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu, first,
-                          implementation, lora, lora_scale)
+                          implementation, lora, lora_scale, layer)
         return jax.lax.psum(y, summed).reshape(bl, t, d)
 
-    experts_spec = (P(split, None, tp), P(split, None, tp), P(split, tp, None))
+    experts_spec = tuple(P(*stacked, *want) for want in wanted)
     bias_spec = None if biases is None else (P(split, tp), P(split, tp), P(split, None))
     # an adapter's (A, B) split as its projection: F (gate / up's B, down's A) over tensor, the rank axis whole
     lora_spec = None if lora is None else tuple(
         None if ab is None else (P(split, tp if i == 2 else None, None), P(split, None, tp if i < 2 else None))
         for i, ab in enumerate(lora))
     # megablox's kernel declares its output without a varying-axes type, which shard_map's check refuses
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, *experts_spec, bias_spec, lora_spec),
+    layer_spec = None if layer is None else P()
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, *experts_spec, bias_spec, lora_spec, layer_spec),
                        out_specs=spec, check_vma=implementation == "ragged_dot")
-    return fn(x, experts, weights, gate, up, down, biases, lora)
+    return fn(x, experts, weights, gate, up, down, biases, lora, layer)
+
+
+def _laid_out(spec: P, want: tuple, mesh: jax.sharding.AbstractMesh) -> bool:
+    """Whether an array stored with `spec` is split exactly as `want` (an entry a dimension's mesh axes or None:
+    whole) on `mesh`, whose axes of size 1 split nothing. Example: P(None, None, "fsdp", "tensor") on fsdp 1 x
+    tensor 4 is (None, None, None, "tensor")."""
+    def axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        return tuple(a for a in names if mesh.shape[a] > 1)
+
+    padded = tuple(spec) + (None,) * (len(want) - len(spec))
+    return [axes(e) for e in padded] == [axes(e) for e in want]
 
 
 def route_mismatch(recorded: jax.Array, chosen: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:

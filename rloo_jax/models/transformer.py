@@ -523,14 +523,15 @@ class MoE(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
         self.implementation = cfg.moe_implementation  # None: the best for the platform compiled for
 
-    def __call__(self, x: jax.Array, route: jax.Array | None = None, weights: jax.Array | None = None
-                 ) -> tuple[jax.Array, Routing]:
+    def __call__(self, x: jax.Array, route: jax.Array | None = None, weights: jax.Array | None = None,
+                 layer: jax.Array | None = None) -> tuple[jax.Array, Routing]:
         """x [B, T, D] -> (y [B, T, D], this layer's `Routing` without the layer axis).
 
         `route` [B, T, K]: recorded experts (-1: none). With `routing_replay` a token with a record is routed to
         those experts, their gate weights from the current router logits (`moe.gate_weights`); else, and for a
         token without one, the router chooses (`moe.route`). `weights` [B, T]: token weights for the load-balancing
-        statistics, computed only then."""
+        statistics, computed only then. `layer`: this module holds every layer's experts ([L, E, ...]: the
+        sampler's scan passes the stack whole, `Transformer.run_layers`) and runs layer `layer`'s."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         # router logits in the compute dtype with float32 accumulation (HF: F.linear in the hidden states' dtype)
@@ -555,7 +556,7 @@ class MoE(nnx.Module):
                                       self.expert_weight("gate"), self.expert_weight("up"),
                                       self.expert_weight("down"), self.dtype, biases=biases,
                                       swiglu=self.swiglu, lora=self.expert_adapters(), lora_scale=self.lora_scale,
-                                      implementation=implementation)
+                                      implementation=implementation, layer=layer)
         routing = Routing(experts=experts.reshape(b, t, -1))
         if weights is not None:
             counts, probs = moe.load_balancing_stats(logits, weights.reshape(-1), self.k)
@@ -632,17 +633,17 @@ class Block(nnx.Module):
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, fn: Callable, key: jax.Array | None = None,
-        route: jax.Array | None = None, weights: jax.Array | None = None,
+        route: jax.Array | None = None, weights: jax.Array | None = None, layer: jax.Array | None = None,
     ) -> tuple[jax.Array, Any, Routing | None]:
         """-> (x, the attention function's aux, this layer's `Routing`: None in a model without experts). `route`,
-        `weights`: see `MoE.__call__` (unused by a dense MLP)."""
+        `weights`, `layer`: see `MoE.__call__` (unused by a dense MLP)."""
         ka, km = _keys(key, 2)
         norm = lambda n, y: y if n is None else n(y)  # noqa: E731
         a, aux = self.attn(norm(self.attn_norm, x), cos, sin, fn, ka)
 
         def mlp(h: jax.Array) -> tuple[jax.Array, Routing | None]:
             if isinstance(self.mlp, MoE):
-                return self.mlp(h, route, weights)
+                return self.mlp(h, route, weights, layer)
             routing = dense_routing(h, self.config, weights is not None) if self.config.is_moe else None
             return self.mlp(h, km), routing
 
@@ -666,6 +667,11 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
         if isinstance(v, nnx.Param):
             v.set_metadata(out_sharding=("layers", *v.get_metadata()["out_sharding"]))
     return block
+
+
+def _stacked_expert_weight(path: tuple, _: Any) -> bool:
+    """The routed layers' expert weights (not their biases or adapters): `Transformer.run_layers`'s stacked_experts."""
+    return path[-1] in ("experts_gate", "experts_up", "experts_down")
 
 
 def remat_policy(name: str) -> Callable | None:
@@ -769,6 +775,7 @@ class Transformer(nnx.Module):
         dropout_key: jax.Array | None = None,
         routes: jax.Array | None = None,
         token_weights: jax.Array | None = None,
+        stacked_experts: bool = False,
     ) -> tuple[jax.Array, Any, Any, Routing | None]:
         """x [B, T, D] through the L blocks -> (x, carry, ys stacked on a leading [L] axis, the routers' `Routing`
         [L, ...] (None without experts)); cos, sin: `rope_tables`.
@@ -781,14 +788,23 @@ class Transformer(nnx.Module):
         `dropout_key`: LoRA dropout in training forwards (layer l uses fold_in(key, l); remat redraws the same mask).
         `routes` [L, B, T, K]: recorded experts to replay (`MoE.__call__`); `token_weights` [B, T]: compute the
         load-balancing statistics with these weights.
+        `stacked_experts` (the sampler's steps; not for a forward to differentiate: the experts' gradient would be a
+        stack per layer): under the scan, the routed layers' expert weights stay one loop-invariant [L, E, ...]
+        stack, each layer's read from it in place (`moe.experts_apply`'s `layer`), not sliced out by the scan: a
+        grouped-matmul kernel is a custom call, into which XLA fuses no slice, so the scan's slice was a copy of
+        the layer's experts, written and read again, at every decode step (3x the experts' bytes, BENCHMARKS.md
+        Session 19). Quantized experts (dequantized per layer) are sliced as before.
         """
         policy = remat_policy(self.remat_policy)
+        stack = None  # the experts' [L, ...] stacks when they stay whole (stacked_experts), set below
 
         def body(
             graphdef: nnx.GraphDef, state: tuple[jax.Array, Any], inputs: tuple[Any, Any, Any, Any]
         ) -> tuple[tuple[jax.Array, Any], Any]:
             h, c = state
             layer_params, layer, xs_l, route = inputs
+            if stack is not None:
+                layer_params = (stack, layer_params)
 
             def fn(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None = None) -> tuple[jax.Array, Any]:
                 o, new_c, ys_l = attention(q, k, v, layer, xs_l, c, sinks)
@@ -797,7 +813,9 @@ class Transformer(nnx.Module):
             h = checkpoint_name(constrain(h, ("batch", None, None)), "decoder_layer_input")
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
             cos_l, sin_l = pick(cos, self.rope_index, layer), pick(sin, self.rope_index, layer)
-            h, (c, ys_l), routing = nnx.merge(graphdef, layer_params)(h, cos_l, sin_l, fn, key, route, token_weights)
+            block = nnx.merge(graphdef, *layer_params) if stack is not None else nnx.merge(graphdef, layer_params)
+            h, (c, ys_l), routing = block(h, cos_l, sin_l, fn, key, route, token_weights,
+                                          layer if stack is not None else None)
             return (h, c), (ys_l, routing)
 
         def block_fn(graphdef: nnx.GraphDef) -> Callable:
@@ -807,6 +825,8 @@ class Transformer(nnx.Module):
 
         if self.scan_layers:
             graphdef, params = nnx.split(self.layers)
+            if stacked_experts and isinstance(self.layers.mlp, MoE) and self.layers.mlp.quant is None:
+                graphdef, stack, params = nnx.split(self.layers, _stacked_expert_weight, ...)
             inputs = (params, jnp.arange(self.num_layers), xs, routes)
             (x, carry), (ys, routing) = jax.lax.scan(block_fn(graphdef), (x, carry), inputs)
             return x, carry, ys, routing
@@ -950,7 +970,8 @@ class Transformer(nnx.Module):
             return o.reshape(bg, 1, *q.shape[2:]), (gk, gv), None
 
         x = self.embed(tokens)[:, None]
-        x, (gk, gv), _, routing = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v))
+        x, (gk, gv), _, routing = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v),
+                                                  stacked_experts=True)
         routes = cache.routes
         if routing is not None:  # the fed tokens' experts [L, B*G, 1, K] -> slot `step`
             routes = jax.lax.dynamic_update_slice(routes, routing.experts.astype(routes.dtype), (0, 0, step, 0))
@@ -1011,7 +1032,8 @@ class Transformer(nnx.Module):
             return o.reshape(n, t, *q.shape[2:]), (gk, gv), None
 
         x = self.embed(tokens)
-        x, (gk, gv), _, routing = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v))
+        x, (gk, gv), _, routing = self.run_layers(x, cos, sin, attention, xs=(p.k, p.v), carry=(cache.k, cache.v),
+                                                  stacked_experts=True)
         routes = cache.routes
         if routing is not None:  # the valid tokens' experts [L, N, T, K] -> their slots, as the keys and values
             rows, where = jnp.arange(n)[:, None], jnp.where(valid, slots, width)  # invalid: out of bounds, dropped
