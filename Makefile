@@ -45,12 +45,14 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check rloo_jax tests bench notebooks scripts examples
 
 # JAX_PLATFORMS=cpu: libtpu (test extra) is installed, but tests run on the CPU and compile for TPUs ahead of time.
-# Two workers, each taking whole test files (their module fixtures build once); PYTEST_WORKERS=0 runs serially. The
+# Two workers, each taking whole test files (their module fixtures build once), longest first by tests/file_seconds.txt
+# (tests/suite_checks.py); PYTEST_WORKERS=0 runs serially. The
 # whole suite (no PYTEST_ARGS) fails unless the tests that skip are exactly tests/expected_skips.txt
 # (tests/suite_checks.py). The 25 slowest tests and 10 slowest files are listed at the end (the suite takes 40-65
 # minutes on the 2-core machine, by its load, BENCHMARKS.md Sessions 14-15 and 18; issue 36 asks for 15).
 PYTEST_WORKERS ?= 2
 PYTEST = $(OFFLINE) JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile \
+	--file-seconds tests/file_seconds.txt \
 	--durations 25 --durations-by-file 10
 test: lint
 	$(PYTEST) $(if $(PYTEST_ARGS),,--expect-skips tests/expected_skips.txt) $(PYTEST_ARGS)

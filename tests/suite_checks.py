@@ -7,10 +7,15 @@
   pytest's own `--durations` list, each with the CPU seconds it used (its worker process's and those of the
   subprocesses it waited for): wall time moves with the machine's load, CPU time much less. What to split or
   reschedule when the suite grows.
+- `--file-seconds tests/file_seconds.txt` (`make test`): the test files run longest first, by the seconds listed there
+  (unlisted files last, in collection order). xdist's `--dist loadfile` hands whole files to the workers in that order
+  (its own reorder, by each file's count of tests, is turned off), so the files that start last are short ones and
+  neither worker idles long at the end (CI's runs: 80-90 s of the suite's wall time, before).
 """
 
 from __future__ import annotations
 
+import re
 import resource
 from collections import defaultdict
 from pathlib import Path
@@ -18,6 +23,7 @@ from pathlib import Path
 import pytest
 
 EXPECTED_SKIPS = Path(__file__).with_name("expected_skips.txt")
+FILE_SECONDS = Path(__file__).with_name("file_seconds.txt")
 
 _skipped: dict[str, str] = {}
 _by_file: dict[str, float] = defaultdict(float)
@@ -38,6 +44,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help=f"fail unless the skipped tests are exactly those listed in FILE ({EXPECTED_SKIPS.name})")
     group.addoption("--durations-by-file", type=int, default=0, metavar="N",
                     help="list the N test files that took longest")
+    group.addoption("--file-seconds", default=None, metavar="FILE",
+                    help=f"run the test files longest first, by the seconds FILE lists ({FILE_SECONDS.name})")
 
 
 def expected_skips(path: Path = EXPECTED_SKIPS) -> dict[str, str]:
@@ -48,6 +56,30 @@ def expected_skips(path: Path = EXPECTED_SKIPS) -> dict[str, str]:
         if nodeid.strip():
             out[nodeid.strip()] = why.strip()
     return out
+
+
+def file_seconds(path: Path = FILE_SECONDS) -> dict[str, float]:
+    """{test file: seconds} from tests/file_seconds.txt, whose lines are `--durations-by-file`'s (`  321.6s
+    tests/test_x.py (CPU 304.2s)`; what follows the path is ignored); blank lines and # comments skipped."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        m = re.match(r"\s*([0-9.]+)s?\s+(\S+)", line.partition("#")[0])
+        if m:
+            out[m.group(2)] = float(m.group(1))
+    return out
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--file-seconds") and hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # xdist hands out the files in the collection's order: ours
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    listed = config.getoption("--file-seconds")
+    if listed:  # a stable sort: each file's tests stay together, in their order
+        seconds = file_seconds(Path(listed))
+        items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
 
 
 def _reason(report: pytest.CollectReport | pytest.TestReport) -> str:

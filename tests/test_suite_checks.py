@@ -68,3 +68,25 @@ def test_slowest_files_are_listed(tmp_path):
     lines = out.stdout.split("slowest 2 test files")[1].splitlines()[1:3]
     assert " test_a.py (CPU " in lines[0] and float(lines[0].split("s ")[0]) >= 0.3
     assert float(lines[0].split("(CPU ")[1].rstrip("s)")) >= 0.3
+
+
+def test_files_run_longest_first_by_the_listed_seconds(tmp_path):
+    """--file-seconds: whole files in the listed order, longest first, unlisted ones last (one worker takes them in
+    the order xdist hands them out; without the list, xdist's own order puts test_c.py, the most tests, first)."""
+    table = tmp_path / "seconds.txt"
+    table.write_text("# comment\n   9.5s test_a.py (CPU 9.0s)\n 0.5s test_c.py\n")
+    listed = run(tmp_path, "--file-seconds", str(table), "-vv", workers=1)
+    assert listed.returncode == 0, listed.stdout[-3000:]
+    order = [line.split("::")[0].split()[-1] for line in listed.stdout.splitlines() if "PASSED" in line]
+    assert order == ["test_a.py", "test_c.py", "test_c.py", "test_c.py"], listed.stdout[-3000:]
+    default = run(tmp_path, "-vv", workers=1)
+    order = [line.split("::")[0].split()[-1] for line in default.stdout.splitlines() if "PASSED" in line]
+    assert order[0] == "test_c.py", default.stdout[-3000:]
+
+
+def test_the_listed_files_exist():
+    """Every file tests/file_seconds.txt lists is a test file of the suite (a renamed file would lose its place)."""
+    from tests.suite_checks import file_seconds
+
+    listed = file_seconds()
+    assert len(listed) >= 10 and all((ROOT / path).is_file() for path in listed), listed
