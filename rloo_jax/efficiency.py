@@ -180,6 +180,14 @@ class Transformer:
         """Every matrix's parameters (a mixture of experts: all E experts, not the K a token uses)."""
         return self.num_layers * self.layer_params + self.unembed_params + self._idle_experts(None)
 
+    def expert_read_bytes(self, itemsize: int, rows: int | None = None) -> float:
+        """Bytes of the experts a step of `rows` rows reads, per routed block min(E, rows x K) (rows None: all E),
+        as stored (quantized: `expert_bytes`) or at `itemsize`. Example: 2 routed blocks, E 8, K 2, expert_params
+        30, rows 3, itemsize 2: 2 * 6 * 30 * 2 = 720."""
+        read = self.num_experts if rows is None else min(self.num_experts, rows * self.experts_per_token)
+        one = self.expert_params * itemsize if self.expert_bytes is None else self.expert_bytes
+        return self.routed_layers * read * one
+
     def _idle_experts(self, rows: int | None) -> float:
         """Parameters of the experts no token goes through in `layer_params` that a step of `rows` rows still reads:
         per routed block min(E, rows x K) - K experts (rows None: all E)."""
@@ -244,6 +252,17 @@ def roofline_seconds(amounts: tuple[float, ...], rates: tuple[float, ...]) -> fl
     return max(a / r for a, r in zip(amounts, rates, strict=True) if not math.isnan(r))
 
 
+def rows_move(pairs: int, experts: int, hidden: int, itemsize: float) -> bool:
+    """Whether a routed layer whose experts are split over fsdp along D should keep them there and move its rows
+    (`moe.experts_apply`'s `contract`): where the psum of gate's and up's partial products of a data shard's
+    `pairs` (T x K), pairs x 2F x 4 bytes, is smaller than the layer's experts, E x 3DF x `itemsize` (what
+    gathering them moves; each device holds the same share of both; 4-bit codes about half a byte): pairs x 8 <
+    3 E D x itemsize. A decode step's few rows: Qwen3-30B-A3B's 256 rows x 8 experts, 12.6 MB against 1.2 GB; a
+    training micro-batch of 8 x 1,280 tokens a device on fsdp 8 (655k pairs, 4.0 GB) gathers the experts.
+    Example: pairs 143, E 4, D 24, itemsize 4: 1,144 < 1,152 -> True; pairs 144: 1,152 -> False."""
+    return pairs * 8 < 3 * experts * hidden * itemsize
+
+
 def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: list[Any]
                   ) -> dict[str, tuple[float, float]]:
     """What the model needs of each program of a run, per chip: {program: (model FLOPs per call, the decode loop's
@@ -257,14 +276,23 @@ def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: 
     model = Transformer.of(prepared.model.config, cfg.quant_spec)
     b, p, c, g = shapes.prompts, shapes.prompt_length, cfg.max_completion_length, cfg.num_generations
     itemsize = 2 if cfg.bf16 else 4  # the compute dtype: the sampler's matrices and KV caches
-    tensor = 1 if assembly.rollout_mesh is None else assembly.rollout_mesh.shape["tensor"]
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1} if assembly.rollout_mesh is None else assembly.rollout_mesh.shape
+    tensor, hidden = sizes["tensor"], prepared.model.config.hidden_size
 
     def decode_floor(prompts: int, group: int) -> float:
         """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
-        sampler's tensor parallelism splits it; a mixture of experts: the min(E, rows x K) experts of each routed
-        block its rows can reach) and its share of the KV caches."""
-        weights = model.weight_bytes(itemsize, prompts * group) / tensor  # (a QLoRA base's codes at 4 or 8 bits)
-        return weights + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
+        sampler's tensor parallelism splits it) and its share of the KV caches. A mixture of experts: of each
+        routed block the min(E, rows x K) experts its rows can reach, the chip's share where they are split over
+        the expert axis, and over fsdp too where the rows move to them (`rows_move`; not for quantized experts,
+        whose codes are gathered and dequantized)."""
+        rows = prompts * group
+        weights = model.weight_bytes(itemsize, rows)  # (a QLoRA base's codes at 4 or 8 bits)
+        split = sizes.get("expert", 1)
+        if (sizes["fsdp"] > 1 and model.routed_layers and model.expert_bytes is None
+                and rows_move(rows * model.experts_per_token // sizes["data"], model.num_experts, hidden, itemsize)):
+            split *= sizes["fsdp"]
+        weights -= model.expert_read_bytes(itemsize, rows) * (1 - 1 / split)
+        return weights / tensor + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
 
     # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed); a value
     # model's and a device reward model's forwards (PPO)

@@ -11,6 +11,7 @@ from rloo_jax.efficiency import (
     causal_pairs,
     forward_flops,
     roofline_seconds,
+    rows_move,
 )
 from rloo_jax.models.config import config_from_hf
 from tests.test_compile_only import TINY_LLAMA as TINY  # D 64, 2 layers, 4 heads of 16, 2 kv, MLP 128, V 160
@@ -121,4 +122,14 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_uses():
     assert t.weight_bytes(2) == 2 * 1456  # every expert
     assert t.weight_bytes(2, rows=1) == 2 * (1456 - 2 * 144)  # one row reaches 2 experts of the routed block's 4
     assert t.weight_bytes(2, rows=2) == 2 * 1456
+    assert (t.expert_read_bytes(2, rows=1), t.expert_read_bytes(2)) == (2 * 2 * 144, 4 * 2 * 144)  # 1 routed block
     assert forward_flops(t.layer_params, 2, 80, 8, tokens=3, scored=1, pairs=0) == 2 * (2 * 544 * 3 + 80)
+
+
+def test_rows_move_to_experts_split_over_fsdp_when_their_partial_sums_are_smaller():
+    """`rows_move`: pairs x 2F x 4 bytes of partial sums against 3 E D F x itemsize of experts (F cancels). By hand
+    for E 4, D 24, float32: 3 x 4 x 24 x 4 = 1,152 bytes a unit of F; 143 pairs x 8 = 1,144 moves, 144 (1,152) does
+    not. Qwen3-30B-A3B (E 128, D 2048, bf16: 1,572,864): a decode step's 256 rows x 8 = 2,048 pairs move, a training
+    micro-batch's 8 x 1,280 tokens x 8 chips x 8 = 655,360 pairs do not."""
+    assert rows_move(143, 4, 24, 4) and not rows_move(144, 4, 24, 4)
+    assert rows_move(2048, 128, 2048, 2) and not rows_move(655360, 128, 2048, 2)

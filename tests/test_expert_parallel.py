@@ -175,13 +175,15 @@ def compare(tmp_path_factory) -> dict:
 
 # ------------------------------------------------------------------------------------------- in this process
 def test_rule_table_splits_experts_over_the_expert_axis():
-    """`expert` -> the expert axis where the mesh has one (fsdp still on embed); a mesh without one ignores it."""
+    """`expert` -> the expert axis where the mesh has one (fsdp still on embed), then `tensor` where it divides the
+    experts too: a tensor shard holds whole experts and their F is not split (tensor 1 splits nothing)."""
     ep = AbstractMesh((1, 2, 4, 1), rmesh.EXPERT_MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     plain = AbstractMesh((1, 2, 2), rmesh.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     gate = ("layers", "expert", "embed", "mlp")
-    assert rmesh.fit_spec(gate, (2, 8, 32, 16), ep) == PartitionSpec(None, "expert", "fsdp", "tensor")
+    assert rmesh.fit_spec(gate, (2, 8, 32, 16), ep) == PartitionSpec(None, ("expert", "tensor"), "fsdp")
     assert rmesh.fit_spec(gate, (2, 6, 32, 16), ep) == PartitionSpec(None, None, "fsdp", "tensor")  # 4 !| 6
-    assert rmesh.fit_spec(gate, (2, 8, 32, 16), plain) == PartitionSpec(None, None, "fsdp", "tensor")
+    assert rmesh.fit_spec(gate, (2, 8, 32, 16), plain) == PartitionSpec(None, "tensor", "fsdp")  # 4 experts a shard
+    assert rmesh.fit_spec(gate, (2, 5, 32, 16), plain) == PartitionSpec(None, None, "fsdp", "tensor")  # 2 !| 5: F
     # no rows over the expert axis
     assert rmesh.fit_spec(("batch", None), (8, 3), ep) == PartitionSpec(("data", "fsdp"))
 
@@ -257,7 +259,7 @@ def test_expert_parallel_option_sets_the_mesh_and_is_checked():
 def test_mesh_has_an_expert_axis_and_experts_are_split(compare):
     assert compare["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}
     gate = compare["experts_gate"]  # [L 2, E 8, D 32, F 16]: 2 experts per device, embed halved by fsdp
-    assert gate == {"shape": [2, 8, 32, 16], "shard": [2, 2, 16, 16], "spec": "P(None, 'expert', 'fsdp', 'tensor')"}
+    assert gate == {"shape": [2, 8, 32, 16], "shard": [2, 2, 16, 16], "spec": "P(None, ('expert', 'tensor'), 'fsdp')"}
     assert compare["shard_map_in_update"]  # the experts ran per shard, their sums added over the expert axis
 
 
@@ -302,17 +304,25 @@ TINY_QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_m
 
 
 def test_compile_only_with_expert_parallelism(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
-    """The run's programs compile for a v5e-4 with --expert_parallel 4 (the TPU compiler takes the experts'
-    shard_map): the report's meshes carry the expert axis (the sampler on the training mesh), each chip holds 2 of the
-    8 experts. An expert count the option does not divide stops before anything compiles (exit 2, naming it)."""
+    """The run's programs compile for a v5e-4 with --expert_parallel 2 (the TPU compiler takes the experts'
+    shard_map, megablox): the report's meshes carry the expert axis (the sampler on the training mesh, fsdp 2 x
+    expert 2), each chip holds 4 of the 8 experts, split over fsdp on D; a decode step's 8 rows (2 prompts x G 4:
+    4 a batch-parallel device; 16 pairs) move to them (`efficiency.rows_move`), so the decode floor counts a quarter
+    of the experts. By hand: D 64, 2 routed blocks of attention 64 x 64 + 2 x 64 x 32 + 64 x 64 = 12,288, router
+    64 x 8 = 512 and 8 experts of 3 x 64 x 32 = 6,144 (8 rows x 2 reach all 8), the LM head 64 x 160 = 10,240, in
+    bf16; the KV caches 2 x 2 layers x (2 prompts x 16 + 8 rows x 32) x 32 x 2 bytes over 4 chips. An expert count
+    the option does not divide stops before anything compiles (exit 2, naming it)."""
     model = config_only_model(tmp_path, TINY_QWEN3_MOE, tiny_checkpoint("tokenizer"))
-    code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", "--expert_parallel", "4"])
+    code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", "--expert_parallel", "2"])
     assert code == 0, err
     report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
     settings = report["settings"]
-    assert settings["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 4}
-    assert settings["rollout_mesh"] == {"data": 1, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert settings["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 2}
+    assert settings["rollout_mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
     assert report["fits"] and set(report["programs"]) >= {"rollout", "update"}
+    experts = 2 * 8 * 6144
+    weights = 2 * (2 * (12288 + 512) + experts / 4 + 10240)
+    assert report["programs"]["rollout"]["decode_floor_bytes_per_step"] == weights + 2 * 2 * (32 + 256) * 32 * 2 / 4
     bad = tmp_path / "bad"
     bad.mkdir()
     model = config_only_model(bad, dict(TINY_QWEN3_MOE, num_experts=6), tiny_checkpoint("tokenizer"))

@@ -28,19 +28,22 @@ Shapes: T tokens, D hidden, E experts, K experts per token, F an expert's hidden
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 from jax.sharding import PartitionSpec as P
 
+from rloo_jax.efficiency import rows_move
 from rloo_jax.hlo import grouped_matmul_flops_scope
 from rloo_jax.mesh import fit_spec
 from rloo_jax.models.attention import target_platform
 
 __all__ = ["clamped_swiglu", "experts_apply", "experts_apply_sharded", "gate_weights", "grouped_matmul",
-           "load_balancing_loss", "load_balancing_stats", "megablox_tiling", "mxfp4_dequantize", "resolve", "route",
-           "route_mismatch", "sort_by_expert"]
+           "load_balancing_loss", "load_balancing_stats", "megablox_tiling", "moving_rows", "mxfp4_dequantize",
+           "resolve", "route", "route_mismatch", "sort_by_expert"]
 
 IMPLEMENTATIONS = ("ragged_dot", "megablox")
 # megablox is a Pallas TPU kernel: on the CPU it runs interpreted (slow: tests, small runs); on a GPU not at all
@@ -175,7 +178,7 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
                   down: jax.Array, dtype: jnp.dtype = jnp.float32, biases: tuple[jax.Array, ...] | None = None,
                   swiglu: tuple[float, float] | None = None, first: jax.Array | int = 0,
                   implementation: str = "ragged_dot", lora: tuple | None = None, lora_scale: float = 0.0,
-                  layer: jax.Array | None = None) -> jax.Array:
+                  layer: jax.Array | None = None, contract: str | None = None) -> jax.Array:
     """sum_k weights[t, k] * expert_{experts[t, k]}(x_t) over the pairs whose expert is one of gate's, dropless:
     x [T, D], experts / weights [T, K], gate / up [E', D, F], down [E', F, D] -> [T, D] float32. `biases`
     (GPT-OSS): (gate [E', F], up [E', F], down [E', D]) added to each expert's projections; `swiglu` (alpha,
@@ -197,6 +200,12 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     [L, E', F, D], and layer `layer`'s are used: megablox reads them in place in the stack (`grouped_matmul`'s
     offset) where the stack is in `dtype`; otherwise (ragged_dot, or a cast) they are sliced out. Biases and
     adapters are the layer's own.
+
+    `contract` (a mesh axis of n devices, inside a `shard_map`: the weights stay where they lie): gate / up hold
+    this device's D / n of their input rows [E', D / n, F] and down its D / n output columns [E', F, D / n]. Each
+    device projects its slice of x's hidden units, one psum over `contract` adds the n partial products of gate
+    and up (and of x A for their adapters) before the activation, and down gives this device's D / n columns of
+    the output: -> [T, D / n] (down's bias and adapter B [E', ., D / n] are the slice's too).
     """
     if layer is not None and (implementation != "megablox" or any(w.dtype != dtype for w in (gate, up, down))):
         gate, up, down, layer = gate[layer], up[layer], down[layer], None
@@ -205,6 +214,9 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     offset = None if layer is None else layer * e  # this layer's first expert in the [L * E', ...] stack
     if layer is not None:
         gate, up, down = (w.reshape(-1, *w.shape[2:]) for w in (gate, up, down))
+    if contract is not None:  # this device's slice of the hidden units, the rows of its slice of gate and up
+        width = gate.shape[-2]
+        x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(contract) * width, width, axis=1)
     local = experts - first
     own = (local >= 0) & (local < e)
     order, sizes = sort_by_expert(jnp.where(own, local, e), e + 1)  # group e: the other shards' pairs
@@ -212,11 +224,15 @@ def experts_apply(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: ja
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [T*K, D]
     owner = jnp.take(jnp.where(own, local, e).reshape(-1), order)  # [T*K] each sorted row's local expert (e: none)
 
+    # gate's and up's products of a slice of the hidden units are partial: summed over `contract`
+    total = (lambda y: jax.lax.psum(y, contract)) if contract is not None else (lambda y: y)
+
     def project(h: jax.Array, w: jax.Array, i: int) -> jax.Array:
-        y = grouped_matmul(h, w.astype(dtype), sizes, implementation, offset=offset)
+        whole = total if i < 2 else (lambda y: y)
+        y = whole(grouped_matmul(h, w.astype(dtype), sizes, implementation, offset=offset))
         if lora is not None and lora[i] is not None:
             a, b = (v.astype(dtype) for v in lora[i])
-            ha = grouped_matmul(h, a, sizes, implementation).astype(dtype)
+            ha = whole(grouped_matmul(h, a, sizes, implementation)).astype(dtype)
             y = y + lora_scale * grouped_matmul(ha, b, sizes, implementation)
         if biases is None:
             return y
@@ -234,83 +250,108 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
                           down: jax.Array, dtype: jnp.dtype = jnp.float32, axis: str = "expert",
                           biases: tuple[jax.Array, ...] | None = None,
                           swiglu: tuple[float, float] | None = None, implementation: str = "ragged_dot",
-                          lora: tuple | None = None, lora_scale: float = 0.0, layer: jax.Array | None = None
-                          ) -> jax.Array:
-    """`experts_apply` with the E experts split over the mesh axis `axis` of the context mesh (n shards of E / n,
-    in order): x [B, T, D], experts / weights [B, T, K], gate / up [E, D, F], down [E, F, D] -> [B, T, D] float32.
+                          lora: tuple | None = None, lora_scale: float = 0.0, layer: jax.Array | None = None,
+                          stored_itemsize: float | None = None) -> jax.Array:
+    """`experts_apply` with the E experts split as the rule table splits them on the context mesh (over `axis`,
+    then `tensor`, as far as those divide E: n shards of E / n, in order): x [B, T, D], experts / weights [B, T, K],
+    gate / up [E, D, F], down [E, F, D] -> [B, T, D] float32.
 
     Expert parallelism in a `jax.shard_map` over the whole mesh: rows split as the batch is (data x fsdp, where
-    they divide; the expert axis carries no rows, so every shard of it holds the same tokens and no token is
-    gathered), each device holds E / n whole experts (their fsdp / tensor splits are gathered on entry, as FSDP
+    they divide; the expert and tensor axes carry no rows, so every shard of them holds the same tokens and no
+    token is gathered), each device holds E / n whole experts (their fsdp split is gathered on entry, as FSDP
     gathers a layer where it is used) and computes only its experts' (token, expert) pairs, first = index * E / n;
-    one psum over `axis` adds the n partial sums: y = sum_shards sum_{k: e_tk on the shard} w_tk expert(x_t).
-    Where the mesh has a `tensor` axis that divides F, each expert's hidden units are split over it as a dense
-    MLP's are (Megatron's tensor parallelism: gate / up [E', D, F / t], down [E', F / t, D]; the activation is
-    elementwise in F) and the same psum adds the t partial sums too: no device gathers another's slice of the
-    experts, which would bring every expert to every chip at every decode step.
-    A mesh without `axis` (or of size 1): `experts_apply` itself, except for megablox on more than one device,
-    which runs in the same `shard_map` with every expert on every device (n = 1: XLA cannot partition a Mosaic
-    kernel). `biases` [E, ...] and the adapters `lora` split as the experts are (down's bias added by one tensor shard
-    only; gate's and up's A and down's B whole on every tensor shard).
+    one psum over the expert axes adds the n partial sums: y = sum_shards sum_{k: e_tk on the shard} w_tk expert(x_t).
+    Whole experts on a tensor shard rather than a slice of each: a slice F / t of every expert (Qwen3-30B-A3B's
+    768 / 4 = 192 columns) is stored in the TPU's 128-lane tiles as 256, a third more bytes for a decode step to
+    read. Where `tensor` does not divide E but F, each expert's hidden units are split over it as a dense MLP's are
+    (Megatron's tensor parallelism: gate / up [E', D, F / t], down [E', F / t, D]; the activation is elementwise in
+    F) and the same psum adds the t partial sums. Either way no device gathers another's experts, which would bring
+    every expert to every chip at every decode step.
+    A mesh that splits no experts: `experts_apply` itself, except for megablox on more than one device, which runs
+    in the same `shard_map` with every expert on every device (n = 1: XLA cannot partition a Mosaic kernel).
+    `biases` [E, ...] and the adapters `lora` split as the experts are (with F over tensor: down's bias added by one
+    tensor shard only; gate's and up's A and down's B whole on every tensor shard). `axis`'s size must divide E.
+
+    A few rows against experts split over fsdp along D (a decode step on an FSDP mesh, `moving_rows`; the experts
+    stored at `stored_itemsize` bytes a weight, by default their dtype's): the experts stay and the rows move
+    (`experts_apply`'s `contract`): each device gathers its data shard's rows, projects its slice of their hidden
+    units, the partial products of gate and up are summed over fsdp, and each device's D / n output columns go
+    back to the rows' devices (an all-to-all). Gathering a layer's experts instead would move 1.2 GB of
+    Qwen3-30B-A3B's per step and layer to every chip of a v5e-8; the rows' partial sums are 12.6 MB.
 
     `layer`: gate / up / down are every layer's, [L, E, ...], as `experts_apply` takes them. They enter the
-    `shard_map` whole where they already lie as its shards (no fsdp split: a sampler's own mesh, one device); on an
-    FSDP mesh the layer's experts are sliced out first, as each layer is gathered anyway (gathering the stack would
-    bring every layer's experts to every device at every layer).
+    `shard_map` whole where they already lie as its shards (a sampler's own mesh, one device, or fsdp where the rows
+    move); where an FSDP mesh gathers the experts the layer's are sliced out first, as the layer is gathered anyway
+    (gathering the stack would bring every layer's experts to every device at every layer).
     """
     mesh = jax.sharding.get_abstract_mesh()
     b, t, d = x.shape
+    e_all = gate.shape[-3]
     n = 1 if mesh.empty else mesh.shape.get(axis, 1)
-    if mesh.empty or (n == 1 and (implementation == "ragged_dot" or mesh.size == 1)):
+    if e_all % n:
+        raise ValueError(f"{e_all} experts do not split over the {n} devices of the mesh axis {axis!r}")
+    # the experts' mesh axes and each expert's F's, as the rule table lays them out (`mesh.LOGICAL_RULES`: the
+    # experts over `expert` x `tensor` as far as those divide E, F over `tensor` where that is left)
+    split, tp = (None, None) if mesh.empty else (
+        _nontrivial(entry, mesh) for entry in (*fit_spec(("expert", "mlp"), (e_all, gate.shape[-1]), mesh),
+                                               None, None)[:2])
+    summed = tuple(a for entry in (split, tp) for a in _names(entry))  # the axes whose shards hold partial sums
+    rows = None if mesh.empty else (*fit_spec(("batch",), (b,), mesh), None)[0]
+    # A few rows against experts split over fsdp (a decode step on the FSDP training mesh: 64-256 rows x K pairs
+    # against a layer's 1.2 GB of Qwen3-30B-A3B experts): the rows move, not the weights (`moving_rows`)
+    moves = moving_rows(b, t, experts.shape[-1], gate.shape[-3:], stored_itemsize or gate.dtype.itemsize)
+    contract = "fsdp" if moves else None
+    if not summed and contract is None and (mesh.empty or implementation == "ragged_dot" or mesh.size == 1):
         flat = lambda a: a.reshape(b * t, -1)  # noqa: E731
         return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases,
                              swiglu, implementation=implementation, lora=lora, lora_scale=lora_scale, layer=layer
                              ).reshape(b, t, d)
-    if gate.shape[-3] % n:
-        raise ValueError(f"{gate.shape[-3]} experts do not split over the {n} devices of the mesh axis {axis!r}")
-    rows = fit_spec(("batch",), (b,), mesh)
-    rows = rows[0] if len(rows) else None
-    split = axis if n > 1 else None  # the experts' mesh axis (None: every device holds all E)
-    tp = fit_spec(("mlp",), (gate.shape[-1],), mesh)  # each expert's F over `tensor` where it divides
-    tp = tp[0] if len(tp) else None
-    summed = tuple(a for a in (split, tp) if a is not None)  # the axes whose shards hold partial sums
     spec = P(rows, None, None)
-    wanted = ((split, None, tp), (split, None, tp), (split, tp, None))  # each projection's shards in the shard_map
+    wanted = ((split, contract, tp), (split, contract, tp), (split, tp, contract))  # each projection's shards
     stored = (("embed", "mlp"), ("embed", "mlp"), ("mlp", "embed"))  # their logical axes after (layers, expert)
     if layer is not None and not all(
             _laid_out(fit_spec(("layers", "expert", *axes), w.shape, mesh), (None, *want), mesh)
             for w, axes, want in zip((gate, up, down), stored, wanted, strict=True)):
         gate, up, down, layer = gate[layer], up[layer], down[layer], None
     stacked = (None,) if layer is not None else ()
+    gathered = contract is not None and contract in _names(rows)  # the rows gathered over fsdp, and scattered back
 
     def local(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
               down: jax.Array, biases: tuple[jax.Array, ...] | None, lora: tuple | None, layer: jax.Array | None
               ) -> jax.Array:
+        if gathered:
+            x, experts, weights = (jax.lax.all_gather(a, contract, axis=0, tiled=True) for a in (x, experts, weights))
         bl = x.shape[0]
-        if not summed:
-            flat = lambda a: a.reshape(bl * t, -1)  # noqa: E731
-            return experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu,
-                                 implementation=implementation, lora=lora, lora_scale=lora_scale, layer=layer
-                                 ).reshape(bl, t, d)
         # the tokens as varying along the summed axes (each shard uses them for its own pairs / hidden units): the
         # transpose then adds the shards' cotangents (a psum). Without it the row gather by the shard's (varying)
         # order is typed invariant (the gather takes its operand's type) and its cotangent is summed over the
         # shards before the scatter back by each shard's own order: x's gradient came out wrong (measured: off by
         # its own size)
-        flat = lambda a: jax.lax.pcast(a, summed, to="varying").reshape(bl * t, -1)  # noqa: E731
-        first = 0 if split is None else jax.lax.axis_index(axis) * gate.shape[-3]
+        flat = lambda a: (jax.lax.pcast(a, summed, to="varying") if summed else a).reshape(bl * t, -1)  # noqa: E731
+        first = 0 if split is None else jax.lax.axis_index(split) * gate.shape[-3]
         if biases is not None and tp is not None:  # down's bias once in the sum over the tensor shards
             biases = (*biases[:2], jnp.where(jax.lax.axis_index(tp) == 0, biases[2], jnp.zeros_like(biases[2])))
         y = experts_apply(flat(x), flat(experts), flat(weights), gate, up, down, dtype, biases, swiglu, first,
-                          implementation, lora, lora_scale, layer)
-        return jax.lax.psum(y, summed).reshape(bl, t, d)
+                          implementation, lora, lora_scale, layer, contract)
+        y = (jax.lax.psum(y, summed) if summed else y).reshape(bl, t, -1)
+        if gathered:  # each device its own rows back, with all D columns
+            return jax.lax.all_to_all(y, contract, 0, 2, tiled=True)
+        if contract is None:
+            return y
+        # rows not split over fsdp (a batch it does not divide): every device has them all and its D / n columns,
+        # put in place and summed (rather than an all-gather, whose transpose differs between shard_map's typed
+        # mode, ragged_dot's, and megablox's untyped one, which hands each device 1 / n of a replicated cotangent)
+        columns = jnp.zeros((*y.shape[:2], d), y.dtype)
+        return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
+            columns, y, jax.lax.axis_index(contract) * y.shape[2], axis=2), contract)
 
     experts_spec = tuple(P(*stacked, *want) for want in wanted)
-    bias_spec = None if biases is None else (P(split, tp), P(split, tp), P(split, None))
-    # an adapter's (A, B) split as its projection: F (gate / up's B, down's A) over tensor, the rank axis whole
+    bias_spec = None if biases is None else (P(split, tp), P(split, tp), P(split, contract))
+    # an adapter's (A, B) split as its projection: F (gate / up's B, down's A) over tensor, D (gate / up's A, down's
+    # B) over fsdp where the weights stay, the rank axis whole
     lora_spec = None if lora is None else tuple(
-        None if ab is None else (P(split, tp if i == 2 else None, None), P(split, None, tp if i < 2 else None))
-        for i, ab in enumerate(lora))
+        None if ab is None else (P(split, tp, None), P(split, None, contract)) if i == 2
+        else (P(split, contract, None), P(split, None, tp)) for i, ab in enumerate(lora))
     # megablox's kernel declares its output without a varying-axes type, which shard_map's check refuses
     layer_spec = None if layer is None else P()
     fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, *experts_spec, bias_spec, lora_spec, layer_spec),
@@ -318,16 +359,42 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     return fn(x, experts, weights, gate, up, down, biases, lora, layer)
 
 
+def moving_rows(rows: int, tokens: int, k: int, shape: tuple[int, int, int], itemsize: float) -> bool:
+    """`rows_move` on the context mesh for a routed layer of x [rows, tokens, D], K experts a token, experts gate
+    [E, D, F] (`shape`) stored at `itemsize` bytes a weight (4-bit codes: about half a byte): where the rule table
+    splits the experts over fsdp along D (`embed`) and the batch's split (data x fsdp) leaves few pairs per data
+    shard. False without a mesh or fsdp."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("fsdp", 1) == 1:
+        return False
+    e, d, f = shape
+    on_d = lambda axes, dims, i: "fsdp" in _names((*fit_spec(axes, dims, mesh), None, None, None)[i])  # noqa: E731
+    if not (on_d(("expert", "embed", "mlp"), (e, d, f), 1) and on_d(("expert", "mlp", "embed"), (e, f, d), 2)):
+        return False
+    batch = (*fit_spec(("batch",), (rows,), mesh), None)[0]
+    others = math.prod(mesh.shape[a] for a in _names(batch) if a != "fsdp")  # the rows' other splits (data)
+    return rows_move(rows * tokens * k // others, e, d, itemsize)
+
+
+def _names(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A PartitionSpec entry's mesh axes: None -> (), "tensor" -> ("tensor",), a tuple as it is."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _nontrivial(entry: str | tuple[str, ...] | None, mesh: jax.sharding.AbstractMesh
+                ) -> str | tuple[str, ...] | None:
+    """A PartitionSpec entry without the mesh axes of size 1 (they split nothing): ("expert", "tensor") on tensor 1
+    -> "expert"; None where none is left."""
+    kept = tuple(a for a in _names(entry) if mesh.shape[a] > 1)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
 def _laid_out(spec: P, want: tuple, mesh: jax.sharding.AbstractMesh) -> bool:
     """Whether an array stored with `spec` is split exactly as `want` (an entry a dimension's mesh axes or None:
     whole) on `mesh`, whose axes of size 1 split nothing. Example: P(None, None, "fsdp", "tensor") on fsdp 1 x
     tensor 4 is (None, None, None, "tensor")."""
-    def axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        return tuple(a for a in names if mesh.shape[a] > 1)
-
     padded = tuple(spec) + (None,) * (len(want) - len(spec))
-    return [axes(e) for e in padded] == [axes(e) for e in want]
+    return [_nontrivial(e, mesh) for e in padded] == [_nontrivial(e, mesh) for e in want]
 
 
 def route_mismatch(recorded: jax.Array, chosen: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -497,6 +497,7 @@ class MoE(nnx.Module):
                               * cfg.initializer_range).astype(pdt)
         self.router = _param(draw((d, e)), ("embed", None))
         self.quant = cfg.quant
+        self.moe_width = f
         gate, up, down = draw((e, d, f)), draw((e, d, f)), draw((e, f, d))
         self.experts_gate, self.experts_gate_codes, self.experts_gate_scale, self.experts_gate_scale2 = \
             _experts(gate, ("embed", "mlp"), self.quant)
@@ -552,25 +553,32 @@ class MoE(nnx.Module):
         implementation = self.implementation or moe.resolve(None, attention.target_platform())
         biases = None if self.experts_gate_bias is None else tuple(
             v[...] for v in (self.experts_gate_bias, self.experts_up_bias, self.experts_down_bias))
+        # quantized experts: bytes a weight as stored, and whether the rows move to them (`moe.moving_rows`: each
+        # device then dequantizes its own slice, no codes gathered)
+        e, f = self.router.shape[1], self.moe_width
+        stored = None if self.quant is None else quant.stored_bytes(d, f, self.quant) / (d * f)
+        moves = stored is not None and moe.moving_rows(b, t, self.k, (e, d, f), stored)
         y = moe.experts_apply_sharded(x, experts.reshape(b, t, -1), gate_w.reshape(b, t, -1),
-                                      self.expert_weight("gate"), self.expert_weight("up"),
-                                      self.expert_weight("down"), self.dtype, biases=biases,
-                                      swiglu=self.swiglu, lora=self.expert_adapters(), lora_scale=self.lora_scale,
-                                      implementation=implementation, layer=layer)
+                                      *(self.expert_weight(n, gathered=not moves) for n in ("gate", "up", "down")),
+                                      self.dtype, biases=biases, swiglu=self.swiglu, lora=self.expert_adapters(),
+                                      lora_scale=self.lora_scale, implementation=implementation, layer=layer,
+                                      stored_itemsize=stored)
         routing = Routing(experts=experts.reshape(b, t, -1))
         if weights is not None:
             counts, probs = moe.load_balancing_stats(logits, weights.reshape(-1), self.k)
             routing = routing.replace(counts=counts, probs=probs, chosen=chosen.reshape(b, t, -1))
         return checkpoint_name(y.astype(self.dtype).reshape(b, t, d), "mlpwo"), routing
 
-    def expert_weight(self, name: str) -> jax.Array:
+    def expert_weight(self, name: str, gathered: bool = True) -> jax.Array:
         """The experts' weights `name` (gate, up, down): [E, din, dout], as stored, or dequantized from their codes
-        into the compute dtype (QLoRA; this layer's alone, under the layer scan)."""
+        into the compute dtype (QLoRA; this layer's alone, under the layer scan); `gathered` False: each device
+        dequantizes the codes it holds (the rows move to the experts, `moe.moving_rows`)."""
         if self.quant is None:
             return getattr(self, f"experts_{name}")[...]
         # the codes and scales gathered over fsdp before dequantizing, as `Dense.weight` does (left to itself the
         # partitioner dequantized a kernel's shards and gathered the bf16 weight: 4x the bytes)
-        stored = {n: _unsharded_embed(v) for n in ("codes", "scale", "scale2")
+        place = _unsharded_embed if gathered else (lambda v: v[...])
+        stored = {n: place(v) for n in ("codes", "scale", "scale2")
                   if (v := getattr(self, f"experts_{name}_{n}")) is not None}
         w = quant.dequantize(stored, self.quant, self.dtype)
         return w if self.quant.kind == "int8" else quant.unblock(w)
