@@ -283,13 +283,14 @@ def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: 
         """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
         sampler's tensor parallelism splits it) and its share of the KV caches. A mixture of experts: of each
         routed block the min(E, rows x K) experts its rows can reach, the chip's share where they are split over
-        the expert axis, and over fsdp too where the rows move to them (`rows_move`; not for quantized experts,
-        whose codes are gathered and dequantized)."""
+        the expert axis, and over fsdp too where the rows move to them (`rows_move`; quantized experts at their
+        codes' and scales' bytes: each chip dequantizes its own slice)."""
         rows = prompts * group
         weights = model.weight_bytes(itemsize, rows)  # (a QLoRA base's codes at 4 or 8 bits)
         split = sizes.get("expert", 1)
-        if (sizes["fsdp"] > 1 and model.routed_layers and model.expert_bytes is None
-                and rows_move(rows * model.experts_per_token // sizes["data"], model.num_experts, hidden, itemsize)):
+        stored = itemsize if model.expert_bytes is None else model.expert_bytes / max(model.expert_params, 1)
+        if (sizes["fsdp"] > 1 and model.routed_layers
+                and rows_move(rows * model.experts_per_token // sizes["data"], model.num_experts, hidden, stored)):
             split *= sizes["fsdp"]
         weights -= model.expert_read_bytes(itemsize, rows) * (1 - 1 / split)
         return weights / tensor + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips

@@ -235,11 +235,12 @@ def test_hlo_counts_a_layer_read_in_place_from_the_stack_as_the_layer_alone():
 
 
 TENSOR_WORKER = r'''
-import json, re
+import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from rloo_jax import mesh as M
 from rloo_jax.models import moe
+from tests.xla_flags import largest_all_gather
 
 B, T, K, D, F, E = 4, 3, 2, 24, 40, 4
 rs = np.random.RandomState(0)
@@ -347,11 +348,7 @@ for shape in ((1, 1, 4), (1, 2, 2)):
         out[f"stacked layer {shape}"] = diff(step(x, w, *placed, jnp.int32(1)), ref)
     out[f"stacked in place {shape}"] = offsets == [True] * 3
     # the largest array an all-gather makes (elements): one layer's gate is E x D x F = 3,840
-    gathers = [line.split("=", 1)[1].split(" all-gather")[0] for line in step.as_text().splitlines()
-               if " all-gather(" in line or " all-gather-start(" in line]
-    sizes = [int(np.prod([int(v) for v in dims.split(",") if v])) for g in gathers
-             for dims in re.findall(r"\[([\d,]*)\]", g)]
-    out[f"stacked largest gather {shape}"] = max(sizes, default=0)
+    out[f"stacked largest gather {shape}"] = largest_all_gather(step.as_text())
 out["paths"] = paths
 print("RESULT " + json.dumps(out))
 '''

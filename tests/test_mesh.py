@@ -324,6 +324,21 @@ def test_fit_spec_drops_axes_that_do_not_divide():
         rmesh.fit_spec(("embed",), (4, 4), MESH)
 
 
+def test_rows_move_to_a_weight_split_over_fsdp_when_their_partial_sums_are_smaller():
+    """`rows_move_to_weights`: rows x 4 bytes of partial sums against din x itemsize of weight per output column
+    (a decode step's rows: gpt-oss-20b's 256 against its LM head's D 2,880 in bf16); never without fsdp, or where
+    fsdp does not divide din."""
+    fsdp8 = AbstractMesh((1, 8, 1), rmesh.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    tensor8 = AbstractMesh((1, 1, 8), rmesh.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    assert not rmesh.rows_move_to_weights(256, 2880, 2)  # no mesh
+    with jax.sharding.use_abstract_mesh(fsdp8):
+        assert rmesh.rows_move_to_weights(256, 2880, 2) and rmesh.rows_move_to_weights(1439, 2880, 2)
+        assert not rmesh.rows_move_to_weights(1440, 2880, 2)  # 5,760 = 5,760
+        assert not rmesh.rows_move_to_weights(256, 2884, 2)  # 8 does not divide 2,884
+    with jax.sharding.use_abstract_mesh(tensor8):
+        assert not rmesh.rows_move_to_weights(256, 2880, 2)
+
+
 def test_param_shardings_of_tiny_model():
     cfg = dict(TINY, num_attention_heads=3, num_key_value_heads=1, hidden_size=24, intermediate_size=36)
     model = init_causal_lm(cfg, seed=0)  # q: 24 (3 heads x 8), k: 8, mlp 36, vocab 40

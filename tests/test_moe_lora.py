@@ -204,6 +204,55 @@ def test_experts_quantize_within_nf4_s_bound_and_compute_as_dequantized(checkpoi
     assert np.abs(_logits(merge_adapters(lora)) - _logits(lora)).max() <= 1e-5
 
 
+QUANT_FSDP_WORKER = r'''
+import json
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from rloo_jax import mesh as M
+from rloo_jax.models import load_causal_lm, moe
+from rloo_jax.models.lora import quantize_base
+from rloo_jax.quant import QuantSpec
+from tests.xla_flags import largest_all_gather
+
+q = quantize_base(load_causal_lm("PATH"), QuantSpec("nf4"))
+rs = np.random.RandomState(0)
+ids = jnp.asarray(rs.randint(3, 200, (4, 7)), jnp.int32)
+mask = jnp.ones((4, 7), jnp.int32).at[0, :3].set(0)  # a left-padded row
+forward = lambda g, p, r: nnx.merge(g, p, r)(ids, mask)  # noqa: E731
+graphdef, params, rest = nnx.split(q, nnx.Param, ...)
+ref = np.asarray(jax.jit(forward, static_argnums=0)(graphdef, params, rest))  # one device
+sharded, moves = moe.experts_apply_sharded, []
+def spy(*args, **kwargs):  # which path the quantized experts took
+    moves.append(kwargs.get("moves"))
+    return sharded(*args, **kwargs)
+moe.experts_apply_sharded = spy
+mesh = M.make_mesh(1, 4, 1, devices=jax.devices())
+with jax.set_mesh(mesh):
+    placed = M.shard_params(params, M.param_shardings(params, mesh))
+    out = np.asarray(jax.jit(forward, static_argnums=0)(graphdef, placed, rest))
+    text = jax.jit(forward, static_argnums=0).lower(graphdef, placed, rest).compile().as_text()
+codes = placed["model"]["layers"]["mlp"]["experts_gate_codes"][...]
+print("RESULT " + json.dumps({"diff": float(np.abs(out - ref).max()), "moves": moves,
+                              "gathered": largest_all_gather(text),
+                              "codes split": str(codes.sharding.spec), "scale": float(np.abs(ref).max())}))
+'''
+
+
+def test_quantized_experts_stay_split_on_fsdp_where_the_rows_move(tmp_path):
+    """A 4-bit Qwen3-MoE (D 256: four 64-row blocks of each expert's codes, one a device of fsdp 4) on 4 host
+    devices: 4 rows x 7 tokens (56 pairs) move to the experts (`moe.moving_rows` at the codes' bytes), each
+    device dequantizes its own blocks (the codes stay split over fsdp), the 28 rows move to the LM head too
+    (`Transformer.unembed`: no all-gather of its [256, 288]), and the logits are one device's (float32, the sums
+    in another order: measured 8.6e-6 of logits up to 10.2, 8.5e-7 relative)."""
+    path = build_qwen3_moe(tmp_path / "moe", hidden_size=256, num_experts=4, num_experts_per_tok=2,
+                           norm_topk_prob=True)
+    result = result_on_devices(QUANT_FSDP_WORKER.replace("PATH", str(path)), 4)
+    assert result["moves"] and all(m is True for m in result["moves"]), result
+    assert "fsdp" in result["codes split"], result
+    assert 0 < result["gathered"] < 256 * 288, result  # some weights (8,192), not the LM head (gathered before)
+    assert result["diff"] <= 2e-6 * result["scale"], result  # NaN fails
+
+
 def test_memory_accounting_counts_the_experts_as_stored():
     """`efficiency.Transformer.weight_bytes` of a quantized mixture of experts: attention and every expert at
     their NF4 bytes, the router and the unembedding at the compute dtype's."""

@@ -63,3 +63,16 @@ def result_on_devices(code: str, devices: int, timeout: float = 600) -> dict:
                        timeout=timeout)
     assert p.returncode == 0, p.stderr[-5000:]
     return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+
+
+def largest_all_gather(hlo_text: str) -> int:
+    """The most elements an all-gather of a compiled module's text makes (0: none): which arrays a program moves
+    between devices (e.g. a few rows, not the experts or an LM head)."""
+    import re
+
+    import numpy as np
+
+    sizes = [int(np.prod([int(v) for v in dims.split(",") if v]))
+             for line in hlo_text.splitlines() if " all-gather(" in line or " all-gather-start(" in line
+             for dims in re.findall(r"\[([\d,]*)\]", line.split("=", 1)[1].split(" all-gather")[0])]
+    return max(sizes, default=0)

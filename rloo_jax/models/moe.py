@@ -251,7 +251,7 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
                           biases: tuple[jax.Array, ...] | None = None,
                           swiglu: tuple[float, float] | None = None, implementation: str = "ragged_dot",
                           lora: tuple | None = None, lora_scale: float = 0.0, layer: jax.Array | None = None,
-                          stored_itemsize: float | None = None) -> jax.Array:
+                          moves: bool | None = None) -> jax.Array:
     """`experts_apply` with the E experts split as the rule table splits them on the context mesh (over `axis`,
     then `tensor`, as far as those divide E: n shards of E / n, in order): x [B, T, D], experts / weights [B, T, K],
     gate / up [E, D, F], down [E, F, D] -> [B, T, D] float32.
@@ -272,8 +272,9 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     `biases` [E, ...] and the adapters `lora` split as the experts are (with F over tensor: down's bias added by one
     tensor shard only; gate's and up's A and down's B whole on every tensor shard). `axis`'s size must divide E.
 
-    A few rows against experts split over fsdp along D (a decode step on an FSDP mesh, `moving_rows`; the experts
-    stored at `stored_itemsize` bytes a weight, by default their dtype's): the experts stay and the rows move
+    A few rows against experts split over fsdp along D (a decode step on an FSDP mesh: `moves`, by default
+    `moving_rows` for the experts' dtype; quantized experts' caller decides from their codes): the experts stay and
+    the rows move
     (`experts_apply`'s `contract`): each device gathers its data shard's rows, projects its slice of their hidden
     units, the partial products of gate and up are summed over fsdp, and each device's D / n output columns go
     back to the rows' devices (an all-to-all). Gathering a layer's experts instead would move 1.2 GB of
@@ -299,7 +300,8 @@ def experts_apply_sharded(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     rows = None if mesh.empty else (*fit_spec(("batch",), (b,), mesh), None)[0]
     # A few rows against experts split over fsdp (a decode step on the FSDP training mesh: 64-256 rows x K pairs
     # against a layer's 1.2 GB of Qwen3-30B-A3B experts): the rows move, not the weights (`moving_rows`)
-    moves = moving_rows(b, t, experts.shape[-1], gate.shape[-3:], stored_itemsize or gate.dtype.itemsize)
+    if moves is None:
+        moves = moving_rows(b, t, experts.shape[-1], gate.shape[-3:], gate.dtype.itemsize)
     contract = "fsdp" if moves else None
     if not summed and contract is None and (mesh.empty or implementation == "ragged_dot" or mesh.size == 1):
         flat = lambda a: a.reshape(b * t, -1)  # noqa: E731
