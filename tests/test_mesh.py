@@ -449,8 +449,9 @@ def test_rollout_on_its_own_mesh_samples_the_same(compare, shape):
     want, got = compare["sharded"], compare["layouts"][shape]
     assert got["completion_ids"] == want["completions"]
     np.testing.assert_allclose(got["old_logps"], want["old_logps"], atol=1e-5)  # measured 2.1e-6 with tensor 8
-    if shape == "(4, 1, 2)":  # the same tensor split as training: not one bit differs
-        assert got["old_logps"] == want["old_logps"]
+    if shape == "(4, 1, 2)":  # the same tensor split as training; on training's fsdp 2 a decode step's LM head sums
+        # each device's partial logits (`Transformer.unembed`: the head stays split), another order: measured 2.4e-7
+        assert np.abs(np.asarray(got["old_logps"]) - np.asarray(want["old_logps"])).max() <= 1e-6
     assert got["spec"] == "P(('data', 'fsdp'),)" and got["devices"] == compare["mesh_devices"]
 
 
