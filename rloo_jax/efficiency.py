@@ -280,11 +280,11 @@ def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: 
     tensor, hidden = sizes["tensor"], prepared.model.config.hidden_size
 
     def decode_floor(prompts: int, group: int) -> float:
-        """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole; the
-        sampler's tensor parallelism splits it) and its share of the KV caches. A mixture of experts: of each
-        routed block the min(E, rows x K) experts its rows can reach, the chip's share where they are split over
-        the expert axis, and over fsdp too where the rows move to them (`rows_move`; quantized experts at their
-        codes' and scales' bytes: each chip dequantizes its own slice)."""
+        """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole, the LM head
+        its share where the rows move to it; the sampler's tensor parallelism splits them) and its share of the KV
+        caches. A mixture of experts: of each routed block the min(E, rows x K) experts its rows can reach, the
+        chip's share where they are split over the expert axis, and over fsdp too where the rows move to them
+        (`rows_move`; quantized experts at their codes' and scales' bytes: each chip dequantizes its own slice)."""
         rows = prompts * group
         weights = model.weight_bytes(itemsize, rows)  # (a QLoRA base's codes at 4 or 8 bits)
         split = sizes.get("expert", 1)
@@ -293,6 +293,10 @@ def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: 
                 and rows_move(rows * model.experts_per_token // sizes["data"], model.num_experts, hidden, stored)):
             split *= sizes["fsdp"]
         weights -= model.expert_read_bytes(itemsize, rows) * (1 - 1 / split)
+        # the LM head stays split over fsdp along D where the step's rows move to it (`mesh.rows_move_to_weights`:
+        # rows x 4 < D x itemsize; each chip reads its slice)
+        if sizes["fsdp"] > 1 and hidden % sizes["fsdp"] == 0 and rows * 4 < hidden * itemsize:
+            weights -= model.unembed_params * itemsize * (1 - 1 / sizes["fsdp"])
         return weights / tensor + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
 
     # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed); a value
