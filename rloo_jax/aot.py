@@ -398,8 +398,9 @@ def table_lines(report: Report) -> list[str]:
             )
             fsdp = report.settings.get("rollout_mesh", {}).get("fsdp", 1)
             if _ici_bound(p.decode.per_iteration, slc.chip) and fsdp > 1:
-                lines.append(f"  {p.name} decode is ICI-bound (FSDP gathers the weights at every step); "
-                             "a --rollout_mesh with fsdp 1 gathers them once")
+                lines.append(f"  {p.name} decode is ICI-bound (on FSDP a step gathers the weights, or its rows' "
+                             "partial sums cross to the weights' chips); a --rollout_mesh with fsdp 1 gathers "
+                             "the weights once")
     layout = report.settings.get("rollout_mesh")
     if layout is not None:
         train = report.settings["mesh"]

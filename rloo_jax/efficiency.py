@@ -194,6 +194,16 @@ class Transformer:
         read = self.num_experts if rows is None else min(self.num_experts, rows * self.experts_per_token)
         return self.routed_layers * max(0, read - self.experts_per_token) * self.expert_params
 
+    def split_bytes(self, itemsize: int) -> float:
+        """Bytes at `itemsize` of the blocks' matrices other than the experts (q, k, v, o, a dense MLP, a router)
+        that a decode step's rows can move to on an FSDP mesh (`weights_stay`); 0 where they are stored quantized
+        (their codes are gathered). Example: layer_params 10, 2 layers, itemsize 2: 40; one routed block of K 2
+        experts of 3 parameters: 28."""
+        if self.layer_bytes is not None:
+            return 0.0
+        return (self.num_layers * self.layer_params
+                - self.routed_layers * self.experts_per_token * self.expert_params) * itemsize
+
     def weight_bytes(self, itemsize: int, rows: int | None = None) -> float:
         """Bytes of every matrix a forward multiplies by: the blocks' as stored (`layer_bytes`: 4-bit codes at half
         a byte + their scales) or at `itemsize`, and the unembedding at `itemsize` (never quantized). A mixture of
@@ -263,6 +273,19 @@ def rows_move(pairs: int, experts: int, hidden: int, itemsize: float) -> bool:
     return pairs * 8 < 3 * experts * hidden * itemsize
 
 
+def weights_stay(rows: int, din: int, dout: int, itemsize: float, side: int, n: int) -> bool:
+    """Whether `rows` rows of a data shard should move to a weight [din, dout] split over n devices (fsdp) on `side`
+    (0: din, 1: dout) rather than gather it, by the bytes a device receives ((n - 1) / n of each cancels): gathering
+    the weight, din x dout x `itemsize`; moving the rows (`transformer.stationary_matmul`), on din: their hidden
+    units exchanged (rows / n x din x itemsize) and the float32 partial sums reduce-scattered (rows x dout x 4); on
+    dout: the rows gathered (rows x din x itemsize) and the float32 output columns exchanged (rows / n x dout x 4).
+    Examples: 256 rows, [2880, 4096] in bf16 over 8 on din: 256 x (720 + 16,384) = 4.4M < 23.6M -> True; 64 rows,
+    [64, 64] over 4 on din: 64 x (32 + 256) = 18,432 > 8,192 -> False."""
+    if side == 0:
+        return rows * (din * itemsize / n + dout * 4) < din * dout * itemsize
+    return rows * (din * itemsize + dout * 4 / n) < din * dout * itemsize
+
+
 def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: list[Any]
                   ) -> dict[str, tuple[float, float]]:
     """What the model needs of each program of a run, per chip: {program: (model FLOPs per call, the decode loop's
@@ -280,11 +303,12 @@ def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: 
     tensor, hidden = sizes["tensor"], prepared.model.config.hidden_size
 
     def decode_floor(prompts: int, group: int) -> float:
-        """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole, the LM head
-        its share where the rows move to it; the sampler's tensor parallelism splits them) and its share of the KV
-        caches. A mixture of experts: of each routed block the min(E, rows x K) experts its rows can reach, the
-        chip's share where they are split over the expert axis, and over fsdp too where the rows move to them
-        (`rows_move`; quantized experts at their codes' and scales' bytes: each chip dequantizes its own slice)."""
+        """Per chip and decode step: every matrix its rows go through (FSDP gathers each layer whole, or a chip
+        reads its share where the rows move to the matrix; the sampler's tensor parallelism splits them) and its
+        share of the KV caches. A mixture of experts: of each routed block the min(E, rows x K) experts its rows
+        can reach, the chip's share where they are split over the expert axis, and over fsdp too where the rows
+        move to them (`rows_move`; quantized experts at their codes' and scales' bytes: each chip dequantizes its
+        own slice)."""
         rows = prompts * group
         weights = model.weight_bytes(itemsize, rows)  # (a QLoRA base's codes at 4 or 8 bits)
         split = sizes.get("expert", 1)
@@ -295,8 +319,14 @@ def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: 
         weights -= model.expert_read_bytes(itemsize, rows) * (1 - 1 / split)
         # the LM head stays split over fsdp along D where the step's rows move to it (`mesh.rows_move_to_weights`:
         # rows x 4 < D x itemsize; each chip reads its slice)
-        if sizes["fsdp"] > 1 and hidden % sizes["fsdp"] == 0 and rows * 4 < hidden * itemsize:
-            weights -= model.unembed_params * itemsize * (1 - 1 / sizes["fsdp"])
+        n = sizes["fsdp"]
+        if n > 1 and hidden % n == 0 and rows * 4 < hidden * itemsize:
+            weights -= model.unembed_params * itemsize * (1 - 1 / n)
+        # so do the blocks' other matrices, not stored 4-bit (`mesh.stationary_side`), decided here for one D x D
+        # (each matrix has D on its split side; a router's few columns may still be gathered: a few MB)
+        if n > 1 and hidden % n == 0 and rows % (n * sizes["data"]) == 0 and weights_stay(
+                rows // sizes["data"], hidden, hidden, itemsize, 0, n):
+            weights -= model.split_bytes(itemsize) * (1 - 1 / n)
         return weights / tensor + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
 
     # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed); a value

@@ -37,6 +37,8 @@ from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from rloo_jax.efficiency import weights_stay
+
 __all__ = [
     "BATCH_AXES",
     "KV_CACHE_AXES",
@@ -64,6 +66,7 @@ __all__ = [
     "rollout_shape",
     "row_major",
     "rows_move_to_weights",
+    "stationary_side",
     "host_memory",
     "shard_params",
     "state_shardings",
@@ -286,11 +289,33 @@ def rows_move_to_weights(rows: int, din: int, itemsize: int) -> bool:
     din (`embed`) should keep the weight where it lies, on the context mesh: each device multiplies its slice of
     the rows' din by its slice of the weight and the partial sums are reduced into each device's rows, rows x dout
     x 4 bytes, where that is less than gathering the weight, din x dout x `itemsize`: rows x 4 < din x itemsize
-    (a decode step's rows; `efficiency.rows_move` is the experts' rule). False without a mesh, fsdp, or where
-    fsdp does not divide din. Example: fsdp 8, 256 rows, din 2880, bf16: 1,024 < 5,760 -> True."""
+    (the LM head of a decode step, `Transformer.unembed`; `weights_stay` is the blocks' matrices' rule,
+    `efficiency.rows_move` the experts'). False without a mesh, fsdp, or where fsdp does not divide din.
+    Example: fsdp 8, 256 rows, din 2880, bf16: 1,024 < 5,760 -> True."""
     mesh = jax.sharding.get_abstract_mesh()
     fsdp = 1 if mesh.empty else mesh.shape.get("fsdp", 1)
     return fsdp > 1 and din % fsdp == 0 and rows * 4 < din * itemsize
+
+
+def stationary_side(rows: int, shape: tuple[int, int], axes: tuple[str | None, str | None], itemsize: int
+                    ) -> int | None:
+    """Which side of a weight [din, dout] (`shape`, logical `axes`) split over fsdp a product with `rows` rows
+    (split over data x fsdp) should leave it split on, on the context mesh: 0 (din: q, k, v, gate, up), 1 (dout: o,
+    down), or None to gather the weight (a training micro-batch, a long prefill; no fsdp; the weight or the rows
+    not split over fsdp). By the bytes each chip receives (`efficiency.weights_stay`, one data shard's rows)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n = 1 if mesh.empty else mesh.shape.get("fsdp", 1)
+    if n == 1 or "fsdp" not in _entry_names((*fit_spec(("batch",), (rows,), mesh), None)[0]):
+        return None
+    spec = (*fit_spec(axes, shape, mesh), None, None)[:2]
+    side = next((i for i, a in enumerate(spec) if a == "fsdp"), None)  # fsdp alone on that side
+    if side is None or "fsdp" in _entry_names(spec[1 - side]):
+        return None
+    return side if weights_stay(rows // mesh.shape.get("data", 1), *shape, itemsize, side, n) else None
+
+
+def _entry_names(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 KV_CACHE_AXES = (None, "batch", "kv", None, None)  # [L, rows, K heads, slots, Dh]

@@ -220,33 +220,44 @@ def test_compile_only_with_lora_and_completion_buckets(tmp_path, tiny_checkpoint
     assert report["settings"]["trainable_params"] == 2 * 4 * (4 * (64 + 64) - 2 * 32 + 2 * (64 + 128) + (128 + 64))
 
 
-def test_rollout_mesh_moves_decode_off_ici(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
-    """FSDP over 4 chips: the sampler on the training mesh all-gathers the weights over ICI at every decode step;
-    on a mesh of its own it moves them once per generation: whole on every chip (the default for this tiny
-    model), or tensor-parallel over 2 (each chip reads half the matrices at every step)."""
+def test_rollout_mesh_moves_decode_off_ici(tmp_path, tiny_checkpoint, capsys, monkeypatch):  # noqa: F811
+    """FSDP over 4 chips: a decode step on the training mesh all-gathers the weights over ICI at every step (the
+    negative control: `weights_stay` off), or moves its 16 rows to the matrices' shards (`stationary_matmul`), which
+    on this tiny model crosses about as many bytes (the TPU compiler sums 64-wide partial products with
+    all-reduces; tests/test_mesh.py shows the weights stay put). On a mesh of its own the sampler moves the weights
+    once per generation: whole on every chip (the default for this tiny model), or tensor-parallel over 2 (each
+    chip reads half the matrices at every step)."""
+    from rloo_jax import mesh as rmesh
+
     model = config_only_model(tmp_path, TINY_LLAMA, tiny_checkpoint("tokenizer"))
     rollouts, outs = {}, {}
-    for layout in ("1,4,1", None, "2,1,2"):
-        extra = [] if layout is None else ["--rollout_mesh", layout]
-        code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", *extra])
+    for layout in ("gathers", "1,4,1", None, "2,1,2"):
+        extra = [] if layout is None else ["--rollout_mesh", "1,4,1" if layout == "gathers" else layout]
+        with monkeypatch.context() as patch:
+            if layout == "gathers":
+                patch.setattr(rmesh, "weights_stay", lambda *args: False)
+            code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", *extra])
         assert code == 0, err
         report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
         assert report["settings"]["attn_implementation"] == "splash"  # the default for a TPU
         rollouts[layout], outs[layout] = report["programs"]["rollout"], out
-        sizes = map(int, (layout or "4,1,1").split(","))
+        sizes = map(int, ("1,4,1" if layout == "gathers" else layout or "4,1,1").split(","))
         assert report["settings"]["rollout_mesh"] == dict(zip(("data", "fsdp", "tensor"), sizes, strict=True))
+    gathers, moves, whole, tp = (rollouts[k] for k in ("gathers", "1,4,1", None, "2,1,2"))
     # the report names the option where the decode steps wait on ICI, and only there
-    advice = "decode is ICI-bound (FSDP gathers the weights at every step); a --rollout_mesh with fsdp 1"
-    assert advice in outs["1,4,1"] and advice not in outs[None] and advice not in outs["2,1,2"]
-    sharded, gathered, tp = rollouts["1,4,1"], rollouts[None], rollouts["2,1,2"]
-    assert sharded["decode_ici_bytes_per_step"] > 3 * 2 * 83968 / 4  # 3/4 of the bf16 matrices, every step
+    advice = "decode is ICI-bound (on FSDP a step gathers the weights, or its rows' partial sums cross"
+    assert advice in outs["gathers"] and advice not in outs[None] and advice not in outs["2,1,2"]
+    assert gathers["decode_ici_bytes_per_step"] > 3 * 2 * 73728 / 4  # 3/4 of the blocks' bf16 matrices
+    assert 0 < moves["decode_ici_bytes_per_step"] < gathers["decode_ici_bytes_per_step"]
     # what still crosses: the rows' finished flags and sampled tokens (768 bytes)
-    assert gathered["decode_ici_bytes_per_step"] < 0.01 * sharded["decode_ici_bytes_per_step"]
-    assert gathered["decode_bytes_ratio"] < sharded["decode_bytes_ratio"]
-    # tensor-parallel: the floor holds half the matrices; two all-reduces per layer cross ICI instead
-    # half the completions of the test above
+    assert whole["decode_ici_bytes_per_step"] < 0.01 * gathers["decode_ici_bytes_per_step"]
+    assert whole["decode_bytes_ratio"] < gathers["decode_bytes_ratio"]
+    # the floor on fsdp 4 (where the rows move): a quarter of every matrix (the LM head's too: 16 x 4 < 64 x 2)
+    # and an eighth of the KV caches (half the completions of the test above); tensor-parallel: half the matrices,
+    # two all-reduces per layer cross ICI instead
+    assert moves["decode_floor_bytes_per_step"] == 2 * 83968 / 4 + 294912 / 8
     assert tp["decode_floor_bytes_per_step"] == 2 * 83968 / 2 + 294912 / 8
-    assert 0 < tp["decode_ici_bytes_per_step"] < 0.2 * sharded["decode_ici_bytes_per_step"]
+    assert 0 < tp["decode_ici_bytes_per_step"] < 0.2 * gathers["decode_ici_bytes_per_step"]
 
 
 def test_compile_only_says_what_does_not_fit(tmp_path, tiny_checkpoint, capsys):  # noqa: F811
@@ -497,13 +508,18 @@ def test_hlo_bytes_match_xla_and_count_every_loop_iteration():
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
-def test_a_decode_step_reads_its_kv_cache_once(scan_layers):
+def test_a_decode_step_reads_its_kv_cache_once(scan_layers, monkeypatch):
     """One decode step of a model whose KV caches do not fit on-chip memory (v5e, fsdp over 4 chips, gathered
     bf16 weights): it moves <= 1.1x the floor (its rows' caches + the matrices) through HBM, and nothing of the
     caches over ICI. The traps it pins (BENCHMARKS.md): splitting the cache rows into (prompt, sample) in the
     attention dots made the compiler copy each layer's cache slice first, and the RoPE'd key slot let it pick a
     key-cache layout its dots cannot read in place (one more copy): 3.40x here together; a layout constraint the
-    SPMD partitioner sees whole gathers every cache onto every chip: 14x here, 72x on the 8B."""
+    SPMD partitioner sees whole gathers every cache onto every chip: 14x here, 72x on the 8B. The weights are
+    whole on every chip here, which the rows-to-weights rule cannot see (it reads the rule table, which splits
+    them over fsdp): it is off, so no rows cross ICI either."""
+    from rloo_jax import mesh as rmesh
+
+    monkeypatch.setattr(rmesh, "weights_stay", lambda *args: False)
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -12,6 +12,7 @@ from rloo_jax.efficiency import (
     forward_flops,
     roofline_seconds,
     rows_move,
+    weights_stay,
 )
 from rloo_jax.models.config import config_from_hf
 from tests.test_compile_only import TINY_LLAMA as TINY  # D 64, 2 layers, 4 heads of 16, 2 kv, MLP 128, V 160
@@ -122,6 +123,8 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_uses():
     assert t.weight_bytes(2) == 2 * 1456  # every expert
     assert t.weight_bytes(2, rows=1) == 2 * (1456 - 2 * 144)  # one row reaches 2 experts of the routed block's 4
     assert t.weight_bytes(2, rows=2) == 2 * 1456
+    # what a decode step's rows can move to on an FSDP mesh besides the head: all but the experts, 576 + 192 + 32
+    assert t.split_bytes(2) == 2 * 800
     assert (t.expert_read_bytes(2, rows=1), t.expert_read_bytes(2)) == (2 * 2 * 144, 4 * 2 * 144)  # 1 routed block
     assert forward_flops(t.layer_params, 2, 80, 8, tokens=3, scored=1, pairs=0) == 2 * (2 * 544 * 3 + 80)
 
@@ -133,3 +136,14 @@ def test_rows_move_to_experts_split_over_fsdp_when_their_partial_sums_are_smalle
     micro-batch's 8 x 1,280 tokens x 8 chips x 8 = 655,360 pairs do not."""
     assert rows_move(143, 4, 24, 4) and not rows_move(144, 4, 24, 4)
     assert rows_move(2048, 128, 2048, 2) and not rows_move(655360, 128, 2048, 2)
+
+
+def test_rows_move_to_a_matrix_split_over_fsdp_when_a_device_receives_fewer_bytes():
+    """`weights_stay` against gathering [64, 64] in bf16 over 4 devices (8,192 bytes). On din: the rows' hidden
+    units exchanged (64 x 2 / 4 = 32 bytes a row) and their float32 partial sums (64 x 4 = 256): 28 x 288 = 8,064
+    move, 29 (8,352) do not. On dout: the rows gathered (128 a row) and a quarter of their float32 columns (64):
+    42 x 192 = 8,064 move, 43 (8,256) do not."""
+    assert weights_stay(28, 64, 64, 2, 0, 4) and not weights_stay(29, 64, 64, 2, 0, 4)
+    assert weights_stay(42, 64, 64, 2, 1, 4) and not weights_stay(43, 64, 64, 2, 1, 4)
+    # gpt-oss-20b's q [2880, 4096] on a v5e-8: 256 decode rows x (720 + 16,384) against 23.6M
+    assert weights_stay(256, 2880, 4096, 2, 0, 8) and not weights_stay(8192, 2880, 4096, 2, 0, 8)

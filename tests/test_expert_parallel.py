@@ -308,11 +308,11 @@ def test_compile_only_with_expert_parallelism(tmp_path, tiny_checkpoint, capsys)
     shard_map, megablox): the report's meshes carry the expert axis (the sampler on the training mesh, fsdp 2 x
     expert 2), each chip holds 4 of the 8 experts, split over fsdp on D; a decode step's 8 rows (2 prompts x G 4:
     4 a batch-parallel device; 16 pairs) move to them (`efficiency.rows_move`), so the decode floor counts a quarter
-    of the experts, and half the LM head (it stays split over fsdp: 8 x 4 < 64 x 2). By hand: D 64, 2 routed
-    blocks of attention 64 x 64 + 2 x 64 x 32 + 64 x 64 = 12,288, router 64 x 8 = 512 and 8 experts of 3 x 64 x 32
-    = 6,144 (8 rows x 2 reach all 8), the LM head 64 x 160 = 10,240, in bf16; the KV caches 2 x 2 layers x (2
-    prompts x 16 + 8 rows x 32) x 32 x 2 bytes over 4 chips. An expert count the option does not divide stops
-    before anything compiles (exit 2, naming it)."""
+    of the experts, and half of every other matrix (they stay split over fsdp: `efficiency.weights_stay`; the LM
+    head's 8 x 4 < 64 x 2). By hand: D 64, 2 routed blocks of attention 64 x 64 + 2 x 64 x 32 + 64 x 64 = 12,288,
+    router 64 x 8 = 512 and 8 experts of 3 x 64 x 32 = 6,144 (8 rows x 2 reach all 8), the LM head 64 x 160 =
+    10,240, in bf16; the KV caches 2 x 2 layers x (2 prompts x 16 + 8 rows x 32) x 32 x 2 bytes over 4 chips. An
+    expert count the option does not divide stops before anything compiles (exit 2, naming it)."""
     model = config_only_model(tmp_path, TINY_QWEN3_MOE, tiny_checkpoint("tokenizer"))
     code, out, err = run_main(capsys, common(tmp_path, model) + ["--topology", "v5e-4", "--expert_parallel", "2"])
     assert code == 0, err
@@ -322,7 +322,7 @@ def test_compile_only_with_expert_parallelism(tmp_path, tiny_checkpoint, capsys)
     assert settings["rollout_mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1}
     assert report["fits"] and set(report["programs"]) >= {"rollout", "update"}
     experts = 2 * 8 * 6144
-    weights = 2 * (2 * (12288 + 512) + experts / 4 + 10240 / 2)
+    weights = 2 * ((2 * (12288 + 512) + 10240) / 2 + experts / 4)
     assert report["programs"]["rollout"]["decode_floor_bytes_per_step"] == weights + 2 * 2 * (32 + 256) * 32 * 2 / 4
     bad = tmp_path / "bad"
     bad.mkdir()

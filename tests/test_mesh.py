@@ -339,6 +339,74 @@ def test_rows_move_to_a_weight_split_over_fsdp_when_their_partial_sums_are_small
         assert not rmesh.rows_move_to_weights(256, 2880, 2)
 
 
+def test_a_decode_steps_rows_pick_the_side_the_weight_stays_split_on():
+    """`stationary_side` on fsdp 4, by `efficiency.weights_stay`'s bytes: 16 rows against Llama-3.1-8B's q [4096,
+    4096] stay on din (16 x (2,048 + 16,384) < 33.5M), o on dout, a k [64, 32] of 64 rows is gathered (64 x (32 +
+    128) = 10,240 > 4,096); rows fsdp does not split, a weight not split over fsdp (tensor alone), or no fsdp:
+    gathered (None)."""
+    mesh = lambda *shape: AbstractMesh(shape, rmesh.MESH_AXES, axis_types=(AxisType.Auto,) * 3)  # noqa: E731
+    q, o = ((4096, 4096), ("embed", "heads")), ((4096, 4096), ("heads", "embed"))
+    assert rmesh.stationary_side(16, *q, 2) is None  # no mesh
+    with jax.sharding.use_abstract_mesh(mesh(1, 4, 1)):
+        assert rmesh.stationary_side(16, *q, 2) == 0 and rmesh.stationary_side(16, *o, 2) == 1
+        assert rmesh.stationary_side(64, (64, 32), ("embed", "kv"), 2) is None
+        assert rmesh.stationary_side(62, *q, 2) is None  # 4 does not divide 62 rows
+        assert rmesh.stationary_side(16, (4096, 4096), (None, "mlp"), 2) is None
+    with jax.sharding.use_abstract_mesh(mesh(1, 1, 4)):
+        assert rmesh.stationary_side(16, *q, 2) is None
+
+
+STATIONARY_WORKER = r'''
+import json
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from rloo_jax import mesh as M
+from rloo_jax.models import init_causal_lm, transformer
+from tests.xla_flags import largest_all_gather
+
+model = init_causal_lm(CONFIG, seed=0)
+ids = jnp.asarray(np.random.RandomState(0).randint(0, 40, (8, 1)), jnp.int32)  # a decode step's 8 rows
+mask = jnp.ones((8, 1), jnp.int32)
+graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+logits = lambda p: nnx.merge(graphdef, p, rest)(ids, mask)  # noqa: E731
+grad = lambda p: jax.grad(lambda p: (logits(p) ** 2).mean())(p)  # noqa: E731
+ref, ref_g = np.asarray(jax.jit(logits)(params)), jax.jit(grad)(params)
+sides, real = set(), transformer.stationary_matmul
+def spy(x, w, axes, side):
+    sides.add((axes, side))
+    return real(x, w, axes, side)
+transformer.stationary_matmul = spy
+mesh = M.make_mesh(1, 4, 1, devices=jax.devices())
+with jax.set_mesh(mesh):
+    placed = M.shard_params(params, M.param_shardings(params, mesh))
+    out, g = np.asarray(jax.jit(logits)(placed)), jax.jit(grad)(placed)
+    moved = largest_all_gather(jax.jit(logits).lower(placed).compile().as_text())
+    M.weights_stay = lambda *args: False  # the negative control: every matrix gathered
+    gathered = largest_all_gather(jax.jit(lambda p: logits(p)).lower(placed).compile().as_text())  # retraced
+gdiff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+            for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)))
+print("RESULT " + json.dumps({"diff": float(np.abs(out - ref).max()), "scale": float(np.abs(ref).max()),
+                              "grad": gdiff, "moved": moved, "gathered": gathered,
+                              "sides": sorted([list(a), s] for a, s in sides)}))
+'''
+
+
+def test_a_decode_steps_rows_move_to_the_matrices_on_fsdp():
+    """A decode step's 8 rows on fsdp 4 (4 host devices; D 128, float32): every block matrix stays split where it
+    lies (`transformer.stationary_matmul`: q, k, v, gate, up on din, o and down on dout), no all-gather as large as
+    the smallest of them (k: 128 x 64; the negative control gathers gate's 128 x 256), and the logits and the
+    gradients are one device's up to the partial sums' order."""
+    from tests.xla_flags import result_on_devices
+
+    config = dict(TINY, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    result = result_on_devices(STATIONARY_WORKER.replace("CONFIG", repr(config)), 4)
+    assert result["sides"] == [[["embed", "heads"], 0], [["embed", "kv"], 0], [["embed", "mlp"], 0],
+                               [["heads", "embed"], 1], [["mlp", "embed"], 1]], result
+    assert 0 <= result["moved"] < 128 * 64 <= 128 * 256 <= result["gathered"], result
+    assert result["diff"] <= 2e-6 * result["scale"], result  # measured 6.9e-7 relative; NaN fails
+    assert result["grad"] <= 4e-6, result  # each gradient's largest difference over its largest: measured 1.8e-6
+
+
 def test_param_shardings_of_tiny_model():
     cfg = dict(TINY, num_attention_heads=3, num_key_value_heads=1, hidden_size=24, intermediate_size=36)
     model = init_causal_lm(cfg, seed=0)  # q: 24 (3 heads x 8), k: 8, mlp 36, vocab 40
@@ -448,10 +516,10 @@ def test_rollout_on_its_own_mesh_samples_the_same(compare, shape):
     same log-probs as on the (2, 2, 2) training mesh, handed back in the training layout over the same devices."""
     want, got = compare["sharded"], compare["layouts"][shape]
     assert got["completion_ids"] == want["completions"]
-    np.testing.assert_allclose(got["old_logps"], want["old_logps"], atol=1e-5)  # measured 2.1e-6 with tensor 8
-    if shape == "(4, 1, 2)":  # the same tensor split as training; on training's fsdp 2 a decode step's LM head sums
-        # each device's partial logits (`Transformer.unembed`: the head stays split), another order: measured 2.4e-7
-        assert np.abs(np.asarray(got["old_logps"]) - np.asarray(want["old_logps"])).max() <= 1e-6
+    # measured 2.1e-6 with tensor 8; (4, 1, 2) has training's tensor split, but on training's fsdp 2 a decode
+    # step's rows move to the matrices (`transformer.stationary_matmul`, `Transformer.unembed`) and each device's
+    # partial sums are added in another order
+    np.testing.assert_allclose(got["old_logps"], want["old_logps"], atol=1e-5)
     assert got["spec"] == "P(('data', 'fsdp'),)" and got["devices"] == compare["mesh_devices"]
 
 

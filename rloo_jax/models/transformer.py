@@ -49,9 +49,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from rloo_jax import quant
-from rloo_jax.mesh import KV_CACHE_AXES, constrain, pin_layout, row_major, rows_move_to_weights
+from rloo_jax.mesh import (
+    KV_CACHE_AXES,
+    constrain,
+    fit_spec,
+    pin_layout,
+    row_major,
+    rows_move_to_weights,
+    stationary_side,
+)
 from rloo_jax.models import attention, moe
 from rloo_jax.models.attention import attend, attend_shared_prompt, visible
 from rloo_jax.models.config import ModelConfig, ModelLoadError, rope_attention_factor, rope_inv_freq
@@ -268,6 +277,39 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def stationary_matmul(x: jax.Array, w: jax.Array, axes: tuple[str | None, str | None], side: int) -> jax.Array:
+    """x [rows, din] @ w [din, dout] -> [rows, dout] float32 on the context mesh with w left where it lies, split
+    over fsdp on `side` (`mesh.stationary_side`; logical `axes`), and the rows moved to it: a decode step's few
+    rows, where gathering the layer's weight at every step would move far more (Llama-3.1-8B's 218 MB a layer).
+    - side 0 (din: q, k, v, gate, up): the rows' hidden units exchanged (an all-to-all: each device gets its din / n
+      of all its data shard's rows), multiplied by its slice, the float32 partial sums reduce-scattered back into
+      each device's rows;
+    - side 1 (dout: o, down): the data shard's rows gathered, multiplied by the device's dout / n columns (summed
+      over tensor where din is split there), the float32 columns exchanged back (an all-to-all).
+    The same sums as `quant.blocked_matmul` in another order (the partial sums over fsdp)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rows = fit_spec(("batch",), (x.shape[0],), mesh)[0]
+    w_spec = fit_spec(axes, w.shape, mesh)
+    other = (*w_spec, None, None)[1 - side]  # the weight's other side: tensor or whole
+
+    if side == 0:
+        def local(x: jax.Array, w: jax.Array) -> jax.Array:
+            x = jax.lax.all_to_all(x, "fsdp", 1, 0, tiled=True)  # [r / n, din] -> [r, din / n]
+            y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+            return jax.lax.psum_scatter(y, "fsdp", scatter_dimension=0, tiled=True)
+
+        specs, out = (P(rows, None), P("fsdp", other)), P(rows, other)
+    else:
+        def local(x: jax.Array, w: jax.Array) -> jax.Array:
+            x = jax.lax.all_gather(x, "fsdp", axis=0, tiled=True)  # [r / n, din] -> [r, din]
+            y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+            y = y if other is None else jax.lax.psum(y, other)
+            return jax.lax.all_to_all(y, "fsdp", 0, 1, tiled=True)  # [r, dout / n] -> [r / n, dout]
+
+        specs, out = (P(rows, other), P(other, "fsdp")), P(rows, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out)(x, w)
+
+
 class Dense(nnx.Module):
     """y = x @ kernel (+ bias) (+ scale * dropout(x) @ lora_a @ lora_b); weights in param dtype, math in the
     compute dtype. `lora` "ab": this layer's own adapter; "b": only B, its A shared with sibling layers (the
@@ -298,6 +340,7 @@ class Dense(nnx.Module):
             _param(stored[n], logical[n]) if n in stored else None for n in ("codes", "scale", "scale2"))
         self.bias = _param(jnp.zeros((dout,), pdt), (axes[1],)) if bias else None
         self.dtype = jnp.dtype(cfg.dtype)
+        self.axes = axes
         self.name = name  # the output's `checkpoint_name`, which remat policies select by
         # adapters start at zero (no randomness drawn: the base's initial values do not depend on them);
         # `models.lora.init_adapters` draws A. The rank axis ("lora_rank") splits over fsdp where the other axis
@@ -334,7 +377,11 @@ class Dense(nnx.Module):
         # Leading dims flattened: [B, T, din] -> [B*T, din], so the weight gradient contracts one token axis
         # (a 3-D dot made XLA:CPU transpose the activations for it; -12% fwd+bwd time on the MLP, BENCHMARKS.md).
         w = self.weight(wide=x.ndim > 2 and x.shape[-2] > 1)
-        y = quant.blocked_matmul(x.reshape(-1, x.shape[-1]).astype(self.dtype), w)
+        flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        # a decode step's few rows move to the weight's shards (`stationary_matmul`); 4-bit codes are gathered
+        side = None if self.quant is not None else stationary_side(flat.shape[0], w.shape, self.axes,
+                                                                   self.dtype.itemsize)
+        y = quant.blocked_matmul(flat, w) if side is None else stationary_matmul(flat, w, self.axes, side)
         y = y if self.bias is None else y + self.bias[...].astype(jnp.float32)
         if self.lora_b is not None:
             h = self.lora_input(x, self.lora_a, key) if lora_x is None else lora_x
