@@ -388,7 +388,9 @@ def test_tpu_decodes_from_4bit_codes_at_their_floor():
     size), a decode step gathers the 4-bit codes (not bf16 weights) over ICI and brings each stored byte and its
     KV caches to the chip's compute once: <= 1.2x the floor that counts codes at half a byte (measured 1.12x;
     the scan slices each layer's codes into on-chip memory, `hlo` counts the relayout it does in place as
-    nothing). A bf16 base moves 4x the weight bytes over ICI (the FSDP gather)."""
+    nothing). A bf16 base keeps its matrices where they lie and moves the step's 64 rows to them instead
+    (`transformer.stationary_matmul`): measured 8.4% of its weights' bytes over ICI, where the FSDP gather moved
+    3/4 of them (and the codes' gather moves 3/4 of their 4x fewer bytes)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from rloo_jax import hlo
@@ -435,7 +437,7 @@ def test_tpu_decodes_from_4bit_codes_at_their_floor():
         if spec is not None:
             assert (cost.hbm_bytes + cost.ici_bytes) / (weights + caches) <= 1.2
             assert ici[spec] == pytest.approx(0.75, abs=0.05)  # 3 of 4 shards of the codes arrive
-    assert ici[None] > 0.7  # the bf16 weights, 4x the codes' bytes, gathered alike
+    assert 0 < ici[None] < 0.1  # the rows' exchanges, not the bf16 weights
 
 
 def _abstract_nf4_llama(mesh, layers, d, heads, dh, f, **options):

@@ -280,7 +280,7 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 def stationary_matmul(x: jax.Array, w: jax.Array, axes: tuple[str | None, str | None], side: int) -> jax.Array:
     """x [rows, din] @ w [din, dout] -> [rows, dout] float32 on the context mesh with w left where it lies, split
     over fsdp on `side` (`mesh.stationary_side`; logical `axes`), and the rows moved to it: a decode step's few
-    rows, where gathering the layer's weight at every step would move far more (Llama-3.1-8B's 218 MB a layer).
+    rows, where gathering the layer's weights at every step moves far more (Llama-3.1-8B's 436 MB a layer, bf16).
     - side 0 (din: q, k, v, gate, up): the rows' hidden units exchanged (an all-to-all: each device gets its din / n
       of all its data shard's rows), multiplied by its slice, the float32 partial sums reduce-scattered back into
       each device's rows;
