@@ -44,9 +44,19 @@ def cli_at_xla_defaults(*args: str, timeout: float = 1200) -> subprocess.Complet
                           text=True, timeout=timeout)
 
 
+# XLA:CPU aborts a process whose devices wait more than 20 + 40 s for each other at a collective. On a loaded
+# 2-core host one device of a Pallas kernel interpreted in a shard_map (its Python callbacks queue for the GIL) can
+# arrive later than that: CI's test_megablox.py tensor worker aborted so (2026-11-29). The subprocess's own timeout
+# (`result_on_devices`) still ends a real deadlock.
+COLLECTIVE_TIMEOUT_S = 600
+
+
 def forced_devices(devices: int) -> str:
-    """This run's XLA_FLAGS with `devices` forced CPU devices: a subprocess's, which compiles as the suite does."""
-    return with_flags(os.environ.get("XLA_FLAGS", ""), (f"--xla_force_host_platform_device_count={devices}",))
+    """This run's XLA_FLAGS with `devices` forced CPU devices (their collectives waiting up to COLLECTIVE_TIMEOUT_S
+    for each other): a subprocess's, which compiles as the suite does."""
+    return with_flags(os.environ.get("XLA_FLAGS", ""), (
+        f"--xla_force_host_platform_device_count={devices}",
+        f"--xla_cpu_collective_call_terminate_timeout_seconds={COLLECTIVE_TIMEOUT_S}"))
 
 
 def result_on_devices(code: str, devices: int, timeout: float = 600) -> dict:
