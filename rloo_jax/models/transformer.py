@@ -141,6 +141,22 @@ def switch(layer: Any, table: tuple[int, ...], fns: list[Callable], *args: Any) 
     return jax.lax.switch(jnp.asarray(table, jnp.int32)[layer], fns, *args)
 
 
+def kv_cache_layout(cache: jax.Array) -> jax.Array:
+    """Inside a jit: a generated-token KV cache [L, N, K, C, Dh] pinned to a memory layout a decode step's attention
+    dots read in place, laid out over the context mesh (`KV_CACHE_AXES`). Left free, the TPU compiler lays the key
+    cache out [.., C, K, Dh] (the tiling its RoPE'd one-slot update prefers), and the dots then copy a layer's slice
+    first: one more copy of the key cache per decode step (BENCHMARKS.md, Session 3). Row-major (Dh minor) where Dh
+    fills a TPU's 128-lane tiles, and off the TPU; a TPU's head dimension that is not a multiple of 128 goes second
+    minor, the slots minor ([.., Dh, C] in memory): row-major, each slot of a 64-wide head (gpt-oss-20b, Llama-3.2)
+    would take 128 lanes, twice the bytes a step reads. Slots minor, the step's one-slot write rewrites the tiles
+    of 128 slots around it (1/8 of a 1,024-slot cache's bytes); packing two heads into a tile's 128 lanes would
+    avoid that too, at twice the decode's attention FLOPs (BENCHMARKS.md, Session 23)."""
+    dims = tuple(range(cache.ndim))
+    if cache.shape[-1] % 128 and attention.target_platform() == "tpu":
+        dims = (*dims[:-2], dims[-1], dims[-2])
+    return pin_layout(cache, KV_CACHE_AXES, dims)
+
+
 def _sink_args(sinks: jax.Array | None) -> tuple[jax.Array, ...]:
     """A layer's attention sinks as the trailing argument of an attention function (`attention.causal`), none
     without them (a model without sinks builds functions of q, k, v only)."""
@@ -1015,10 +1031,7 @@ class Transformer(nnx.Module):
             start = (layer, 0, 0, step, 0)
             gk = jax.lax.dynamic_update_slice(gk, k.swapaxes(1, 2)[None].astype(gk.dtype), start)
             gv = jax.lax.dynamic_update_slice(gv, v.swapaxes(1, 2)[None].astype(gv.dtype), start)
-            # Keep the caches row-major. Left free, the TPU compiler lays the key cache out [.., C, K, Dh] (the
-            # tiling its RoPE'd one-slot update prefers), and its attention dots then cannot read a layer's slice
-            # in place: one more copy of the key cache per decode step (BENCHMARKS.md, Session 3).
-            gk, gv = row_major(gk, KV_CACHE_AXES), row_major(gv, KV_CACHE_AXES)
+            gk, gv = kv_cache_layout(gk), kv_cache_layout(gv)
             o = attend_shared_prompt(
                 q.reshape(b, g, 1, *q.shape[2:]),
                 pk,
@@ -1087,7 +1100,7 @@ class Transformer(nnx.Module):
                       sinks: jax.Array | None) -> tuple:
             (pk, pv), (gk, gv) = xs_l, carry
             gk, gv = write(gk, k, layer), write(gv, v, layer)
-            gk, gv = row_major(gk, KV_CACHE_AXES), row_major(gv, KV_CACHE_AXES)
+            gk, gv = kv_cache_layout(gk), kv_cache_layout(gv)
             o = attend_shared_prompt(
                 q.reshape(b, g, t, *q.shape[2:]), pk, pv, pick(p_allowed, self.window_index, layer),
                 gk[layer], gv[layer], pick(g_allowed, self.window_index, layer),
