@@ -65,7 +65,6 @@ __all__ = [
     "reshaped",
     "rollout_shape",
     "row_major",
-    "rows_move_to_weights",
     "stationary_side",
     "host_memory",
     "shard_params",
@@ -282,19 +281,6 @@ def constrain(x: jax.Array, logical: Sequence[str | None], rules: Rules = LOGICA
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, fit_spec(logical, x.shape, mesh, rules))
-
-
-def rows_move_to_weights(rows: int, din: int, itemsize: int) -> bool:
-    """Whether a product of `rows` rows (split over data x fsdp) with a weight [din, dout] split over fsdp along
-    din (`embed`) should keep the weight where it lies, on the context mesh: each device multiplies its slice of
-    the rows' din by its slice of the weight and the partial sums are reduced into each device's rows, rows x dout
-    x 4 bytes, where that is less than gathering the weight, din x dout x `itemsize`: rows x 4 < din x itemsize
-    (the LM head of a decode step, `Transformer.unembed`; `weights_stay` is the blocks' matrices' rule,
-    `efficiency.rows_move` the experts'). False without a mesh, fsdp, or where fsdp does not divide din.
-    Example: fsdp 8, 256 rows, din 2880, bf16: 1,024 < 5,760 -> True."""
-    mesh = jax.sharding.get_abstract_mesh()
-    fsdp = 1 if mesh.empty else mesh.shape.get("fsdp", 1)
-    return fsdp > 1 and din % fsdp == 0 and rows * 4 < din * itemsize
 
 
 def stationary_side(rows: int, shape: tuple[int, int], axes: tuple[str | None, str | None], itemsize: int

@@ -324,19 +324,19 @@ def test_fit_spec_drops_axes_that_do_not_divide():
         rmesh.fit_spec(("embed",), (4, 4), MESH)
 
 
-def test_rows_move_to_a_weight_split_over_fsdp_when_their_partial_sums_are_smaller():
-    """`rows_move_to_weights`: rows x 4 bytes of partial sums against din x itemsize of weight per output column
-    (a decode step's rows: gpt-oss-20b's 256 against its LM head's D 2,880 in bf16); never without fsdp, or where
-    fsdp does not divide din."""
+def test_a_decode_steps_rows_move_to_the_lm_head_while_their_partial_logits_are_smaller():
+    """The LM head [D, V] ("embed", "vocab") by `stationary_side`: gpt-oss-20b's D 2,880 x V 201,088 in bf16 on
+    fsdp 8 stays split along D (side 0) while rows x (2,880 x 2 / 8 + 201,088 x 4) < 2,880 x 201,088 x 2 bytes,
+    i.e. up to 1,438 rows (1,432 of them, which fsdp splits: yes; 1,440: gathered); never without fsdp."""
     fsdp8 = AbstractMesh((1, 8, 1), rmesh.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
     tensor8 = AbstractMesh((1, 1, 8), rmesh.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-    assert not rmesh.rows_move_to_weights(256, 2880, 2)  # no mesh
+    head, axes = (2880, 201088), ("embed", "vocab")
+    assert rmesh.stationary_side(256, head, axes, 2) is None  # no mesh
     with jax.sharding.use_abstract_mesh(fsdp8):
-        assert rmesh.rows_move_to_weights(256, 2880, 2) and rmesh.rows_move_to_weights(1439, 2880, 2)
-        assert not rmesh.rows_move_to_weights(1440, 2880, 2)  # 5,760 = 5,760
-        assert not rmesh.rows_move_to_weights(256, 2884, 2)  # 8 does not divide 2,884
+        assert rmesh.stationary_side(256, head, axes, 2) == 0 and rmesh.stationary_side(1432, head, axes, 2) == 0
+        assert rmesh.stationary_side(1440, head, axes, 2) is None
     with jax.sharding.use_abstract_mesh(tensor8):
-        assert not rmesh.rows_move_to_weights(256, 2880, 2)
+        assert rmesh.stationary_side(256, head, axes, 2) is None
 
 
 def test_a_decode_steps_rows_pick_the_side_the_weight_stays_split_on():
@@ -372,9 +372,9 @@ logits = lambda p: nnx.merge(graphdef, p, rest)(ids, mask)  # noqa: E731
 grad = lambda p: jax.grad(lambda p: (logits(p) ** 2).mean())(p)  # noqa: E731
 ref, ref_g = np.asarray(jax.jit(logits)(params)), jax.jit(grad)(params)
 sides, real = set(), transformer.stationary_matmul
-def spy(x, w, axes, side):
-    sides.add((axes, side))
-    return real(x, w, axes, side)
+def spy(x, w, axes, side, transposed=False):
+    sides.add((axes, side, transposed))
+    return real(x, w, axes, side, transposed)
 transformer.stationary_matmul = spy
 mesh = M.make_mesh(1, 4, 1, devices=jax.devices())
 with jax.set_mesh(mesh):
@@ -387,21 +387,25 @@ gdiff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarra
             for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)))
 print("RESULT " + json.dumps({"diff": float(np.abs(out - ref).max()), "scale": float(np.abs(ref).max()),
                               "grad": gdiff, "moved": moved, "gathered": gathered,
-                              "sides": sorted([list(a), s] for a, s in sides)}))
+                              "sides": sorted([list(a), s, t] for a, s, t in sides)}))
 '''
 
 
-def test_a_decode_steps_rows_move_to_the_matrices_on_fsdp():
-    """A decode step's 8 rows on fsdp 4 (4 host devices; D 128, float32): every block matrix stays split where it
-    lies (`transformer.stationary_matmul`: q, k, v, gate, up on din, o and down on dout), no all-gather as large as
-    the smallest of them (k: 128 x 64; the negative control gathers gate's 128 x 256), and the logits and the
-    gradients are one device's up to the partial sums' order."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_decode_steps_rows_move_to_the_matrices_on_fsdp(tied):
+    """A decode step's 8 rows on fsdp 4 (4 host devices; D 128, float32): every block matrix and the LM head stay
+    split where they lie (`transformer.stationary_matmul`: q, k, v, gate, up and the head on din, o and down on
+    dout; a tied embedding [V, D] as it is stored), no all-gather as large as the smallest of them (k: 128 x 64;
+    the negative control gathers gate's 128 x 256), and the logits and the gradients are one device's up to the
+    partial sums' order."""
     from tests.xla_flags import result_on_devices
 
-    config = dict(TINY, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    config = dict(TINY, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=tied)
     result = result_on_devices(STATIONARY_WORKER.replace("CONFIG", repr(config)), 4)
-    assert result["sides"] == [[["embed", "heads"], 0], [["embed", "kv"], 0], [["embed", "mlp"], 0],
-                               [["heads", "embed"], 1], [["mlp", "embed"], 1]], result
+    assert result["sides"] == [[["embed", "heads"], 0, False], [["embed", "kv"], 0, False],
+                               [["embed", "mlp"], 0, False], [["embed", "vocab"], 0, tied],
+                               [["heads", "embed"], 1, False], [["mlp", "embed"], 1, False]], result
     assert 0 <= result["moved"] < 128 * 64 <= 128 * 256 <= result["gathered"], result
     assert result["diff"] <= 2e-6 * result["scale"], result  # measured 6.9e-7 relative; NaN fails
     assert result["grad"] <= 4e-6, result  # each gradient's largest difference over its largest: measured 1.8e-6

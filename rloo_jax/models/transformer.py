@@ -58,7 +58,6 @@ from rloo_jax.mesh import (
     fit_spec,
     pin_layout,
     row_major,
-    rows_move_to_weights,
     stationary_side,
 )
 from rloo_jax.models import attention, moe
@@ -293,10 +292,13 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def stationary_matmul(x: jax.Array, w: jax.Array, axes: tuple[str | None, str | None], side: int) -> jax.Array:
+def stationary_matmul(x: jax.Array, w: jax.Array, axes: tuple[str | None, str | None], side: int,
+                      transposed: bool = False) -> jax.Array:
     """x [rows, din] @ w [din, dout] -> [rows, dout] float32 on the context mesh with w left where it lies, split
-    over fsdp on `side` (`mesh.stationary_side`; logical `axes`), and the rows moved to it: a decode step's few
-    rows, where gathering the layer's weights at every step moves far more (Llama-3.1-8B's 436 MB a layer, bf16).
+    over fsdp on `side` (`mesh.stationary_side`; logical `axes` of din and dout), and the rows moved to it: a decode
+    step's few rows, where gathering the layer's weights at every step moves far more (Llama-3.1-8B's 436 MB a
+    layer, bf16; gpt-oss-20b's 1.16 GB LM head). `transposed`: w is stored [dout, din] (a tied embedding as the
+    LM head), contracted as it lies.
     - side 0 (din: q, k, v, gate, up): the rows' hidden units exchanged (an all-to-all: each device gets its din / n
       of all its data shard's rows), multiplied by its slice, the float32 partial sums reduce-scattered back into
       each device's rows;
@@ -305,24 +307,29 @@ def stationary_matmul(x: jax.Array, w: jax.Array, axes: tuple[str | None, str | 
     The same sums as `quant.blocked_matmul` in another order (the partial sums over fsdp)."""
     mesh = jax.sharding.get_abstract_mesh()
     rows = fit_spec(("batch",), (x.shape[0],), mesh)[0]
-    w_spec = fit_spec(axes, w.shape, mesh)
+    w_spec = fit_spec(axes, w.shape[::-1] if transposed else w.shape, mesh)
     other = (*w_spec, None, None)[1 - side]  # the weight's other side: tensor or whole
+    dims = "td,vd->tv" if transposed else "td,dv->tv"
+
+    def dot(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.einsum(dims, x, w, preferred_element_type=jnp.float32)
 
     if side == 0:
         def local(x: jax.Array, w: jax.Array) -> jax.Array:
             x = jax.lax.all_to_all(x, "fsdp", 1, 0, tiled=True)  # [r / n, din] -> [r, din / n]
-            y = jnp.dot(x, w, preferred_element_type=jnp.float32)
-            return jax.lax.psum_scatter(y, "fsdp", scatter_dimension=0, tiled=True)
+            return jax.lax.psum_scatter(dot(x, w), "fsdp", scatter_dimension=0, tiled=True)
 
-        specs, out = (P(rows, None), P("fsdp", other)), P(rows, other)
+        w_in, out = ("fsdp", other), P(rows, other)
     else:
         def local(x: jax.Array, w: jax.Array) -> jax.Array:
             x = jax.lax.all_gather(x, "fsdp", axis=0, tiled=True)  # [r / n, din] -> [r, din]
-            y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+            y = dot(x, w)
             y = y if other is None else jax.lax.psum(y, other)
             return jax.lax.all_to_all(y, "fsdp", 0, 1, tiled=True)  # [r, dout / n] -> [r / n, dout]
 
-        specs, out = (P(rows, other), P(other, "fsdp")), P(rows, None)
+        w_in, out = (other, "fsdp"), P(rows, None)
+    in_x = P(rows, None) if side == 0 else P(rows, other)
+    specs = (in_x, P(*(w_in[::-1] if transposed else w_in)))
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out)(x, w)
 
 
@@ -1216,21 +1223,17 @@ class CausalLM(nnx.Module):
         ones, as HF's `logits` are."""
         dt = jnp.dtype(self.config.dtype)
         flat = h.reshape(-1, h.shape[-1]).astype(dt)  # one token axis for the weight gradient, as in `Dense`
-        # A decode step's few rows against a head split over fsdp along D: each device multiplies its slice of the
-        # rows' hidden units by its slice of the head and the partial logits are summed into each device's rows
-        # (a reduce-scatter), rather than gathering the head at every step (gpt-oss-20b's 1.16 GB on a v5e-8:
-        # written and read again, 2.5 GB a step against 0.2 GB of partial logits)
-        moves = rows_move_to_weights(flat.shape[0], flat.shape[1], dt.itemsize)
-        if moves:
-            flat = constrain(flat, (None, "embed"))
-        if self.lm_head is None:
-            w = self.model.embed.embedding[...].astype(dt)
-            logits = jnp.einsum("td,vd->tv", flat, w, preferred_element_type=jnp.float32)
+        tied = self.lm_head is None
+        w = (self.model.embed.embedding if tied else self.lm_head.kernel)[...].astype(dt)
+        axes = ("embed", "vocab")  # of [D, V]; the tied embedding is stored [V, D]
+        # A decode step's few rows move to a head split over fsdp (`stationary_matmul`), rather than gathering the
+        # head at every step (gpt-oss-20b's 1.16 GB on a v5e-8: written and read again, 2.5 GB a step against
+        # 0.2 GB of partial logits); the partitioner's own choice read the head twice (a windowed einsum)
+        side = stationary_side(flat.shape[0], (flat.shape[1], w.shape[0] if tied else w.shape[1]), axes, dt.itemsize)
+        if side is not None:
+            logits = stationary_matmul(flat, w, axes, side, transposed=tied)
         else:
-            w = self.lm_head.kernel[...].astype(dt)
-            logits = jnp.einsum("td,dv->tv", flat, w, preferred_element_type=jnp.float32)
-        if moves:
-            logits = constrain(logits, ("batch", "vocab"))
+            logits = jnp.einsum("td,vd->tv" if tied else "td,dv->tv", flat, w, preferred_element_type=jnp.float32)
         logits = softcap(logits, self.config.final_softcap)
         return logits.reshape(*h.shape[:-1], logits.shape[-1])
 
