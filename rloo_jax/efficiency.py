@@ -317,15 +317,16 @@ def program_costs(assembly: Any, shapes: Any, chips: int, reward_model_configs: 
                 and rows_move(rows * model.experts_per_token // sizes["data"], model.num_experts, hidden, stored)):
             split *= sizes["fsdp"]
         weights -= model.expert_read_bytes(itemsize, rows) * (1 - 1 / split)
-        # the LM head and the blocks' other matrices (not stored 4-bit) stay split over fsdp along D where the
-        # step's rows move to them (`mesh.stationary_side`; the blocks' decided here for one D x D: each matrix has
-        # D on its split side; a router's few columns may still be gathered: a few MB); each chip reads its slice
-        n, shard = sizes["fsdp"], rows // sizes["data"]
-        if n > 1 and hidden % n == 0 and rows % (n * sizes["data"]) == 0:
-            if weights_stay(shard, hidden, model.unembed_params // hidden, itemsize, 0, n):
-                weights -= model.unembed_params * itemsize * (1 - 1 / n)
-            if weights_stay(shard, hidden, hidden, itemsize, 0, n):
-                weights -= model.split_bytes(itemsize) * (1 - 1 / n)
+        # the sampler lays the LM head out V-split over fsdp (`sampling.rollout_weights`): each chip reads its
+        # slice, the rows come to it. So do the blocks' other matrices (not stored 4-bit; split along D) where the
+        # step's rows move to them (`mesh.stationary_side`), decided here for one D x D (each matrix has D on its
+        # split side; a router's few columns may still be gathered: a few MB)
+        n, vocab = sizes["fsdp"], model.unembed_params // hidden
+        if n > 1 and vocab % n == 0:
+            weights -= model.unembed_params * itemsize * (1 - 1 / n)
+        if n > 1 and hidden % n == 0 and rows % (n * sizes["data"]) == 0 and weights_stay(
+                rows // sizes["data"], hidden, hidden, itemsize, 0, n):
+            weights -= model.split_bytes(itemsize) * (1 - 1 / n)
         return weights / tensor + model.kv_cache_bytes(prompts, p, group, c, itemsize) / chips
 
     # after sampling: the reference pass (beta > 0) and the old log-probs' training forward (recomputed); a value

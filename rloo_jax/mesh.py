@@ -95,6 +95,11 @@ LOGICAL_RULES: Rules = {
     # tensor shard holds whole experts and `mlp` stays whole in them (a slice F / t of every expert, Qwen3-30B-A3B's
     # 768 / 4 = 192 columns, is stored in 128-lane TPU tiles as 256: a third more bytes for a decode step to read)
     "expert": ("expert", "tensor"),
+    # the sampler's LM head [D, V] on an FSDP mesh (`sampling.rollout_weights`): V over fsdp, D over tensor, so that
+    # a decode step's few rows go to the head and come back as their logits (`mesh.stationary_side` 1): left split
+    # along D, each chip wrote and all-reduced float32 partial logits of all rows ([256, 201,088] for gpt-oss-20b)
+    "decode_embed": "tensor",
+    "decode_vocab": "fsdp",
 }
 
 

@@ -350,16 +350,30 @@ def rollout_weights(
     ``source``: the mesh the weights arrive on. Where it is FSDP over all its devices (the default training mesh),
     ``embed`` is first split over the sampler's data axes (from FSDP over every device: an all-to-all within each
     group of tensor-parallel devices), then gathered (an all-gather over the data axes): for the direct move,
-    XLA's partitioner gathers whole matrices on every device and slices them (BENCHMARKS.md)."""
-    via_fsdp = source is not None and not source.empty and source.shape["data"] * source.shape["tensor"] == 1
+    XLA's partitioner gathers whole matrices on every device and slices them (BENCHMARKS.md).
 
-    def one(v: nnx.Variable) -> nnx.Variable:
+    On a mesh with fsdp > 1 the LM head (or the tied embedding) is laid out split along V over fsdp and along D over
+    tensor (the rule table's ``decode_vocab`` / ``decode_embed``, named in its metadata for ``CausalLM.unembed``),
+    where fsdp divides V: a decode step's rows then go to the head and return as their logits' columns, instead of
+    every chip writing and all-reducing float32 partial logits of every row (BENCHMARKS.md, Session 23)."""
+    via_fsdp = source is not None and not source.empty and source.shape["data"] * source.shape["tensor"] == 1
+    mesh = jax.sharding.get_abstract_mesh()
+    fsdp = 1 if mesh.empty else mesh.shape.get("fsdp", 1)
+    tied = nnx.merge(graphdef, params).lm_head is None
+    head = ("model", "embed", "embedding") if tied else ("lm_head", "kernel")
+    decode_head = ("decode_vocab", "decode_embed") if tied else ("decode_embed", "decode_vocab")
+
+    def one(path: tuple, v: nnx.Variable) -> nnx.Variable:
         logical = tuple(v.get_metadata().get("out_sharding") or (None,) * v[...].ndim)
         x = constrain(v[...], logical, {**LOGICAL_RULES, "embed": BATCH_AXES}) if via_fsdp else v[...]
+        names = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+        if names[-len(head):] == head and fsdp > 1 and x.shape[0 if tied else 1] % fsdp == 0:
+            # V-split once here (an all-to-all), for the decode's rows to visit
+            return v.replace(constrain(x, decode_head), out_sharding=decode_head)
         return v.replace(constrain(x, logical))
 
     params = compute_dtype_weights(graphdef, params)
-    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _traced_on(mesh: Mesh | jax.sharding.AbstractMesh | None) -> contextlib.AbstractContextManager:

@@ -381,13 +381,22 @@ with jax.set_mesh(mesh):
     placed = M.shard_params(params, M.param_shardings(params, mesh))
     out, g = np.asarray(jax.jit(logits)(placed)), jax.jit(grad)(placed)
     moved = largest_all_gather(jax.jit(logits).lower(placed).compile().as_text())
+    # the sampler's weights (`rollout_weights`): the LM head V-split over fsdp, the rows going to it (side 1)
+    from rloo_jax.sampling import rollout_weights
+    seen, sides = sides, set()
+    sampled = jax.jit(lambda p: nnx.merge(graphdef, rollout_weights(graphdef, p), rest)(ids, mask))
+    s_out = np.asarray(sampled(placed))
+    s_moved = largest_all_gather(sampled.lower(placed).compile().as_text())
+    s_sides, sides = sorted([list(a), s, t] for a, s, t in sides), seen
     M.weights_stay = lambda *args: False  # the negative control: every matrix gathered
     gathered = largest_all_gather(jax.jit(lambda p: logits(p)).lower(placed).compile().as_text())  # retraced
 gdiff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
             for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)))
 print("RESULT " + json.dumps({"diff": float(np.abs(out - ref).max()), "scale": float(np.abs(ref).max()),
                               "grad": gdiff, "moved": moved, "gathered": gathered,
-                              "sides": sorted([list(a), s, t] for a, s, t in sides)}))
+                              "sides": sorted([list(a), s, t] for a, s, t in sides),
+                              "sampler": {"diff": float(np.abs(s_out - ref).max()), "moved": s_moved,
+                                          "sides": s_sides}}))
 '''
 
 
@@ -403,9 +412,14 @@ def test_a_decode_steps_rows_move_to_the_matrices_on_fsdp(tied):
     config = dict(TINY, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                   tie_word_embeddings=tied)
     result = result_on_devices(STATIONARY_WORKER.replace("CONFIG", repr(config)), 4)
-    assert result["sides"] == [[["embed", "heads"], 0, False], [["embed", "kv"], 0, False],
-                               [["embed", "mlp"], 0, False], [["embed", "vocab"], 0, tied],
-                               [["heads", "embed"], 1, False], [["mlp", "embed"], 1, False]], result
+    blocks = [[["embed", "heads"], 0, False], [["embed", "kv"], 0, False], [["embed", "mlp"], 0, False],
+              [["heads", "embed"], 1, False], [["mlp", "embed"], 1, False]]
+    assert result["sides"] == sorted([*blocks, [["embed", "vocab"], 0, tied]]), result
+    # the sampler's head (`sampling.rollout_weights`): V-split, the rows go to it and come back as logits
+    sampler = result["sampler"]
+    print(sampler)
+    assert sampler["sides"] == sorted([*blocks, [["decode_embed", "decode_vocab"], 1, tied]]), result
+    assert 0 <= sampler["moved"] < 128 * 64 and sampler["diff"] <= 2e-6 * result["scale"], result
     assert 0 <= result["moved"] < 128 * 64 <= 128 * 256 <= result["gathered"], result
     assert result["diff"] <= 2e-6 * result["scale"], result  # measured 6.9e-7 relative; NaN fails
     assert result["grad"] <= 4e-6, result  # each gradient's largest difference over its largest: measured 1.8e-6

@@ -1224,11 +1224,12 @@ class CausalLM(nnx.Module):
         dt = jnp.dtype(self.config.dtype)
         flat = h.reshape(-1, h.shape[-1]).astype(dt)  # one token axis for the weight gradient, as in `Dense`
         tied = self.lm_head is None
-        w = (self.model.embed.embedding if tied else self.lm_head.kernel)[...].astype(dt)
-        axes = ("embed", "vocab")  # of [D, V]; the tied embedding is stored [V, D]
+        head = self.model.embed.embedding if tied else self.lm_head.kernel
+        w = head[...].astype(dt)
+        axes = _logical(head, 2)[::-1] if tied else _logical(head, 2)  # of [D, V]; a tied embedding is [V, D]
         # A decode step's few rows move to a head split over fsdp (`stationary_matmul`), rather than gathering the
-        # head at every step (gpt-oss-20b's 1.16 GB on a v5e-8: written and read again, 2.5 GB a step against
-        # 0.2 GB of partial logits); the partitioner's own choice read the head twice (a windowed einsum)
+        # head at every step (gpt-oss-20b's 1.16 GB on a v5e-8): along V where the sampler laid it out so
+        # (`sampling.rollout_weights`), else along D as stored
         side = stationary_side(flat.shape[0], (flat.shape[1], w.shape[0] if tied else w.shape[1]), axes, dt.itemsize)
         if side is not None:
             logits = stationary_matmul(flat, w, axes, side, transposed=tied)
